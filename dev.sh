@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The two commands a new user needs on a fresh Debian 12 machine (see README.md):
+#   ./dev.sh run     install what is missing, build, run the default job
+#   ./dev.sh test    install what is missing, build, run every test
+# Both are idempotent; BUILD_DIR (default build) and JOBS (default nproc) may be set.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")"
+
+PACKAGES=(
+  build-essential cmake ninja-build ccache pkg-config git
+  libtorch-dev libgloo-dev
+  librocksdb-dev libzmq3-dev cppzmq-dev libcapnp-dev capnproto
+  libspdlog-dev libfmt-dev libgtest-dev libgmock-dev nlohmann-json3-dev
+  libtomlplusplus-dev libcli11-dev libxxhash-dev
+)
+
+install_packages() {
+  local missing=()
+  for p in "${PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  done
+  if ((${#missing[@]})); then
+    echo "dev.sh: installing ${missing[*]}"
+    local sudo=""
+    [ "$(id -u)" -eq 0 ] || sudo="sudo"
+    $sudo apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
+  fi
+}
+
+BUILD_DIR="${BUILD_DIR:-build}"
+JOBS="${JOBS:-$(nproc)}"
+
+build() {
+  export CCACHE_DIR="${CCACHE_DIR:-$HOME/.cache/ccache}"
+  cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo "$@" >/dev/null
+  cmake --build "$BUILD_DIR" -j "$JOBS"
+}
+
+case "${1:-}" in
+  run)
+    shift
+    install_packages
+    build
+    # The default job. Until the RL job lands (issue 5) this is the replay ingest benchmark:
+    # real writers, real ZeroMQ, a durable RocksDB store.
+    exec "$BUILD_DIR/cli/odyssey" bench replay "$@"
+    ;;
+  test)
+    shift
+    install_packages
+    build
+    ctest --test-dir "$BUILD_DIR" --output-on-failure -j "$JOBS" "$@"
+    ;;
+  *)
+    echo "usage: ./dev.sh run | test" >&2
+    exit 2
+    ;;
+esac
