@@ -1,6 +1,30 @@
-#include <CLI/CLI.hpp>
+// odyssey: agentic long-horizon RL post-training. `odyssey --help` lists the subcommands.
+#include <cstdio>
+
+#include <spdlog/spdlog.h>
+
+#include "cli/commands.h"
+#include "core/log.h"
+
 int main(int argc, char** argv) {
-  CLI::App app{"odyssey"};
-  CLI11_PARSE(app, argc, argv);
-  return 0;
+  CLI::App app{"odyssey: RL post-training for agentic, long-horizon tool use"};
+  app.require_subcommand(1);
+  std::string log_level;
+  app.add_option("--log-level", log_level, "trace, debug, info, warn, error, off (default: $ODYSSEY_LOG or info)");
+  odyssey::cli::Action action;
+  odyssey::cli::add_replay_commands(app, action);
+  odyssey::cli::add_traj_commands(app, action);
+  odyssey::cli::add_config_commands(app, action);
+  odyssey::cli::add_bench_commands(app, action);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  odyssey::init_logging("odyssey", log_level);
+  if (!action) {
+    std::fprintf(stderr, "%s", app.help().c_str());
+    return 2;
+  }
+  return action();
 }

@@ -1,0 +1,44 @@
+// odyssey bench replay
+#include <cstdio>
+
+#include <spdlog/spdlog.h>
+
+#include "bench/replay_bench.h"
+#include "cli/commands.h"
+
+namespace odyssey::cli {
+
+void add_bench_commands(CLI::App& app, Action& action) {
+  auto* bench = app.add_subcommand("bench", "benchmarks; each ends with a `name: ratio` line");
+  bench->require_subcommand(1);
+  static ConfigArgs args;
+  auto* replay = bench->add_subcommand(
+      "replay", "replay ingest end to end vs raw RocksDB writes of the same bytes ([bench.replay] keys)");
+  add_config_options(replay, args);
+  replay->callback([&action] {
+    action = [] {
+      auto c = resolve_config(args);
+      if (!c) return 2;
+      if (args.dry_run) {
+        std::fputs(c->to_toml().c_str(), stdout);
+        return 0;
+      }
+      bench::ReplayBenchOptions o;
+      o.writers = static_cast<uint32_t>(c->get_int("bench.replay.writers"));
+      o.trajectories = static_cast<uint32_t>(c->get_int("bench.replay.trajectories"));
+      o.segments_per_trajectory = static_cast<uint32_t>(c->get_int("bench.replay.segments_per_trajectory"));
+      o.tokens_per_segment = static_cast<uint32_t>(c->get_int("bench.replay.tokens_per_segment"));
+      o.million_token = c->get_bool("bench.replay.million_token");
+      o.sync = c->get_bool("replay.sync");
+      o.credits = static_cast<uint32_t>(c->get_int("replay.credits"));
+      auto r = bench::run_replay_bench(o);
+      if (!r.ok()) {
+        spdlog::error("bench replay: {}", r.status().to_string());
+        return 1;
+      }
+      return 0;
+    };
+  });
+}
+
+}  // namespace odyssey::cli

@@ -1,0 +1,34 @@
+// UTF-8 checks and repair for text that leaves the process (JSON, terminals, logs).
+//
+// Bytes from outside (tool results, model-generated tokens, stored Text fields) may be any
+// bytes; JSON and terminals need valid UTF-8. `to_valid_utf8` keeps every valid sequence
+// and replaces each maximal ill-formed subpart with U+FFFD, the Unicode / WHATWG
+// "substitution of maximal subparts" practice: overlong forms, surrogates (U+D800..DFFF),
+// code points past U+10FFFF and truncated sequences are all ill-formed.
+// Pure functions; thread-safe.
+#pragma once
+
+#include <cstddef>
+#include <string>
+#include <string_view>
+
+namespace odyssey {
+
+// The replacement character, as UTF-8.
+inline constexpr std::string_view kUtf8Replacement = "\xEF\xBF\xBD";
+
+bool is_valid_utf8(std::string_view bytes);
+
+// `bytes` with every ill-formed subpart replaced by U+FFFD (the input when already valid).
+std::string to_valid_utf8(std::string_view bytes);
+// Appends to_valid_utf8(bytes) to `out` (no intermediate copy).
+void append_valid_utf8(std::string& out, std::string_view bytes);
+
+// The longest prefix of valid UTF-8 `text` that is at most `max_bytes` long and does not
+// end inside a multi-byte character.
+size_t utf8_prefix_length(std::string_view text, size_t max_bytes);
+
+// Number of code points in valid UTF-8 `text` (for column widths).
+size_t utf8_length(std::string_view text);
+
+}  // namespace odyssey
