@@ -9,6 +9,7 @@
 int main(int argc, char** argv) {
   CLI::App app{"odyssey: RL post-training for agentic, long-horizon tool use"};
   app.require_subcommand(1);
+  app.fallthrough();  // --log-level may follow the subcommand
   std::string log_level;
   app.add_option("--log-level", log_level, "trace, debug, info, warn, error, off (default: $ODYSSEY_LOG or info)");
   odyssey::cli::Action action;

@@ -215,6 +215,22 @@ Status render_trajectory(TrajectoryRenderer& renderer, schema::Trajectory::Reade
   return renderer.finish();
 }
 
+Status begin_stored_record(TrajectoryRenderer& renderer, std::string_view record_bytes) {
+  ODY_ASSIGN_OR_RETURN(auto record, decode_trajectory(record_bytes));
+  return renderer.begin(record->getRoot<schema::Trajectory>().asReader());
+}
+
+Status add_stored_segment(TrajectoryRenderer& renderer, std::string_view segment_bytes) {
+  MessageView view(segment_bytes);
+  if (!view.ok()) return view.status().with_context("segment");
+  std::optional<schema::Segment::Reader> segment;
+  ODY_RETURN_IF_ERROR(guarded("segment", [&]() -> Status {
+    segment = view.root<schema::Segment>();
+    return Status::Ok();
+  }));
+  return renderer.add(*segment);
+}
+
 // --- show ---
 
 ShowRenderer::ShowRenderer(const Tokenizer& tokenizer, std::ostream& out, ShowOptions options)
@@ -235,7 +251,7 @@ Status ShowRenderer::begin(schema::Trajectory::Reader record) {
     record_tokens_ = record.getNumTokens();
     record_in_flight_ = record.getStatus() == schema::TrajectoryStatus::IN_FLIGHT;
     auto line = [&](const char* label, const std::string& value) {
-      header += fmt::format("  {:<12} {}\n", label, value);
+      header += fmt::format("  {:<12} {}\n", label, value.empty() ? "-" : value);
     };
     header += fmt::format("trajectory {}\n", format_trajectory_id(record.getId()));
     line("job", printable(text_of(record.getJob()), true));

@@ -63,6 +63,13 @@ class TrajectoryRenderer {
 Status render_trajectory(TrajectoryRenderer& renderer, schema::Trajectory::Reader record,
                          const std::vector<schema::Segment::Reader>& segments);
 
+// The same steps from stored bytes (TrajectoryStore::read_record / read_segments values):
+// the record is decoded with its self-hash checked (decode_trajectory), the segment read in
+// place; malformed bytes are an error, never a crash. Segment hashes and the hash chain are
+// `traj verify`'s business, not checked here.
+Status begin_stored_record(TrajectoryRenderer& renderer, std::string_view record_bytes);
+Status add_stored_segment(TrajectoryRenderer& renderer, std::string_view segment_bytes);
+
 // --- show: the view for people ---
 
 struct ShowOptions {

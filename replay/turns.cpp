@@ -88,6 +88,9 @@ Status TurnAssembler::add(schema::Segment::Reader segment, const TurnSink& sink)
 
   Status read = guarded("segment", [&]() -> Status {
     ODY_RETURN_IF_ERROR(validate_segment(segment));
+    // Walks every pointer, so a broken pointer anywhere is an error here, whichever fields
+    // the view reading the segment goes on to use.
+    (void)segment.totalSize();
     if (segment.getTrajectoryId() != trajectory_id_)
       return invalid_argument("it belongs to trajectory {}", format_trajectory_id(segment.getTrajectoryId()));
     if (segment.getSeq() != seq)

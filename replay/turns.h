@@ -19,7 +19,7 @@
 //
 // Errors (kInvalidArgument, naming the segment): a segment of another trajectory, a seq
 // out of order, a tokenStart that does not follow the tokens before, a segment that fails
-// validate_segment(), or malformed Cap'n Proto data. Oddities that still leave a readable
+// validate_segment(), or malformed Cap'n Proto data anywhere in the segment. Oddities that still leave a readable
 // trajectory (a `continued` piece with nothing to continue, or a different role than the
 // open turn) become notes() instead.
 //
