@@ -628,8 +628,11 @@ Result<uint64_t> TrajectoryStore::enforce_retention() {
   for (const auto& [d, ids] : leases_)
     for (uint64_t id : ids) leased[id] = true;
   uint64_t removed = 0;
-  std::vector<uint64_t> victims;
-  for (const auto& [seq, id] : ready_order_) {
+  // Oldest first; remove_trajectory() edits ready_order_, so walk a snapshot of it.
+  std::vector<uint64_t> oldest_first;
+  oldest_first.reserve(ready_order_.size());
+  for (const auto& [seq, id] : ready_order_) oldest_first.push_back(id);
+  for (uint64_t id : oldest_first) {
     if (!over()) break;
     if (leased.count(id)) continue;
     ODY_ASSIGN_OR_RETURN(auto rec, record_for_update(id));
@@ -637,7 +640,6 @@ Result<uint64_t> TrajectoryStore::enforce_retention() {
     bool removable = status == TrajectoryStatus::CONSUMED ||
                      (r.remove_unconsumed && status != TrajectoryStatus::IN_FLIGHT);
     if (!removable) continue;
-    victims.push_back(id);
     ODY_RETURN_IF_ERROR(remove_trajectory(id));
     ++removed;
   }
