@@ -335,3 +335,84 @@ TEST(TrajVerify, CatchesOneFlippedByteInAStoredSegmentAndNamesIt) {
 
 }  // namespace
 }  // namespace odyssey::replay
+
+namespace odyssey::replay {
+namespace {
+
+TEST(ReplaySampler, SamplesGroupsReadsAMillionTokenTrajectoryInChunksAndCommits) {
+  TempDir tmp;
+  ServiceProcess service(tmp, testing::free_port(), {"--set", "replay.sampler=group_complete"});
+  ASSERT_TRUE(service.start());
+  auto writer = TrajectoryWriter::connect(client(service.endpoint()));
+  ASSERT_TRUE(writer.ok());
+  // A group of two: one short trajectory and one of 2^20 tokens streamed in 4096-token segments.
+  TrajectoryMeta meta;
+  meta.job = "j";
+  meta.group_id = 99;
+  meta.group_size = 2;
+  auto short_id = (*writer)->begin(meta);
+  auto long_id = (*writer)->begin(meta);
+  ASSERT_TRUE(short_id.ok() && long_id.ok());
+  ASSERT_TRUE((*writer)->append(*short_id, testing::make_segment(100)).ok());
+  ASSERT_TRUE((*writer)->end(*short_id, Reward{0.0, {{"correct", 0.0}}}).ok());
+  const auto seg = testing::make_segment(4096, /*version=*/3);
+  for (int s = 0; s < 256; ++s) ASSERT_TRUE((*writer)->append(*long_id, seg).ok());
+  ASSERT_TRUE((*writer)->end(*long_id, Reward{1.0, {{"correct", 1.0}}}).ok());
+  ASSERT_TRUE((*writer)->flush().ok());
+
+  auto sampler = ReplaySampler::connect(client(service.endpoint()));
+  ASSERT_TRUE(sampler.ok());
+  auto batch = (*sampler)->sample(1, 1000);
+  ASSERT_TRUE(batch.ok()) << batch.status().to_string();
+  ASSERT_EQ(batch->items.size(), 2u);
+  EXPECT_EQ(batch->group_starts, (std::vector<uint32_t>{0}));
+  const auto& big = batch->items[0].id() == *long_id ? batch->items[0] : batch->items[1];
+  EXPECT_EQ(big.record().getNumTokens(), uint64_t{1} << 20);
+  EXPECT_EQ(big.record().getRewardTotal(), 1.0);
+  EXPECT_EQ(big.record().getMinPolicyVersion(), 3u);
+
+  // Read it back eight segments per request: never the whole trajectory in one message.
+  SegmentStream stream(**sampler, *long_id, /*chunk=*/8);
+  uint64_t tokens = 0, segments = 0;
+  Hash128 prev;
+  for (;;) {
+    auto next = stream.next();
+    ASSERT_TRUE(next.ok()) << next.status().to_string();
+    if (!next->has_value()) break;
+    MessageView v(**next);
+    auto s = v.root<schema::Segment>();
+    EXPECT_EQ(s.getSeq(), segments);
+    EXPECT_EQ((Hash128{s.getPrevHashLo(), s.getPrevHashHi()}), prev);
+    prev = *compute_self_hash(**next);
+    tokens += s.getTokens().size();
+    ++segments;
+  }
+  EXPECT_EQ(tokens, uint64_t{1} << 20);
+  EXPECT_EQ(segments, 256u);
+
+  // Nothing more to sample until the learner commits; then both are consumed.
+  auto none = (*sampler)->sample(1, 50);
+  EXPECT_EQ(none.status().code(), StatusCode::kTimeout) << "a waited-out sample says why";
+  ASSERT_TRUE((*sampler)->commit(batch->cursor).ok());
+  auto stats = (*sampler)->stats();
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ(stats->consumed, 2u);
+  EXPECT_EQ(stats->sampler, "group_complete");
+}
+
+TEST(ReplayService, ServeDryRunPrintsTheResolvedConfigAndBadConfigsNameTheKey) {
+  std::string out;
+  EXPECT_EQ(testing::run_command({ODYSSEY_BINARY, "replay", "serve", "--config",
+                                  std::string(ODYSSEY_SOURCE_DIR) + "/configs/replay.toml", "--set",
+                                  "replay.credits=32", "--dry-run"},
+                                 &out),
+            0)
+      << out;
+  EXPECT_NE(out.find("credits = 32"), std::string::npos) << out;
+  EXPECT_NE(out.find("sampler = \"group_complete\""), std::string::npos) << out;
+  EXPECT_NE(testing::run_command({ODYSSEY_BINARY, "replay", "serve", "--set", "replay.credts=3"}, &out), 0);
+  EXPECT_NE(out.find("unknown key 'replay.credts' (did you mean 'replay.credits'?)"), std::string::npos) << out;
+}
+
+}  // namespace
+}  // namespace odyssey::replay
