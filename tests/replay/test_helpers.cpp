@@ -8,6 +8,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <random>
 #include <sstream>
@@ -24,6 +26,10 @@ TempDir::TempDir() {
 }
 
 TempDir::~TempDir() {
+  if (std::getenv("ODYSSEY_KEEP_TEST_DIRS")) {
+    std::fprintf(stderr, "kept test directory %s\n", path_.c_str());
+    return;
+  }
   std::error_code ec;
   fs::remove_all(path_, ec);
 }

@@ -13,7 +13,8 @@
 
 namespace odyssey::testing {
 
-// A fresh directory under the system temp dir, removed (recursively) on destruction.
+// A fresh directory under the system temp dir, removed (recursively) on destruction unless
+// ODYSSEY_KEEP_TEST_DIRS is set (to look at what a failing test left behind).
 class TempDir {
  public:
   TempDir();
