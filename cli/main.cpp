@@ -17,6 +17,16 @@ int main(int argc, char** argv) {
   odyssey::cli::add_traj_commands(app, action);
   odyssey::cli::add_config_commands(app, action);
   odyssey::cli::add_bench_commands(app, action);
+  odyssey::cli::add_doctor_command(app, action);
+  // Name an unknown subcommand instead of CLI11's generic "a subcommand is required".
+  if (argc > 1 && argv[1][0] != '-') {
+    bool known = false;
+    for (const auto* sub : app.get_subcommands([](const CLI::App*) { return true; })) known |= sub->get_name() == argv[1];
+    if (!known) {
+      std::fprintf(stderr, "odyssey: unknown subcommand '%s'\n\n%s", argv[1], app.help().c_str());
+      return 2;
+    }
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

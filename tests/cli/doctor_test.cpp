@@ -1,0 +1,37 @@
+// `odyssey doctor` runs every check for real on this machine and reports success.
+#include <gtest/gtest.h>
+
+#include <array>
+#include <cstdio>
+#include <memory>
+#include <string>
+
+#include <sys/wait.h>
+
+namespace {
+
+std::string run(const std::string& cmd, int* code) {
+  std::string out;
+  FILE* p = ::popen((cmd + " 2>&1").c_str(), "r");
+  std::array<char, 4096> buf;
+  while (size_t n = std::fread(buf.data(), 1, buf.size(), p)) out.append(buf.data(), n);
+  *code = WEXITSTATUS(::pclose(p));
+  return out;
+}
+
+TEST(Doctor, EveryCheckPassesOnThisMachine) {
+  int code = -1;
+  std::string out = run(std::string(ODYSSEY_BINARY) + " doctor", &code);
+  EXPECT_EQ(code, 0) << out;
+  EXPECT_NE(out.find("doctor: all checks passed"), std::string::npos) << out;
+  EXPECT_NE(out.find("c10d"), std::string::npos) << out;
+}
+
+TEST(Cli, UnknownSubcommandFailsWithHelp) {
+  int code = -1;
+  std::string out = run(std::string(ODYSSEY_BINARY) + " frobnicate", &code);
+  EXPECT_NE(code, 0);
+  EXPECT_NE(out.find("frobnicate"), std::string::npos) << out;
+}
+
+}  // namespace
