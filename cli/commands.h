@@ -30,6 +30,5 @@ void add_replay_commands(CLI::App& app, Action& action);
 void add_traj_commands(CLI::App& app, Action& action);
 void add_config_commands(CLI::App& app, Action& action);
 void add_bench_commands(CLI::App& app, Action& action);
-void add_doctor_command(CLI::App& app, Action& action);
 
 }  // namespace odyssey::cli

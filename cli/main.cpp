@@ -4,6 +4,7 @@
 #include <spdlog/spdlog.h>
 
 #include "cli/commands.h"
+#include "cli/doctor.h"
 #include "core/log.h"
 
 int main(int argc, char** argv) {
@@ -17,7 +18,8 @@ int main(int argc, char** argv) {
   odyssey::cli::add_traj_commands(app, action);
   odyssey::cli::add_config_commands(app, action);
   odyssey::cli::add_bench_commands(app, action);
-  odyssey::cli::add_doctor_command(app, action);
+  app.add_subcommand("doctor", "check this machine: LibTorch, CUDA, c10d, RocksDB, ZeroMQ, for real")
+      ->callback([&action] { action = [] { return odyssey::cli::run_doctor(); }; });
   // Name an unknown subcommand instead of CLI11's generic "a subcommand is required".
   if (argc > 1 && argv[1][0] != '-') {
     bool known = false;
@@ -33,6 +35,7 @@ int main(int argc, char** argv) {
     return app.exit(e);
   }
   odyssey::init_logging("odyssey", log_level);
+  odyssey::install_crash_handler();
   if (!action) {
     std::fprintf(stderr, "%s", app.help().c_str());
     return 2;

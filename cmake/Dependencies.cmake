@@ -3,6 +3,16 @@
 find_package(Threads REQUIRED)
 find_package(Torch REQUIRED)                   # Debian libtorch-dev 1.13 / PyTorch 2.11 wheel
 find_package(CapnProto CONFIG REQUIRED)
+# Debian's CapnProtoConfig hard-codes /usr paths; where the packages are unpacked elsewhere
+# (the GPU machine's /opt/deps) find the compiler and its standard imports on PATH instead.
+if(NOT EXISTS "${CAPNP_EXECUTABLE}")
+  find_program(CAPNP_EXECUTABLE_FOUND capnp REQUIRED)
+  find_program(CAPNPC_CXX_EXECUTABLE_FOUND capnpc-c++ REQUIRED)
+  find_path(CAPNP_INCLUDE_DIRECTORY_FOUND capnp/c++.capnp REQUIRED)
+  set(CAPNP_EXECUTABLE ${CAPNP_EXECUTABLE_FOUND})
+  set(CAPNPC_CXX_EXECUTABLE ${CAPNPC_CXX_EXECUTABLE_FOUND})
+  set(CAPNP_INCLUDE_DIRECTORY ${CAPNP_INCLUDE_DIRECTORY_FOUND})
+endif()
 find_package(spdlog REQUIRED)
 find_package(fmt REQUIRED)
 find_package(nlohmann_json REQUIRED)

@@ -12,4 +12,8 @@ namespace odyssey {
 // `level` is one of trace, debug, info, warn, error, off; empty reads ODYSSEY_LOG (default info).
 void init_logging(const std::string& role, const std::string& level = "");
 
+// On SIGSEGV, SIGBUS, SIGFPE, SIGILL and SIGABRT: write the signal and a raw backtrace to
+// stderr, then die of the same signal (so supervisors and shells still see it).
+void install_crash_handler();
+
 }  // namespace odyssey

@@ -48,11 +48,11 @@ set +e
 # shellcheck disable=SC2086  # FUZZ_ARGS is a list of flags
 "$FUZZER" -max_len=65536 -max_total_time="$SECONDS_TO_RUN" -print_final_stats=1 \
   -dict=fuzz/replay_messages.dict -artifact_prefix="$ARTIFACTS/" ${FUZZ_ARGS:-} \
-  "$CORPUS" "${SEEDS[@]}" 2>&1 | tee "$LOG" | grep --line-buffered -E '^#[0-9]+ +(pulse|DONE)'
+  "$CORPUS" "${SEEDS[@]}" 2>&1 | tee "$LOG" | grep --line-buffered -E '^#[0-9]+[[:space:]]+(INITED|pulse|DONE)'
 rc=${PIPESTATUS[0]}
 set -e
 echo "--- final stats"
-grep -E '^(#[0-9]+ +DONE|stat::|Done [0-9]+ runs)' "$LOG" || true
+grep -E '^(#[0-9]+[[:space:]]+DONE|stat::|Done [0-9]+ runs)' "$LOG" || true
 if ((rc != 0)); then
   echo "fuzz/run.sh: the fuzzer stopped with status $rc; the end of $LOG:" >&2
   tail -n 60 "$LOG" >&2

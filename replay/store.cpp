@@ -336,6 +336,18 @@ Status TrajectoryStore::commit() {
 Result<WriteOutcome> TrajectoryStore::begin(schema::Trajectory::Reader meta) {
   const uint64_t id = meta.getId();
   if (id == 0) return invalid_argument("begin: trajectory id 0 is reserved; writers pick a non-zero id");
+  // setEnvironment() copies the client's struct pointers and all: read every field as its schema
+  // type first, or a malformed one is stored and fails every later reader of the record.
+  ODY_RETURN_IF_ERROR(guarded("begin", [&]() -> Status {
+    auto env = meta.getEnvironment();
+    (void)env.getName(), (void)env.getVersion(), (void)env.getPluginHash();
+    (void)meta.getJob(), (void)meta.getTask(), (void)meta.getTokenizer(), (void)meta.getWriter();
+    return Status::Ok();
+  }));
+  // An infinite priority would be refused by every sampler at end(), leaving the trajectory
+  // unable to end. (Zero, negative or NaN mean "unset": 1.)
+  if (std::isinf(meta.getPriority()))
+    return invalid_argument("begin {}: priority {} is not finite", format_trajectory_id(id), meta.getPriority());
   if (in_flight_.count(id) || dirty_records_.count(id)) {
     ODY_ASSIGN_OR_RETURN(auto existing, record_for_update(id));
     if (same_identity(existing->getRoot<schema::Trajectory>().asReader(), meta)) return WriteOutcome::kDuplicate;
@@ -506,31 +518,48 @@ Result<WriteOutcome> TrajectoryStore::end(schema::End::Reader end) {
                                                      claimed.hex(), last_hash(t.asReader()).hex()));
   if (!std::isfinite(end.getRewardTotal()))
     return invalid_argument("{}: reward total is not finite", where);
-  t.setRewardTotal(end.getRewardTotal());
-  t.setRewardParts(end.getRewardParts());
-  t.setEndedUnixNanos(unix_nanos_now());
-  if (t.getMinPolicyVersion() == UINT32_MAX) t.setMinPolicyVersion(0);
-  --counters_.in_flight;
-  if (end.getFailed()) {
-    t.setStatus(TrajectoryStatus::FAILED);
-    t.setError(end.getError());
-    ++counters_.failed;
-  } else if (limiter_.is_stale(t.getMinPolicyVersion())) {
-    t.setStatus(TrajectoryStatus::WITHHELD);
-    t.setError(fmt::format("policy lag: oldest token from version {}, learner at {}", t.getMinPolicyVersion(),
-                           limiter_.state().policy_version));
-    ++counters_.withheld;
-  } else {
-    t.setStatus(TrajectoryStatus::COMPLETE);
-    t.setReadySeq(next_ready_seq_++);
-    ready_order_[t.getReadySeq()] = id;
-    ODY_RETURN_IF_ERROR(selector_->insert(item_of(t.asReader())));
-    limiter_.on_insert(1);
-    ++counters_.complete;
+  // The ended record is built on a copy, and nothing else changes until every step that can fail
+  // has passed: the client's reward parts and error may be malformed (reading or copying them
+  // throws), and the sampler may refuse the trajectory (a group that disagrees on its size).
+  auto record = std::make_unique<capnp::MallocMessageBuilder>();
+  ODY_RETURN_IF_ERROR(guarded(where.c_str(), [&]() -> Status {
+    record->setRoot(t.asReader());
+    auto e = record->getRoot<schema::Trajectory>();
+    e.setRewardTotal(end.getRewardTotal());
+    e.setRewardParts(end.getRewardParts());
+    for (auto part : e.getRewardParts()) (void)part.getName();  // setRewardParts() copies pointers unchecked
+    e.setEndedUnixNanos(unix_nanos_now());
+    if (e.getMinPolicyVersion() == UINT32_MAX) e.setMinPolicyVersion(0);
+    if (end.getFailed()) {
+      e.setStatus(TrajectoryStatus::FAILED);
+      e.setError(end.getError());
+    } else if (limiter_.is_stale(e.getMinPolicyVersion())) {
+      e.setStatus(TrajectoryStatus::WITHHELD);
+      e.setError(fmt::format("policy lag: oldest token from version {}, learner at {}", e.getMinPolicyVersion(),
+                             limiter_.state().policy_version));
+    } else {
+      e.setStatus(TrajectoryStatus::COMPLETE);
+      e.setReadySeq(next_ready_seq_);
+    }
+    (void)e.getJob(), (void)e.getEnvironment().getName();  // what stage_index() reads
+    return Status::Ok();
+  }));
+  auto e = record->getRoot<schema::Trajectory>();
+  switch (e.getStatus()) {
+    case TrajectoryStatus::COMPLETE:
+      ODY_RETURN_IF_ERROR(selector_->insert(item_of(e.asReader())));
+      ++next_ready_seq_;
+      ready_order_[e.getReadySeq()] = id;
+      limiter_.on_insert(1);
+      ++counters_.complete;
+      break;
+    case TrajectoryStatus::FAILED: ++counters_.failed; break;
+    default: ++counters_.withheld; break;
   }
-  stage_index(t.asReader(), /*add=*/true);
-  stage_record(id, *f->second->record);
-  dirty_records_[id] = std::move(f->second->record);
+  --counters_.in_flight;
+  stage_index(e.asReader(), /*add=*/true);
+  stage_record(id, *record);
+  dirty_records_[id] = std::move(record);
   in_flight_.erase(f);
   stage_state();
   return WriteOutcome::kStored;
