@@ -81,31 +81,29 @@ MessageView::MessageView(std::string_view bytes, uint64_t max_bytes) : bytes_(by
 
 namespace {
 
-// Byte offset of the root struct's data section inside `bytes`, for a single-segment message.
+// Byte offset of the root struct's data section inside `bytes`, read straight from the
+// encoding (segment table, then the root struct pointer) without building a reader: a
+// single segment whose table matches the byte count, a struct root pointer, and at least
+// two data words that lie inside the segment.
 Result<size_t> hash_words_offset(std::string_view bytes) {
-  MessageView view(bytes);
-  if (!view.ok()) return view.status();
-  uint32_t nseg;
+  if (bytes.size() < 24 || bytes.size() % 8 != 0)
+    return invalid_argument("message of {} bytes is too short or not whole words", bytes.size());
+  uint32_t nseg, words;
   std::memcpy(&nseg, bytes.data(), 4);
-  if (nseg != 0) return invalid_argument("hashed messages must be a single segment, got {}", nseg + 1);
-  size_t offset = 0;
-  Status st = guarded("root struct", [&]() -> Status {
-    auto root = view.root<capnp::AnyStruct>();
-    auto data = root.getDataSection();
-    if (data.size() < 16) return invalid_argument("root struct has no hash words ({} data bytes)", data.size());
-    // The view may read from an aligned copy: translate back to an offset.
-    const char* base = reinterpret_cast<const char*>(data.begin());
-    auto words_begin = reinterpret_cast<const char*>(
-        bytes.data());  // zero-copy case
-    ptrdiff_t off = base - words_begin;
-    if (off < 0 || static_cast<size_t>(off) + 16 > bytes.size()) {
-      return Status(StatusCode::kInternal, "unaligned message view; use aligned buffers");
-    }
-    offset = static_cast<size_t>(off);
-    return Status::Ok();
-  });
-  ODY_RETURN_IF_ERROR(st);
-  return offset;
+  std::memcpy(&words, bytes.data() + 4, 4);
+  if (nseg != 0) return invalid_argument("hashed messages must be a single segment, got {}", uint64_t{nseg} + 1);
+  if (uint64_t{words} * 8 + 8 != bytes.size())
+    return invalid_argument("segment table says {} bytes, message has {}", uint64_t{words} * 8, bytes.size() - 8);
+  uint64_t ptr;
+  std::memcpy(&ptr, bytes.data() + 8, 8);
+  if ((ptr & 3) != 0) return invalid_argument("root pointer is not a struct pointer");
+  const int64_t offset_words = static_cast<int32_t>(static_cast<uint32_t>(ptr)) >> 2;
+  const uint64_t data_words = (ptr >> 32) & 0xffff;
+  const int64_t start = 16 + offset_words * 8;  // root pointer sits at byte 8; offsets count from its end
+  if (data_words < 2) return invalid_argument("root struct has no hash words ({} data words)", data_words);
+  if (start < 16 || static_cast<uint64_t>(start) + 16 > bytes.size())
+    return invalid_argument("root struct lies outside the message");
+  return static_cast<size_t>(start);
 }
 
 Hash128 hash_with_zeroed(std::string_view bytes, size_t offset) {
@@ -122,25 +120,24 @@ Hash128 hash_with_zeroed(std::string_view bytes, size_t offset) {
 }  // namespace
 
 Result<Hash128> compute_self_hash(std::string_view bytes) {
-  if (reinterpret_cast<uintptr_t>(bytes.data()) % alignof(capnp::word) != 0) {
-    std::string aligned(bytes);  // std::string storage is malloc-aligned for these sizes
-    if (reinterpret_cast<uintptr_t>(aligned.data()) % alignof(capnp::word) != 0)
-      return Status(StatusCode::kInternal, "cannot align message");
-    return compute_self_hash(aligned);
-  }
   ODY_ASSIGN_OR_RETURN(size_t off, hash_words_offset(bytes));
   return hash_with_zeroed(bytes, off);
 }
 
 Result<Hash128> stored_self_hash(std::string_view bytes) {
-  if (reinterpret_cast<uintptr_t>(bytes.data()) % alignof(capnp::word) != 0) {
-    std::string aligned(bytes);
-    return stored_self_hash(aligned);
-  }
   ODY_ASSIGN_OR_RETURN(size_t off, hash_words_offset(bytes));
   Hash128 h;
   std::memcpy(&h.lo, bytes.data() + off, 8);  // Cap'n Proto data is little-endian
   std::memcpy(&h.hi, bytes.data() + off + 8, 8);
+  return h;
+}
+
+Result<SelfHash> check_self_hash(std::string_view bytes) {
+  ODY_ASSIGN_OR_RETURN(size_t off, hash_words_offset(bytes));
+  SelfHash h;
+  std::memcpy(&h.stored.lo, bytes.data() + off, 8);
+  std::memcpy(&h.stored.hi, bytes.data() + off + 8, 8);
+  h.computed = hash_with_zeroed(bytes, off);
   return h;
 }
 
@@ -166,14 +163,27 @@ namespace {
 std::string flatten_single_segment(capnp::MallocMessageBuilder& message) {
   auto segments = message.getSegmentsForOutput();
   if (segments.size() == 1) {
-    auto flat = capnp::messageToFlatArray(segments);
-    return std::string(reinterpret_cast<const char*>(flat.begin()), flat.size() * sizeof(capnp::word));
+    // Segment table (count - 1 = 0, size in words), then the segment: one copy.
+    const auto seg = segments[0];
+    std::string out(8 + seg.size() * sizeof(capnp::word), '\0');
+    const uint32_t table[2] = {0, static_cast<uint32_t>(seg.size())};
+    std::memcpy(out.data(), table, 8);
+    std::memcpy(out.data() + 8, seg.begin(), seg.size() * sizeof(capnp::word));
+    return out;
   }
   size_t words = 0;
   for (auto s : segments) words += s.size();
   capnp::MallocMessageBuilder single(static_cast<unsigned>(words + 16), capnp::AllocationStrategy::FIXED_SIZE);
   single.getRoot<capnp::AnyPointer>().set(message.getRoot<capnp::AnyPointer>().asReader());
   return flatten_single_segment(single);
+}
+
+// Writable bytes of a freshly initialised list of primitives (little-endian, contiguous).
+template <typename ListBuilder>
+void copy_into(ListBuilder list, const void* src, size_t bytes) {
+  if (bytes == 0) return;
+  auto raw = capnp::AnyList::Reader(list.asReader()).getRawBytes();
+  std::memcpy(const_cast<kj::byte*>(raw.begin()), src, bytes);
 }
 
 size_t estimate_words(const SegmentData& d) {
@@ -205,12 +215,10 @@ Result<EncodedSegment> encode_segment(const SegmentPosition& pos, const SegmentD
   s.setTokenStart(pos.token_start);
   s.setCreatedUnixNanos(d.created_unix_nanos ? d.created_unix_nanos : unix_nanos_now());
   {
-    auto l = s.initTokens(static_cast<unsigned>(n));
-    for (size_t i = 0; i < n; ++i) l.set(i, d.tokens[i]);
-    auto lp = s.initLogprobs(static_cast<unsigned>(n));
-    for (size_t i = 0; i < n; ++i) lp.set(i, d.logprobs[i]);
-    auto pv = s.initPolicyVersions(static_cast<unsigned>(n));
-    for (size_t i = 0; i < n; ++i) pv.set(i, d.policy_versions[i]);
+    static_assert(sizeof(float) == 4, "logprobs are Float32");
+    copy_into(s.initTokens(static_cast<unsigned>(n)), d.tokens.data(), n * 4);
+    copy_into(s.initLogprobs(static_cast<unsigned>(n)), d.logprobs.data(), n * 4);
+    copy_into(s.initPolicyVersions(static_cast<unsigned>(n)), d.policy_versions.data(), n * 4);
     auto m = s.initLossMask(static_cast<unsigned>(n));
     if (n) std::memcpy(m.begin(), d.loss_mask.data(), n);
   }
@@ -263,8 +271,10 @@ Result<EncodedSegment> encode_segment(const SegmentPosition& pos, const SegmentD
                           .with_context(fmt::format("segment {}/{}", format_trajectory_id(pos.trajectory_id), pos.seq)));
   EncodedSegment out;
   out.bytes = flatten_single_segment(message);
-  ODY_RETURN_IF_ERROR(stamp_self_hash(out.bytes));
-  ODY_ASSIGN_OR_RETURN(out.hash, stored_self_hash(out.bytes));
+  ODY_ASSIGN_OR_RETURN(size_t off, hash_words_offset(out.bytes));
+  out.hash = hash_with_zeroed(out.bytes, off);
+  std::memcpy(out.bytes.data() + off, &out.hash.lo, 8);
+  std::memcpy(out.bytes.data() + off + 8, &out.hash.hi, 8);
   return out;
 }
 

@@ -61,7 +61,14 @@ class MessageView {
 };
 
 // Self-hash of a flat message whose root struct keeps its hash in data words 0 and 1.
+// Reads the encoding directly (no alignment needed): a single segment with a struct root.
 Result<Hash128> compute_self_hash(std::string_view bytes);
+// Both at once, reading the encoding once: what the message says its hash is, and what it is.
+struct SelfHash {
+  Hash128 stored, computed;
+  bool ok() const { return stored == computed; }
+};
+Result<SelfHash> check_self_hash(std::string_view bytes);
 // Writes the self-hash into the bytes' hash words (bytes produced by encode_*()).
 Status stamp_self_hash(std::string& bytes);
 // The hash stored in the message's hash words.

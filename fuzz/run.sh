@@ -4,8 +4,10 @@
 # Installs clang-14 and libfuzzer-14-dev with apt-get when missing (idempotent, as dev.sh),
 # configures build-fuzz/ (clang-14, Ninja, ccache, -DODYSSEY_FUZZ=ON -DODYSSEY_TESTS=OFF),
 # builds only replay_messages_fuzz, regenerates the seeds into the working corpus
-# (build-fuzz/corpus, kept between runs; the committed fuzz/corpus/ is read as well), and
-# fuzzes for SECONDS. Crashes land in build-fuzz/artifacts/.
+# (build-fuzz/corpus, kept between runs; the committed regression inputs in fuzz/corpus/ are
+# read as well), and fuzzes for SECONDS with fuzz/replay_messages.dict. Crashes land in
+# build-fuzz/artifacts/; replay one with build-fuzz/fuzz/replay_messages_fuzz FILE
+# (ODYSSEY_FUZZ_VERBOSE=1 prints each store operation's outcome).
 # BUILD_DIR (default build-fuzz), JOBS (default nproc) and FUZZ_ARGS (extra libFuzzer flags)
 # may be set.
 set -euo pipefail
@@ -37,7 +39,10 @@ cmake --build "$BUILD_DIR" -j "$JOBS" --target replay_messages_fuzz
 FUZZER="$BUILD_DIR/fuzz/replay_messages_fuzz"
 CORPUS="$BUILD_DIR/corpus"
 ARTIFACTS="$BUILD_DIR/artifacts"
-mkdir -p "$CORPUS" "$ARTIFACTS"
+# The fuzz store's temporary directory lives here, so one left by a crashed run is removed.
+FUZZ_TMP="$PWD/$BUILD_DIR/tmp"
+rm -rf "$FUZZ_TMP"
+mkdir -p "$CORPUS" "$ARTIFACTS" "$FUZZ_TMP"
 ODYSSEY_FUZZ_WRITE_SEEDS="$CORPUS" "$FUZZER"
 SEEDS=()
 [ -d fuzz/corpus ] && SEEDS+=(fuzz/corpus)
@@ -46,7 +51,7 @@ LOG="$BUILD_DIR/fuzz.log"
 echo "fuzz/run.sh: fuzzing for ${SECONDS_TO_RUN}s (log: $LOG)"
 set +e
 # shellcheck disable=SC2086  # FUZZ_ARGS is a list of flags
-"$FUZZER" -max_len=65536 -max_total_time="$SECONDS_TO_RUN" -print_final_stats=1 \
+TMPDIR="$FUZZ_TMP" "$FUZZER" -max_len=65536 -max_total_time="$SECONDS_TO_RUN" -print_final_stats=1 \
   -dict=fuzz/replay_messages.dict -artifact_prefix="$ARTIFACTS/" ${FUZZ_ARGS:-} \
   "$CORPUS" "${SEEDS[@]}" 2>&1 | tee "$LOG" | grep --line-buffered -E '^#[0-9]+[[:space:]]+(INITED|pulse|DONE)'
 rc=${PIPESTATUS[0]}

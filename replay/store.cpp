@@ -401,12 +401,13 @@ Result<WriteOutcome> TrajectoryStore::append(uint64_t id, uint32_t seq, std::str
                               bytes.size(), options_.max_segment_bytes));
   MessageView view(bytes, options_.max_segment_bytes);
   if (!view.ok()) return view.status().with_context(where);
-  ODY_ASSIGN_OR_RETURN(Hash128 stored_hash, stored_self_hash(bytes));
-  ODY_ASSIGN_OR_RETURN(Hash128 computed, compute_self_hash(bytes));
-  if (stored_hash != computed)
+  auto hashes = check_self_hash(bytes);
+  if (!hashes.ok()) return hashes.status().with_context(where);
+  const Hash128 computed = hashes->computed;
+  if (!hashes->ok())
     return Status(StatusCode::kInvalidArgument,
                   fmt::format("{}: hash {} does not match its content ({}): damaged in transit?", where,
-                              stored_hash.hex(), computed.hex()));
+                              hashes->stored.hex(), computed.hex()));
   uint64_t msg_id = 0, token_start = 0;
   uint32_t msg_seq = 0, n = 0, vmin = UINT32_MAX, vmax = 0;
   Hash128 prev;

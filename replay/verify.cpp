@@ -50,17 +50,17 @@ Status check_trajectory(const TrajectoryStore& store, uint64_t id, std::string_v
     std::string_view bytes(it->value().data(), it->value().size());
     ++r.segments;
     r.bytes += bytes.size();
-    auto stored = stored_self_hash(bytes);
-    auto computed = compute_self_hash(bytes);
-    if (!stored.ok() || !computed.ok()) {
-      problem(r, id, seq, "unreadable: " + (!stored.ok() ? stored.status() : computed.status()).message());
+    auto hashes = check_self_hash(bytes);
+    if (!hashes.ok()) {
+      problem(r, id, seq, "unreadable: " + hashes.status().message());
       return Status::Ok();
     }
-    if (*stored != *computed) {
+    if (!hashes->ok()) {
       problem(r, id, seq, fmt::format("hash mismatch: stored {}, content hashes to {} (the value was altered)",
-                                      stored->hex(), computed->hex()));
+                                      hashes->stored.hex(), hashes->computed.hex()));
       return Status::Ok();
     }
+    const Hash128* computed = &hashes->computed;
     MessageView view(bytes);
     uint64_t n = 0;
     Status st = guarded("segment", [&]() -> Status {
