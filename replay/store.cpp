@@ -613,8 +613,16 @@ Result<std::vector<std::string>> TrajectoryStore::read_segments(uint64_t id, uin
       return Status(StatusCode::kCorrupt, fmt::format("segment {}/{} is missing from the store",
                                                       format_trajectory_id(id), expect));
     ++expect;
-    out.emplace_back(it->value().data(), it->value().size());
-    bytes += it->value().size();
+    // Never hand out damaged bytes: a flipped bit on disk becomes a clear error here.
+    std::string_view value(it->value().data(), it->value().size());
+    auto hashes = check_self_hash(value);
+    if (!hashes.ok() || !hashes->ok())
+      return Status(StatusCode::kCorrupt,
+                    fmt::format("segment {}/{} failed its integrity check ({}); run `odyssey traj verify`",
+                                format_trajectory_id(id), seq,
+                                hashes.ok() ? "hash mismatch" : hashes.status().message()));
+    out.emplace_back(value);
+    bytes += value.size();
   }
   ODY_RETURN_IF_ERROR(from_rocks(it->status(), "reading segments"));
   return out;

@@ -103,6 +103,7 @@ class TrajectoryStore {
 
   // --- reads ---
   // Up to `max_segments` segment values from `from_seq` on, at most `max_bytes` (at least one).
+  // Each value's self-hash is checked: kCorrupt naming the segment if it fails.
   Result<std::vector<std::string>> read_segments(uint64_t trajectory_id, uint32_t from_seq,
                                                  uint32_t max_segments, uint64_t max_bytes) const;
   Result<std::string> read_record(uint64_t trajectory_id) const;

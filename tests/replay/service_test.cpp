@@ -331,6 +331,20 @@ TEST(TrajVerify, CatchesOneFlippedByteInAStoredSegmentAndNamesIt) {
   }
   EXPECT_EQ(testing::run_command({ODYSSEY_BINARY, "traj", "verify", "--dir", service.store_dir()}, &out), 1) << out;
   EXPECT_NE(out.find("first problem: trajectory 0000000000000065 segment 1: hash mismatch"), std::string::npos) << out;
+
+  // A service over the damaged store refuses to hand out the bad segment, says which it is,
+  // and keeps serving the rest.
+  ASSERT_TRUE(service.start());
+  auto sampler = ReplaySampler::connect(client(service.endpoint()));
+  ASSERT_TRUE(sampler.ok());
+  auto bad = (*sampler)->read(victim, 0, 8);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), StatusCode::kCorrupt);
+  EXPECT_NE(bad.status().message().find("segment 0000000000000065/1"), std::string::npos) << bad.status().message();
+  auto good = (*sampler)->read(100, 0, 8);
+  ASSERT_TRUE(good.ok()) << good.status().to_string();
+  EXPECT_EQ(good->size(), 3u);
+  EXPECT_TRUE(service.process().running());
 }
 
 }  // namespace
