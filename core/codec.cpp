@@ -67,7 +67,11 @@ MessageView::MessageView(std::string_view bytes, uint64_t max_bytes) : bytes_(by
       status_ = invalid_argument("message claims {} segments", uint64_t{nseg} + 1);
       return;
     }
-    reader_ = std::make_unique<capnp::FlatArrayMessageReader>(view, reader_options(max_bytes));
+    // Bound the work a reader may do by the message's own size (a few passes over it), not by
+    // the largest message allowed: a tiny frame claiming huge lists of empty elements must
+    // not cost milliseconds.
+    const uint64_t budget = std::min<uint64_t>(max_bytes, bytes.size() * 8 + 8192);
+    reader_ = std::make_unique<capnp::FlatArrayMessageReader>(view, reader_options(budget));
     if (reader_->getEnd() != view.end()) {
       status_ = invalid_argument("message has {} trailing bytes after its last segment",
                                  (view.end() - reader_->getEnd()) * sizeof(capnp::word));

@@ -98,14 +98,6 @@ Status ServiceConnection::send_raw(std::string_view request, std::string_view pa
   return send_frames(*socket_, {request, payload});
 }
 
-Result<uint64_t> ServiceConnection::send(capnp::MallocMessageBuilder& request, std::string_view payload) {
-  auto req = request.getRoot<schema::Request>();
-  if (req.getId() == 0) req.setId(next_id());
-  std::string bytes = flat_bytes(request);
-  ODY_RETURN_IF_ERROR(send_raw(bytes, payload));
-  return req.getId();
-}
-
 Result<std::optional<std::vector<zmq::message_t>>> ServiceConnection::receive(int timeout_ms) {
   if (!socket_) return Status(StatusCode::kUnavailable, "not connected");
   return recv_frames(*socket_, std::max(timeout_ms, 0));

@@ -64,9 +64,7 @@ class ServiceConnection {
  public:
   explicit ServiceConnection(const ClientOptions& options);
   Status connect();                 // (re)creates the socket and says hello
-  // Sends one request (frames beyond the first: extra payload frames). Returns its id.
-  Result<uint64_t> send(capnp::MallocMessageBuilder& request, std::string_view payload = {});
-  // Sends an already-encoded request (for resends).
+  // Sends an encoded request, with the payload (a segment) as a second frame when not empty.
   Status send_raw(std::string_view request, std::string_view payload);
   // The next response within timeout_ms, or nullopt on timeout.
   Result<std::optional<std::vector<zmq::message_t>>> receive(int timeout_ms);

@@ -1,5 +1,6 @@
 #include "replay/service.h"
 
+#include <cmath>
 #include <filesystem>
 
 #include <capnp/serialize.h>
@@ -178,27 +179,20 @@ void ReplayService::handle(std::vector<zmq::message_t>& frames) {
       }
       case schema::Request::READ: {
         auto rd = req.getRead();
+        // The record first: an unknown trajectory is an error, not an empty read.
+        ODY_ASSIGN_OR_RETURN(auto rec_bytes, store_->read_record(rd.getTrajectoryId()));
+        ODY_ASSIGN_OR_RETURN(auto rec, decode_trajectory(rec_bytes));
+        auto t = rec->getRoot<schema::Trajectory>();
         ODY_ASSIGN_OR_RETURN(auto segs, store_->read_segments(rd.getTrajectoryId(), rd.getFromSeq(),
                                                               rd.getMaxSegments() ? rd.getMaxSegments() : 64,
                                                               rd.getMaxBytes() ? rd.getMaxBytes() : (16ull << 20)));
-        if (segs.empty()) {
-          auto rec = store_->read_record(rd.getTrajectoryId());
-          if (!rec.ok()) return rec.status();
-        }
         capnp::MallocMessageBuilder m;
         auto r = m.initRoot<schema::Response>();
         r.setId(id);
         auto rr = r.initRead();
         rr.setNumSegments(static_cast<uint32_t>(segs.size()));
-        auto rec_bytes = store_->read_record(rd.getTrajectoryId());
-        if (rec_bytes.ok()) {
-          auto rec = decode_trajectory(*rec_bytes);
-          if (rec.ok()) {
-            auto t = (*rec)->getRoot<schema::Trajectory>();
-            rr.setEndOfTrajectory(t.getStatus() != schema::TrajectoryStatus::IN_FLIGHT &&
-                                  rd.getFromSeq() + segs.size() >= t.getNumSegments());
-          }
-        }
+        rr.setEndOfTrajectory(t.getStatus() != schema::TrajectoryStatus::IN_FLIGHT &&
+                              rd.getFromSeq() + segs.size() >= t.getNumSegments());
         reply(identity, m, segs);
         return Status::Ok();
       }
@@ -208,10 +202,18 @@ void ReplayService::handle(std::vector<zmq::message_t>& frames) {
       case schema::Request::RESUME:
         ODY_RETURN_IF_ERROR(store_->resume(req.getResume().getCursor()));
         break;
-      case schema::Request::UPDATE_PRIORITIES:
+      case schema::Request::UPDATE_PRIORITIES: {
+        // All or nothing: check every entry before staging any.
+        for (auto p : req.getUpdatePriorities()) {
+          if (!(p.getPriority() >= 0) || !std::isfinite(p.getPriority()))
+            return invalid_argument("priority for {} must be a finite number >= 0, got {}",
+                                    format_trajectory_id(p.getTrajectoryId()), p.getPriority());
+          ODY_RETURN_IF_ERROR(store_->read_record(p.getTrajectoryId()).status());
+        }
         for (auto p : req.getUpdatePriorities())
           ODY_RETURN_IF_ERROR(store_->update_priority(p.getTrajectoryId(), p.getPriority()));
         break;
+      }
       case schema::Request::SET_POLICY_VERSION:
         ODY_RETURN_IF_ERROR(store_->set_policy_version(req.getSetPolicyVersion()));
         break;

@@ -348,14 +348,7 @@ Result<WriteOutcome> TrajectoryStore::begin(schema::Trajectory::Reader meta) {
   // unable to end. (Zero, negative or NaN mean "unset": 1.)
   if (std::isinf(meta.getPriority()))
     return invalid_argument("begin {}: priority {} is not finite", format_trajectory_id(id), meta.getPriority());
-  if (in_flight_.count(id) || dirty_records_.count(id)) {
-    ODY_ASSIGN_OR_RETURN(auto existing, record_for_update(id));
-    if (same_identity(existing->getRoot<schema::Trajectory>().asReader(), meta)) return WriteOutcome::kDuplicate;
-    return Status(StatusCode::kConflict,
-                  fmt::format("begin: trajectory {} already exists with another job/environment/task/seed/group",
-                              format_trajectory_id(id)));
-  }
-  auto existing = load_record(id);
+  auto existing = record_for_update(id);  // staged, in flight, or stored
   if (existing.ok()) {
     if (same_identity((*existing)->getRoot<schema::Trajectory>().asReader(), meta)) return WriteOutcome::kDuplicate;
     return Status(StatusCode::kConflict,
