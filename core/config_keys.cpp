@@ -54,7 +54,7 @@ ConfigSchema build_config_schema() {
 
   // [bench.replay]: `odyssey bench replay`.
   s.add_int("bench.replay.writers", 4, "concurrent trajectory writers", at_least(1));
-  s.add_int("bench.replay.trajectories", 64, "trajectories written, spread over the writers", at_least(1));
+  s.add_int("bench.replay.trajectories", 256, "trajectories written, spread over the writers", at_least(1));
   s.add_int("bench.replay.segments_per_trajectory", 8, "segments in each trajectory", at_least(1));
   s.add_int("bench.replay.tokens_per_segment", 4096, "tokens in each segment", at_least(1));
   s.add_bool("bench.replay.million_token", true, "also stream and verify one 1M-token trajectory");
