@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "core/bpe_tokenizer.h"
 #include "core/utf8.h"
 
 namespace odyssey {
@@ -80,10 +81,12 @@ std::string ByteTokenizer::token_text(uint32_t id) const {
   return unknown_token_text(id);
 }
 
-std::vector<std::string> tokenizer_names() { return {"byte-v1"}; }
+std::vector<std::string> tokenizer_names() { return {"byte-v1", "hf-bpe:<path to tokenizer.json>"}; }
 
 Result<std::unique_ptr<Tokenizer>> make_tokenizer(const std::string& name) {
   if (name == "byte-v1") return std::unique_ptr<Tokenizer>(std::make_unique<ByteTokenizer>());
+  constexpr std::string_view kHfBpePrefix = "hf-bpe:";
+  if (name.compare(0, kHfBpePrefix.size(), kHfBpePrefix) == 0) return load_hf_tokenizer(name.substr(kHfBpePrefix.size()));
   return invalid_argument("unknown tokenizer '{}' (known: {})", to_valid_utf8(name),
                           fmt::join(tokenizer_names(), ", "));
 }

@@ -107,9 +107,11 @@ class ByteTokenizer final : public Tokenizer {
   std::string token_text(uint32_t id) const override;
 };
 
-// Names make_tokenizer accepts.
+// Names make_tokenizer accepts ("hf-bpe:<path to tokenizer.json>" stands for any such path).
 std::vector<std::string> tokenizer_names();
-// The tokenizer registered as `name`; kInvalidArgument naming the known ones otherwise.
+// The tokenizer registered as `name`, or for "hf-bpe:<path>" the Hugging Face byte-level BPE
+// tokenizer.json at path (core/bpe_tokenizer.h; its name() is "hf-bpe:<content hash>");
+// kInvalidArgument naming the known ones otherwise, or the loader's error.
 Result<std::unique_ptr<Tokenizer>> make_tokenizer(const std::string& name);
 
 }  // namespace odyssey

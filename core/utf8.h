@@ -31,4 +31,11 @@ size_t utf8_prefix_length(std::string_view text, size_t max_bytes);
 // Number of code points in valid UTF-8 `text` (for column widths).
 size_t utf8_length(std::string_view text);
 
+// The code point of the well-formed sequence starting at text[pos] (pos < text.size()) in
+// `*code_point`, and its length in bytes; 0 when the bytes at pos do not start one (then
+// `*code_point` is untouched).
+size_t decode_utf8_char(std::string_view text, size_t pos, char32_t* code_point);
+// Appends the UTF-8 encoding of `code_point` (at most U+10FFFF, not a surrogate) to `out`.
+void append_utf8_char(std::string& out, char32_t code_point);
+
 }  // namespace odyssey

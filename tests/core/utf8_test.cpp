@@ -44,5 +44,20 @@ TEST(Utf8, PrefixNeverEndsInsideACharacter) {
   EXPECT_EQ(utf8_length(s), 3u);
 }
 
+TEST(Utf8, DecodesAndEncodesSingleCodePoints) {
+  for (char32_t cp : {char32_t{'a'}, char32_t{0xE9}, char32_t{0x4E2D}, char32_t{0x1F642}, char32_t{0x10FFFF}}) {
+    std::string s;
+    append_utf8_char(s, cp);
+    EXPECT_TRUE(is_valid_utf8(s));
+    char32_t back = 0;
+    EXPECT_EQ(decode_utf8_char(s, 0, &back), s.size());
+    EXPECT_EQ(back, cp);
+  }
+  char32_t untouched = 7;
+  EXPECT_EQ(decode_utf8_char("\xC3", 0, &untouched), 0u);       // truncated
+  EXPECT_EQ(decode_utf8_char("\xED\xA0\x80", 0, &untouched), 0u);  // surrogate
+  EXPECT_EQ(untouched, 7u);
+}
+
 }  // namespace
 }  // namespace odyssey
