@@ -1,0 +1,572 @@
+#include "model/kda.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <optional>
+#include <vector>
+
+#include <torch/nn/options/conv.h>
+#include <torch/nn/options/linear.h>
+#include <torch/types.h>
+#include <torch/utils.h>
+
+namespace odyssey::model {
+
+namespace kda {
+namespace {
+
+at::ScalarType compute_dtype(const at::Tensor& q) {
+  return q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+// Shapes of q, k, v, g, beta [B, T, H, *] and of the optional state [B, H, K, V].
+void check_sequence_inputs(const char* where, const at::Tensor& q, const at::Tensor& k,
+                           const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta,
+                           const at::Tensor& initial_state) {
+  TORCH_CHECK(q.dim() == 4, where, ": q must be [B, T, H, K], got ", q.sizes());
+  TORCH_CHECK(k.sizes() == q.sizes(), where, ": k must match q ", q.sizes(), ", got ", k.sizes());
+  TORCH_CHECK(g.sizes() == q.sizes(), where, ": g must match q ", q.sizes(), ", got ", g.sizes());
+  TORCH_CHECK(v.dim() == 4 && v.size(0) == q.size(0) && v.size(1) == q.size(1) &&
+                  v.size(2) == q.size(2),
+              where, ": v must be [B, T, H, V] with B, T, H of q ", q.sizes(), ", got ", v.sizes());
+  TORCH_CHECK(beta.dim() == 3 && beta.size(0) == q.size(0) && beta.size(1) == q.size(1) &&
+                  beta.size(2) == q.size(2),
+              where, ": beta must be [B, T, H] of q ", q.sizes(), ", got ", beta.sizes());
+  if (initial_state.defined()) {
+    const std::vector<int64_t> expected = {q.size(0), q.size(2), q.size(3), v.size(3)};
+    TORCH_CHECK(initial_state.sizes() == at::IntArrayRef(expected), where,
+                ": initial_state must be [B, H, K, V] = ", at::IntArrayRef(expected), ", got ",
+                initial_state.sizes());
+  }
+}
+
+at::Tensor state_or_zeros(const at::Tensor& initial_state, const at::Tensor& q,
+                          const at::Tensor& v, at::ScalarType dtype) {
+  if (initial_state.defined()) return initial_state.to(dtype);
+  return at::zeros({q.size(0), q.size(2), q.size(3), v.size(3)}, q.options().dtype(dtype));
+}
+
+// One token for every (batch, head), as a pure function: S [B, H, K, V], q, k, g [B, H, K],
+// v [B, H, V], beta [B, H] (all in one dtype). Returns (o [B, H, V], S after the token).
+// The single place that fixes the order of the recurrence.
+std::pair<at::Tensor, at::Tensor> token_update(const at::Tensor& state, const at::Tensor& q,
+                                               const at::Tensor& k, const at::Tensor& v,
+                                               const at::Tensor& g, const at::Tensor& beta,
+                                               double scale) {
+  const at::Tensor decayed = state * g.exp().unsqueeze(-1);                   // rows = key channel
+  const at::Tensor r = at::matmul(k.unsqueeze(-2), decayed).squeeze(-2);      // S~^T k  [B, H, V]
+  const at::Tensor write = (beta.unsqueeze(-1) * k).unsqueeze(-1) * (v - r).unsqueeze(-2);
+  const at::Tensor updated = decayed + write;
+  const at::Tensor o = at::matmul((q * scale).unsqueeze(-2), updated).squeeze(-2);
+  return {o, updated};
+}
+
+// (I + L)^-1 for L strictly lower triangular [..., C, C]: L is nilpotent (L^C = 0), so
+// (I + L)^-1 = (I - L)(I + L^2)(I + L^4)...(I + L^(2^m)) with 2^(m+1) >= C, exactly.
+// For C = 16: (I - L)(I + L^2)(I + L^4)(I + L^8).
+at::Tensor unit_lower_inverse(const at::Tensor& lower) {
+  const int64_t c = lower.size(-1);
+  const at::Tensor identity = at::eye(c, lower.options());
+  at::Tensor inverse = identity - lower;  // (I + L)(I - L) = I - L^2
+  at::Tensor power = lower;
+  for (int64_t covered = 2; covered < c; covered *= 2) {
+    power = at::matmul(power, power);  // L^covered
+    inverse = at::matmul(inverse, identity + power);
+  }
+  return inverse;
+}
+
+// [B, T, H, X] -> [B, H, N, C, X], zero-padding T up to N * C.
+at::Tensor to_chunks(const at::Tensor& x, int64_t chunk, int64_t num_chunks,
+                     at::ScalarType dtype) {
+  at::Tensor padded = x.to(dtype);
+  const int64_t pad = num_chunks * chunk - x.size(1);
+  if (pad > 0) padded = at::constant_pad_nd(padded, {0, 0, 0, 0, 0, pad}, 0);
+  return padded.reshape({x.size(0), num_chunks, chunk, x.size(2), x.size(3)})
+      .permute({0, 3, 1, 2, 4});
+}
+
+}  // namespace
+
+Output recurrent(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                 const at::Tensor& g, const at::Tensor& beta, const at::Tensor& initial_state,
+                 double scale) {
+  check_sequence_inputs("kda::recurrent", q, k, v, g, beta, initial_state);
+  const at::ScalarType dtype = compute_dtype(q);
+  at::Tensor state = state_or_zeros(initial_state, q, v, dtype);
+  const at::Tensor qc = q.to(dtype), kc = k.to(dtype), vc = v.to(dtype), gc = g.to(dtype),
+                   bc = beta.to(dtype);
+  std::vector<at::Tensor> outputs;
+  outputs.reserve(q.size(1));
+  for (int64_t t = 0; t < q.size(1); ++t) {
+    auto [o, updated] = token_update(state, qc.select(1, t), kc.select(1, t), vc.select(1, t),
+                                     gc.select(1, t), bc.select(1, t), scale);
+    outputs.push_back(o);
+    state = updated;
+  }
+  at::Tensor o = outputs.empty()
+                     ? at::zeros({q.size(0), 0, q.size(2), v.size(3)}, q.options().dtype(dtype))
+                     : at::stack(outputs, 1);
+  return {o.to(q.scalar_type()), state};
+}
+
+Output chunked(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+               const at::Tensor& g, const at::Tensor& beta, const at::Tensor& initial_state,
+               double scale, int64_t chunk) {
+  check_sequence_inputs("kda::chunked", q, k, v, g, beta, initial_state);
+  TORCH_CHECK(chunk >= 1, "kda::chunked: chunk must be >= 1, got ", chunk);
+  const at::ScalarType dtype = compute_dtype(q);
+  at::Tensor state = state_or_zeros(initial_state, q, v, dtype);
+  const int64_t batch = q.size(0), length = q.size(1), heads = q.size(2), v_dim = v.size(3);
+  if (length == 0) {
+    return {at::zeros({batch, 0, heads, v_dim}, q.options()), state};
+  }
+  const int64_t num_chunks = (length + chunk - 1) / chunk;
+
+  // [B, H, N, C, *]; beta as a column [B, H, N, C, 1] so that it scales rows.
+  const at::Tensor qc = to_chunks(q, chunk, num_chunks, dtype);
+  const at::Tensor kc = to_chunks(k, chunk, num_chunks, dtype);
+  const at::Tensor vc = to_chunks(v, chunk, num_chunks, dtype);
+  const at::Tensor gc = to_chunks(g, chunk, num_chunks, dtype);
+  const at::Tensor bc = to_chunks(beta.unsqueeze(-1), chunk, num_chunks, dtype);
+
+  // Gamma anchored at each chunk's first token; gamma = its last row (padding has g = 0, so for
+  // a partly filled chunk gamma is the last real token's Gamma).
+  const at::Tensor gamma_cum = gc.cumsum(3);
+  const at::Tensor gamma_last = gamma_cum.select(3, chunk - 1);  // [B, H, N, K]
+  const at::Tensor q_hat = qc * scale * gamma_cum.exp();
+  const at::Tensor k_hat = kc * gamma_cum.exp();
+  const at::Tensor k_check = kc * (-gamma_cum).exp();
+  const at::Tensor k_bar = kc * (gamma_last.unsqueeze(3) - gamma_cum).exp();
+
+  const at::Tensor k_check_t = k_check.transpose(-1, -2);
+  const at::Tensor lower = bc * at::tril(at::matmul(k_hat, k_check_t), -1);  // Diag(beta) L0
+  const at::Tensor a_qk = at::tril(at::matmul(q_hat, k_check_t), 0);
+  const at::Tensor inverse = unit_lower_inverse(lower);
+  const at::Tensor w = at::matmul(inverse, bc * k_hat);  // [B, H, N, C, K]
+  const at::Tensor u = at::matmul(inverse, bc * vc);     // [B, H, N, C, V]
+  const at::Tensor decay_last = gamma_last.exp().unsqueeze(-1);  // [B, H, N, K, 1]
+  const at::Tensor k_bar_t = k_bar.transpose(-1, -2);
+
+  // The state hand-off is the only sequential part.
+  std::vector<at::Tensor> outputs;
+  outputs.reserve(num_chunks);
+  for (int64_t n = 0; n < num_chunks; ++n) {
+    const at::Tensor v_new = u.select(2, n) - at::matmul(w.select(2, n), state);  // V'
+    outputs.push_back(at::matmul(q_hat.select(2, n), state) +
+                      at::matmul(a_qk.select(2, n), v_new));
+    state = decay_last.select(2, n) * state + at::matmul(k_bar_t.select(2, n), v_new);
+  }
+  // [B, H, N, C, V] -> [B, N * C, H, V], padding dropped.
+  const at::Tensor o = at::stack(outputs, 2)
+                           .permute({0, 2, 3, 1, 4})
+                           .reshape({batch, num_chunks * chunk, heads, v_dim})
+                           .slice(1, 0, length);
+  return {o.to(q.scalar_type()), state};
+}
+
+at::Tensor step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                const at::Tensor& g, const at::Tensor& beta, at::Tensor& state, double scale) {
+  TORCH_CHECK(state.dim() == 4, "kda::step: state must be [B, H, K, V], got ", state.sizes());
+  TORCH_CHECK(state.scalar_type() == at::kFloat || state.scalar_type() == at::kDouble,
+              "kda::step: state must be fp32 or fp64, got ", state.scalar_type());
+  const std::vector<int64_t> key_shape = {state.size(0), state.size(1), state.size(2)};
+  TORCH_CHECK(q.sizes() == at::IntArrayRef(key_shape) && k.sizes() == q.sizes() &&
+                  g.sizes() == q.sizes(),
+              "kda::step: q, k, g must be [B, H, K] = ", at::IntArrayRef(key_shape), ", got ",
+              q.sizes(), ", ", k.sizes(), ", ", g.sizes());
+  TORCH_CHECK(v.dim() == 3 && v.size(0) == state.size(0) && v.size(1) == state.size(1) &&
+                  v.size(2) == state.size(3),
+              "kda::step: v must be [B, H, V] of state ", state.sizes(), ", got ", v.sizes());
+  TORCH_CHECK(beta.dim() == 2 && beta.size(0) == state.size(0) && beta.size(1) == state.size(1),
+              "kda::step: beta must be [B, H], got ", beta.sizes());
+  const at::ScalarType dtype = state.scalar_type();
+  auto [o, updated] = token_update(state, q.to(dtype), k.to(dtype), v.to(dtype), g.to(dtype),
+                                   beta.to(dtype), scale);
+  state.copy_(updated);
+  return o.to(q.scalar_type());
+}
+
+}  // namespace kda
+
+// ---------------------------------------------------------------------------------------------
+// KdaState
+
+namespace {
+
+constexpr const char* kRecurrentName = "recurrent";
+constexpr const char* kQConvName = "q_conv_inputs";
+constexpr const char* kKConvName = "k_conv_inputs";
+constexpr const char* kVConvName = "v_conv_inputs";
+
+// Byte format of KdaState::to_bytes (little-endian, as the host; only little-endian hosts
+// are supported, as for safetensors):
+//   8 bytes  magic "ODYKDAS1"
+//   u32      tensor count
+//   per tensor: u32 name length, name bytes, u8 dtype (0 f32, 1 f64, 2 bf16, 3 f16),
+//               u32 rank, i64 x rank sizes, u64 byte count, the row-major element bytes.
+constexpr char kMagic[8] = {'O', 'D', 'Y', 'K', 'D', 'A', 'S', '1'};
+constexpr uint32_t kMaxRank = 8;
+
+std::optional<uint8_t> dtype_code(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kFloat: return 0;
+    case at::kDouble: return 1;
+    case at::kBFloat16: return 2;
+    case at::kHalf: return 3;
+    default: return std::nullopt;
+  }
+}
+
+std::optional<at::ScalarType> dtype_from_code(uint8_t code) {
+  switch (code) {
+    case 0: return at::kFloat;
+    case 1: return at::kDouble;
+    case 2: return at::kBFloat16;
+    case 3: return at::kHalf;
+    default: return std::nullopt;
+  }
+}
+
+template <typename T>
+void append_pod(std::string& out, T value) {
+  char bytes[sizeof(T)];
+  std::memcpy(bytes, &value, sizeof(T));
+  out.append(bytes, sizeof(T));
+}
+
+// Reads from a byte string with bounds checks; every failure is reported once, with the offset.
+class ByteReader {
+ public:
+  explicit ByteReader(const std::string& bytes) : bytes_(bytes) {}
+  template <typename T>
+  bool read(T& value) {
+    if (bytes_.size() - offset_ < sizeof(T)) return false;
+    std::memcpy(&value, bytes_.data() + offset_, sizeof(T));
+    offset_ += sizeof(T);
+    return true;
+  }
+  bool read_bytes(size_t count, const char** data) {
+    if (bytes_.size() - offset_ < count) return false;
+    *data = bytes_.data() + offset_;
+    offset_ += count;
+    return true;
+  }
+  size_t offset() const { return offset_; }
+  bool at_end() const { return offset_ == bytes_.size(); }
+
+ private:
+  const std::string& bytes_;
+  size_t offset_ = 0;
+};
+
+Status corrupt(const ByteReader& reader, const std::string& what) {
+  return make_status(StatusCode::kCorrupt, "KdaState bytes at offset {}: {}", reader.offset(),
+                     what);
+}
+
+std::string shape_string(const at::Tensor& t) {
+  std::string s = "[";
+  for (int64_t i = 0; i < t.dim(); ++i) s += (i ? ", " : "") + std::to_string(t.size(i));
+  return s + "]";
+}
+
+}  // namespace
+
+std::map<std::string, at::Tensor> KdaState::to_tensors() const {
+  auto snapshot = [](const at::Tensor& t) {
+    TORCH_CHECK(t.defined(), "KdaState::to_tensors: the state is empty (use initial_state)");
+    return t.detach().to(at::kCPU).clone(at::MemoryFormat::Contiguous);
+  };
+  return {{kRecurrentName, snapshot(recurrent)},
+          {kQConvName, snapshot(q_conv_inputs)},
+          {kKConvName, snapshot(k_conv_inputs)},
+          {kVConvName, snapshot(v_conv_inputs)}};
+}
+
+KdaState KdaState::to(const at::Device& device) const {
+  return {recurrent.to(device), q_conv_inputs.to(device), k_conv_inputs.to(device),
+          v_conv_inputs.to(device)};
+}
+
+Result<KdaState> KdaState::from_tensors(const std::map<std::string, at::Tensor>& tensors) {
+  for (const auto& [name, tensor] : tensors) {
+    if (name != kRecurrentName && name != kQConvName && name != kKConvName && name != kVConvName) {
+      return invalid_argument("KdaState: unexpected tensor '{}' (expected {}, {}, {}, {})", name,
+                              kRecurrentName, kQConvName, kKConvName, kVConvName);
+    }
+    if (!tensor.defined()) return invalid_argument("KdaState: tensor '{}' is undefined", name);
+    if (!at::isFloatingType(tensor.scalar_type())) {
+      return invalid_argument("KdaState: tensor '{}' must be floating point", name);
+    }
+  }
+  for (const char* name : {kRecurrentName, kQConvName, kKConvName, kVConvName}) {
+    if (tensors.count(name) == 0) return invalid_argument("KdaState: missing tensor '{}'", name);
+  }
+  KdaState state;
+  state.recurrent = tensors.at(kRecurrentName);
+  state.q_conv_inputs = tensors.at(kQConvName);
+  state.k_conv_inputs = tensors.at(kKConvName);
+  state.v_conv_inputs = tensors.at(kVConvName);
+  const at::Tensor& s = state.recurrent;
+  if (s.dim() != 4) {
+    return invalid_argument("KdaState: '{}' must be [B, H, K, V], got {}", kRecurrentName,
+                            shape_string(s));
+  }
+  if (s.scalar_type() != at::kFloat && s.scalar_type() != at::kDouble) {
+    return invalid_argument("KdaState: '{}' must be fp32 or fp64", kRecurrentName);
+  }
+  const int64_t key_channels = s.size(1) * s.size(2), value_channels = s.size(1) * s.size(3);
+  const std::pair<const char*, int64_t> convs[] = {
+      {kQConvName, key_channels}, {kKConvName, key_channels}, {kVConvName, value_channels}};
+  for (const auto& [name, channels] : convs) {
+    const at::Tensor& c = tensors.at(name);
+    if (c.dim() != 3 || c.size(0) != s.size(0) || c.size(1) != state.q_conv_inputs.size(1) ||
+        c.size(2) != channels) {
+      return invalid_argument(
+          "KdaState: '{}' must be [B, conv_width-1, {}] with B = {} from '{}' and the conv "
+          "length of '{}', got {}",
+          name, channels, s.size(0), kRecurrentName, kQConvName, shape_string(c));
+    }
+    if (c.scalar_type() != state.q_conv_inputs.scalar_type()) {
+      return invalid_argument("KdaState: '{}' and '{}' must have one dtype", name, kQConvName);
+    }
+  }
+  return state;
+}
+
+std::string KdaState::to_bytes() const {
+  const auto tensors = to_tensors();
+  std::string out(kMagic, sizeof(kMagic));
+  append_pod<uint32_t>(out, static_cast<uint32_t>(tensors.size()));
+  for (const auto& [name, tensor] : tensors) {
+    const auto code = dtype_code(tensor.scalar_type());
+    TORCH_CHECK(code.has_value(), "KdaState::to_bytes: unsupported dtype ", tensor.scalar_type(),
+                " for '", name, "'");
+    append_pod<uint32_t>(out, static_cast<uint32_t>(name.size()));
+    out.append(name);
+    append_pod<uint8_t>(out, *code);
+    append_pod<uint32_t>(out, static_cast<uint32_t>(tensor.dim()));
+    for (int64_t size : tensor.sizes()) append_pod<int64_t>(out, size);
+    const uint64_t byte_count = tensor.numel() * tensor.element_size();
+    append_pod<uint64_t>(out, byte_count);
+    if (byte_count > 0) out.append(static_cast<const char*>(tensor.data_ptr()), byte_count);
+  }
+  return out;
+}
+
+Result<KdaState> KdaState::from_bytes(const std::string& bytes) {
+  ByteReader reader(bytes);
+  const char* magic = nullptr;
+  if (!reader.read_bytes(sizeof(kMagic), &magic) ||
+      std::memcmp(magic, kMagic, sizeof(kMagic)) != 0) {
+    return corrupt(reader, "not a KdaState (bad magic)");
+  }
+  uint32_t count = 0;
+  if (!reader.read(count)) return corrupt(reader, "truncated tensor count");
+  if (count > 4) return corrupt(reader, fmt::format("{} tensors (a KdaState has 4)", count));
+  std::map<std::string, at::Tensor> tensors;
+  for (uint32_t i = 0; i < count; ++i) {
+    uint32_t name_size = 0;
+    const char* name_data = nullptr;
+    if (!reader.read(name_size) || !reader.read_bytes(name_size, &name_data)) {
+      return corrupt(reader, "truncated tensor name");
+    }
+    const std::string name(name_data, name_size);
+    uint8_t code = 0;
+    uint32_t rank = 0;
+    if (!reader.read(code) || !reader.read(rank)) return corrupt(reader, "truncated '" + name + "'");
+    const auto dtype = dtype_from_code(code);
+    if (!dtype) return corrupt(reader, fmt::format("unknown dtype code {} for '{}'", code, name));
+    if (rank > kMaxRank) return corrupt(reader, fmt::format("rank {} of '{}'", rank, name));
+    std::vector<int64_t> sizes(rank);
+    // Every size is bounded by the bytes left, so the element count cannot overflow unnoticed.
+    const uint64_t limit = bytes.size();
+    uint64_t numel = 1;
+    for (auto& size : sizes) {
+      if (!reader.read(size)) return corrupt(reader, "truncated shape of '" + name + "'");
+      if (size < 0 || static_cast<uint64_t>(size) > limit) {
+        return corrupt(reader, fmt::format("bad size {} in '{}'", size, name));
+      }
+      // Saturates at limit + 1 (more than the input can hold) without overflowing.
+      if (size != 0 && numel > limit / static_cast<uint64_t>(size)) {
+        numel = limit + 1;
+      } else {
+        numel = std::min(numel * static_cast<uint64_t>(size), limit + 1);
+      }
+    }
+    uint64_t byte_count = 0;
+    if (!reader.read(byte_count)) return corrupt(reader, "truncated '" + name + "'");
+    const uint64_t element_size = c10::elementSize(*dtype);
+    if (numel > limit || byte_count != numel * element_size) {
+      return corrupt(reader, fmt::format("'{}' holds {} bytes, its shape needs {}", name,
+                                         byte_count, numel * element_size));
+    }
+    const char* data = nullptr;
+    if (!reader.read_bytes(byte_count, &data)) {
+      return corrupt(reader, "truncated data of '" + name + "'");
+    }
+    at::Tensor tensor = at::empty(sizes, at::TensorOptions().dtype(*dtype));
+    if (byte_count > 0) std::memcpy(tensor.data_ptr(), data, byte_count);
+    if (!tensors.emplace(name, tensor).second) {
+      return corrupt(reader, "duplicate tensor '" + name + "'");
+    }
+  }
+  if (!reader.at_end()) return corrupt(reader, "bytes after the last tensor");
+  return from_tensors(tensors);
+}
+
+// ---------------------------------------------------------------------------------------------
+// IncrementalAttentionImpl
+
+namespace {
+
+constexpr double kL2NormEps = 1e-6;
+constexpr double kRmsNormEps = 1e-5;
+
+// x / sqrt(sum(x^2) + eps) over the last dimension.
+at::Tensor l2_normalize(const at::Tensor& x) {
+  return x * at::rsqrt(x.pow(2).sum(-1, /*keepdim=*/true) + kL2NormEps);
+}
+
+}  // namespace
+
+IncrementalAttentionImpl::IncrementalAttentionImpl(const IncrementalAttentionOptions& options)
+    : options_(options) {
+  const auto& o = options_;
+  TORCH_CHECK(o.hidden > 0 && o.heads > 0 && o.head_k_dim > 0 && o.head_v_dim > 0 &&
+                  o.decay_rank > 0 && o.conv_width >= 1 && o.chunk >= 1,
+              "IncrementalAttention: sizes must be positive (hidden ", o.hidden, ", heads ",
+              o.heads, ", head_k_dim ", o.head_k_dim, ", head_v_dim ", o.head_v_dim,
+              ", decay_rank ", o.decay_rank, ", conv_width ", o.conv_width, ", chunk ", o.chunk,
+              ")");
+  TORCH_CHECK(o.g_min < 0, "IncrementalAttention: g_min must be negative, got ", o.g_min);
+  const int64_t key_channels = o.heads * o.head_k_dim;
+  const int64_t value_channels = o.heads * o.head_v_dim;
+  auto linear = [](int64_t in, int64_t out) {
+    return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false));
+  };
+  auto depthwise = [&](int64_t channels) {
+    return torch::nn::Conv1d(torch::nn::Conv1dOptions(channels, channels, o.conv_width)
+                                 .groups(channels)
+                                 .bias(false));
+  };
+  q_proj_ = register_module("q_proj", linear(o.hidden, key_channels));
+  k_proj_ = register_module("k_proj", linear(o.hidden, key_channels));
+  v_proj_ = register_module("v_proj", linear(o.hidden, value_channels));
+  q_conv1d_ = register_module("q_conv1d", depthwise(key_channels));
+  k_conv1d_ = register_module("k_conv1d", depthwise(key_channels));
+  v_conv1d_ = register_module("v_conv1d", depthwise(value_channels));
+  b_proj_ = register_module("b_proj", linear(o.hidden, o.heads));
+  f_a_proj_ = register_module("f_a_proj", linear(o.hidden, o.decay_rank));
+  f_b_proj_ = register_module("f_b_proj", linear(o.decay_rank, key_channels));
+  g_proj_ = register_module("g_proj", linear(o.hidden, value_channels));
+  o_proj_ = register_module("o_proj", linear(value_channels, o.hidden));
+
+  // Initial gate: exp(A) = 1, and dt_bias chosen so that at z = 0 each channel forgets at a rate
+  // -g drawn log-uniformly from [1e-3, 1e-1] per token (memories of ~10 to ~1000 tokens):
+  // g_min * sigmoid(dt_bias) = -rate, i.e. dt_bias = logit(rate / |g_min|).
+  torch::NoGradGuard no_grad;
+  A_log_ = register_parameter("A_log", torch::zeros({o.heads}));
+  const at::Tensor rate =
+      at::exp(at::rand({key_channels}) * (std::log(1e-1) - std::log(1e-3)) + std::log(1e-3));
+  dt_bias_ = register_parameter("dt_bias", at::logit(rate / std::abs(o.g_min)));
+  o_norm_ = register_module("o_norm", RmsNorm(o.head_v_dim, kRmsNormEps));
+}
+
+KdaState IncrementalAttentionImpl::initial_state(int64_t batch) const {
+  const auto& o = options_;
+  const at::TensorOptions params = q_proj_->weight.options().requires_grad(false);
+  const at::ScalarType state_dtype =
+      params.dtype() == at::kDouble ? at::kDouble : at::kFloat;
+  KdaState state;
+  state.recurrent =
+      at::zeros({batch, o.heads, o.head_k_dim, o.head_v_dim}, params.dtype(state_dtype));
+  state.q_conv_inputs = at::zeros({batch, o.conv_width - 1, o.heads * o.head_k_dim}, params);
+  state.k_conv_inputs = at::zeros({batch, o.conv_width - 1, o.heads * o.head_k_dim}, params);
+  state.v_conv_inputs = at::zeros({batch, o.conv_width - 1, o.heads * o.head_v_dim}, params);
+  return state;
+}
+
+at::Tensor IncrementalAttentionImpl::short_conv(const at::Tensor& projected,
+                                               const at::Tensor& weight,
+                                               at::Tensor& conv_inputs) const {
+  // projected [B, T, D], weight [D, 1, W], conv_inputs [B, W-1, D] (the tokens before these).
+  const int64_t width = options_.conv_width, length = projected.size(1);
+  const at::Tensor window = at::cat({conv_inputs, projected}, 1);  // [B, W-1+T, D]
+  const at::Tensor taps = weight.squeeze(1);                       // [D, W]
+  at::Tensor out = window.slice(1, 0, length) * taps.select(1, 0);
+  for (int64_t j = 1; j < width; ++j) out = out + window.slice(1, j, j + length) * taps.select(1, j);
+  conv_inputs = window.slice(1, length, length + width - 1).contiguous();
+  return out;
+}
+
+IncrementalAttentionImpl::Features IncrementalAttentionImpl::features(const at::Tensor& x,
+                                                                      KdaState& state) {
+  const auto& o = options_;
+  TORCH_CHECK(x.dim() == 3 && x.size(2) == o.hidden,
+              "IncrementalAttention: x must be [B, T, ", o.hidden, "], got ", x.sizes());
+  const int64_t batch = x.size(0), length = x.size(1);
+  const std::vector<int64_t> recurrent_shape = {batch, o.heads, o.head_k_dim, o.head_v_dim};
+  TORCH_CHECK(state.recurrent.defined() &&
+                  state.recurrent.sizes() == at::IntArrayRef(recurrent_shape),
+              "IncrementalAttention: state.recurrent must be ", at::IntArrayRef(recurrent_shape),
+              " (use initial_state(batch))");
+  auto check_conv = [&](const at::Tensor& c, int64_t channels, const char* name) {
+    const std::vector<int64_t> shape = {batch, o.conv_width - 1, channels};
+    TORCH_CHECK(c.defined() && c.sizes() == at::IntArrayRef(shape), "IncrementalAttention: state.",
+                name, " must be ", at::IntArrayRef(shape), " (use initial_state(batch))");
+  };
+  check_conv(state.q_conv_inputs, o.heads * o.head_k_dim, "q_conv_inputs");
+  check_conv(state.k_conv_inputs, o.heads * o.head_k_dim, "k_conv_inputs");
+  check_conv(state.v_conv_inputs, o.heads * o.head_v_dim, "v_conv_inputs");
+
+  Features f;
+  f.q = l2_normalize(at::silu(short_conv(q_proj_(x), q_conv1d_->weight, state.q_conv_inputs))
+                         .view({batch, length, o.heads, o.head_k_dim}));
+  f.k = l2_normalize(at::silu(short_conv(k_proj_(x), k_conv1d_->weight, state.k_conv_inputs))
+                         .view({batch, length, o.heads, o.head_k_dim}));
+  f.v = at::silu(short_conv(v_proj_(x), v_conv1d_->weight, state.v_conv_inputs))
+            .view({batch, length, o.heads, o.head_v_dim});
+  f.beta = at::sigmoid(b_proj_(x));
+  const at::Tensor z = f_b_proj_(f_a_proj_(x)).view({batch, length, o.heads, o.head_k_dim});
+  // exp(A) * (z + dt_bias), not exp(A) * z + dt_bias.
+  f.g = o.g_min * at::sigmoid(A_log_.exp().view({o.heads, 1}) *
+                              (z + dt_bias_.view({o.heads, o.head_k_dim})));
+  return f;
+}
+
+at::Tensor IncrementalAttentionImpl::output(const at::Tensor& x, const at::Tensor& o) {
+  // o [B, T, H, V] -> RMSNorm per head (weight shared by heads) -> gate -> W_o.
+  const at::Tensor normed = o_norm_(o);
+  const at::Tensor gate = at::sigmoid(g_proj_(x)).view(o.sizes());
+  return o_proj_((gate * normed).flatten(2));
+}
+
+at::Tensor IncrementalAttentionImpl::forward(const at::Tensor& x) {
+  KdaState state = initial_state(x.size(0));
+  return forward_chunk(x, state);
+}
+
+at::Tensor IncrementalAttentionImpl::forward_chunk(const at::Tensor& x, KdaState& state) {
+  const Features f = features(x, state);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(options_.head_k_dim));
+  kda::Output out =
+      kda::chunked(f.q, f.k, f.v, f.g, f.beta, state.recurrent, scale, options_.chunk);
+  state.recurrent = out.final_state;
+  return output(x, out.o);
+}
+
+at::Tensor IncrementalAttentionImpl::step(const at::Tensor& x_t, KdaState& state) {
+  TORCH_CHECK(x_t.dim() == 2, "IncrementalAttention::step: x_t must be [B, hidden], got ",
+              x_t.sizes());
+  const at::Tensor x = x_t.unsqueeze(1);
+  const Features f = features(x, state);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(options_.head_k_dim));
+  const at::Tensor o = kda::step(f.q.squeeze(1), f.k.squeeze(1), f.v.squeeze(1), f.g.squeeze(1),
+                                 f.beta.squeeze(1), state.recurrent, scale);
+  return output(x, o.unsqueeze(1)).squeeze(1);
+}
+
+}  // namespace odyssey::model

@@ -1,0 +1,195 @@
+// Incremental attention (KDA): the gated delta rule with a per-channel, lower-bounded decay
+// (../../shared/design/MODEL.md, "Incremental attention"). Plain LibTorch; this is the reference
+// the CUDA kernels are checked against.
+//
+// Two parts:
+//   * namespace kda: the functional core on per-head tensors, in three forms that agree —
+//     recurrent (token by token), chunked (the chunked parallel form), step (one decode token).
+//   * IncrementalAttention: the layer (projections, short convolutions, gates, output norm),
+//     run over a whole sequence, chunk by chunk with a carried KdaState, or one token at a time.
+//
+// Shapes of the functional core (B batch, T tokens, H heads, K key width, V value width):
+//   q, k  [B, T, H, K]   query and key (the layer L2-normalises them; the core does not)
+//   v     [B, T, H, V]
+//   g     [B, T, H, K]   log-decay per key channel, g <= 0 (alpha = exp(g))
+//   beta  [B, T, H]      write strength
+//   state [B, H, K, V]   S per head; row i belongs to key channel i
+//   scale                multiplies q inside (the layer passes K^-1/2)
+// Per token, per head, in this order:
+//   S~ = Diag(exp(g_t)) S;  r = S~^T k_t;  S = S~ + beta_t k_t (v_t - r)^T;  o_t = S^T (scale q_t)
+//
+// Dtypes: the core computes in fp64 when q is fp64 and in fp32 otherwise (bf16/fp16 inputs are
+// upcast). The state is kept and returned in that compute dtype (fp32, or fp64 in tests);
+// outputs o are returned in q's dtype. An undefined initial_state means zeros.
+//
+// Differentiability: recurrent and chunked are plain autograd graphs with respect to every
+// input, the initial state included (chunked is what training uses; the test checks its
+// gradients against autograd through recurrent). step updates its state in place and is for
+// decode only: its state must not require grad.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <utility>
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/conv.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/pimpl.h>
+#include <torch/types.h>
+
+#include "core/status.h"
+#include "model/rms_norm.h"
+
+namespace odyssey::model {
+
+namespace kda {
+
+// Output o [B, T, H, V] and the state after the last token [B, H, K, V].
+struct Output {
+  at::Tensor o;
+  at::Tensor final_state;
+};
+
+// Token by token, exactly in the order above. The slow, obviously-correct reference.
+Output recurrent(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                 const at::Tensor& g, const at::Tensor& beta, const at::Tensor& initial_state,
+                 double scale);
+
+// The chunked parallel form of MODEL.md over chunks of `chunk` tokens (any chunk >= 1; 16 is
+// what the fp32 exponent budget is sized for). Per chunk, Gamma is the inclusive cumulative sum
+// of g from the chunk's first token, so exp(-Gamma) grows up to exp(chunk * max|g|): for fp32
+// keep chunk * max|g| below ~80 (g >= -5 at chunk 16 fits; the layer's gate guarantees it).
+// All intra-chunk work is batched over chunks with matmuls; only the state hand-off runs
+// chunk after chunk. A partly filled last chunk is padded with zeros (k = v = q = beta = 0,
+// g = 0), which leaves every real output and the final state unchanged. Passing final_state
+// back as initial_state continues the sequence exactly, so any length runs in bounded memory.
+Output chunked(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+               const at::Tensor& g, const at::Tensor& beta, const at::Tensor& initial_state,
+               double scale, int64_t chunk = 16);
+
+// One decode token for a batch: q, k, g [B, H, K], v [B, H, V], beta [B, H]; state
+// [B, H, K, V] (fp32 or fp64, contiguous or not) is updated in place. Inputs are cast to the
+// state's dtype. Returns o [B, H, V] in q's dtype.
+at::Tensor step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                const at::Tensor& g, const at::Tensor& beta, at::Tensor& state, double scale);
+
+}  // namespace kda
+
+// Sizes of one incremental-attention layer. Defaults are the full-size per-head values;
+// hidden and heads come from the model config.
+struct IncrementalAttentionOptions {
+  int64_t hidden = 0;
+  int64_t heads = 0;
+  int64_t head_k_dim = 128;
+  int64_t head_v_dim = 128;
+  int64_t decay_rank = 128;  // rank of W_fa (shared by heads)
+  double g_min = -5.0;       // lower bound of the log-decay: g = g_min * sigmoid(...)
+  int64_t conv_width = 4;    // causal depthwise short convolution on q, k, v
+  int64_t chunk = 16;        // chunk length of the chunked form
+};
+
+// What a layer carries between calls of forward_chunk / step (the decode cache), for a batch.
+//   recurrent     [B, H, K, V]           S per head, fp32 (fp64 when the layer is fp64)
+//   q_conv_inputs [B, conv_width-1, H*K] the last pre-convolution inputs (W_q x), oldest first
+//   k_conv_inputs [B, conv_width-1, H*K] the same for W_k x
+//   v_conv_inputs [B, conv_width-1, H*V] the same for W_v x
+// A fresh state is all zeros (IncrementalAttentionImpl::initial_state): a sequence start.
+struct KdaState {
+  at::Tensor recurrent;
+  at::Tensor q_conv_inputs;
+  at::Tensor k_conv_inputs;
+  at::Tensor v_conv_inputs;
+
+  // The same state on `device` (a restored snapshot is on the CPU).
+  KdaState to(const at::Device& device) const;
+
+  // A snapshot under the names above: detached, contiguous copies on the CPU, so later
+  // in-place decode steps do not change it.
+  std::map<std::string, at::Tensor> to_tensors() const;
+  // Rebuilds from to_tensors()'s map. kInvalidArgument names a missing, extra or inconsistent
+  // tensor (rank, batch, or conv length that does not agree between the four).
+  static Result<KdaState> from_tensors(const std::map<std::string, at::Tensor>& tensors);
+
+  // The snapshot as self-describing little-endian bytes (format in kda.cpp); the round trip
+  // is bit-exact. from_bytes never crashes on bad input: truncated or malformed bytes are
+  // kCorrupt, inconsistent tensors kInvalidArgument.
+  std::string to_bytes() const;
+  static Result<KdaState> from_bytes(const std::string& bytes);
+};
+
+// The layer. Input x [B, T, hidden] (any float dtype the parameters have; .to(kDouble) makes
+// the whole layer fp64 for tests), output [B, T, hidden] in the same dtype.
+//
+//   q = L2Norm_head(SiLU(conv(W_q x))) * K^-1/2      k = L2Norm_head(SiLU(conv(W_k x)))
+//   v = SiLU(conv(W_v x))                            beta = sigmoid(W_b x)      per head
+//   g = g_min * sigmoid(exp(A_h) * (W_fb W_fa x + dt_bias))                   per head, channel
+//   y = W_o(sigmoid(W_g x) * RMSNorm_head(o))        RMSNorm weight shared by heads, eps 1e-5
+// L2Norm adds 1e-6 to the sum of squares. conv is causal and depthwise, width conv_width, no
+// bias; before the first token of a sequence its inputs are zeros.
+//
+// Parameter names (stable: they are the checkpoint's tensor names under the layer's prefix).
+// D = hidden, H = heads, K = head_k_dim, V = head_v_dim, R = decay_rank, W = conv_width; all
+// per-head layouts are head-major (index h*K + i):
+//   q_proj.weight  [H*K, D]   W_q            (no bias on any projection)
+//   k_proj.weight  [H*K, D]   W_k
+//   v_proj.weight  [H*V, D]   W_v
+//   q_conv1d.weight [H*K, 1, W]  depthwise conv on W_q x (torch Conv1d layout; tap W-1 meets
+//   k_conv1d.weight [H*K, 1, W]  the current token, tap 0 the oldest)
+//   v_conv1d.weight [H*V, 1, W]
+//   b_proj.weight  [H, D]     W_b (beta)
+//   f_a_proj.weight [R, D]    W_fa (decay, shared by heads)
+//   f_b_proj.weight [H*K, R]  W_fb
+//   A_log          [H]        A_h (the gate uses exp(A_log))
+//   dt_bias        [H*K]      dt_bias per (head, channel)
+//   g_proj.weight  [H*V, D]   W_g (output gate, full rank)
+//   o_norm.weight  [V]        RMSNorm weight shared by heads
+//   o_proj.weight  [D, H*V]   W_o
+//
+// forward, forward_chunk and step agree: forward(x) equals forward_chunk over any split of x
+// from a fresh state, which equals step over each token. forward and forward_chunk are
+// differentiable (the carried state keeps its graph across forward_chunk calls); step is
+// decode only (run it under torch::NoGradGuard). Thread-safety: the three forms only read the
+// parameters; a KdaState belongs to one caller at a time.
+class IncrementalAttentionImpl : public torch::nn::Module {
+ public:
+  explicit IncrementalAttentionImpl(const IncrementalAttentionOptions& options);
+
+  // The whole sequence from a fresh state, in chunked form.
+  at::Tensor forward(const at::Tensor& x);
+  // x [B, T, hidden] (any T >= 1) continuing from `state`, which is replaced by the state after
+  // the last token.
+  at::Tensor forward_chunk(const at::Tensor& x, KdaState& state);
+  // One token x_t [B, hidden] -> [B, hidden]; `state` is updated (the recurrent part in place).
+  at::Tensor step(const at::Tensor& x_t, KdaState& state);
+
+  // A zero state for `batch` sequences, on the parameters' device, in the dtypes above.
+  KdaState initial_state(int64_t batch) const;
+
+  const IncrementalAttentionOptions& options() const { return options_; }
+
+ private:
+  // Projections, convolutions (reading and replacing the conv inputs in `state`), gates and
+  // the output side shared by all three forms. x [B, T, hidden].
+  struct Features {
+    at::Tensor q, k, v, g, beta;  // [B, T, H, K|V], [B, T, H]
+  };
+  Features features(const at::Tensor& x, KdaState& state);
+  at::Tensor output(const at::Tensor& x, const at::Tensor& o);
+  at::Tensor short_conv(const at::Tensor& projected, const at::Tensor& weight,
+                        at::Tensor& conv_inputs) const;
+
+  IncrementalAttentionOptions options_;
+  torch::nn::Linear q_proj_{nullptr}, k_proj_{nullptr}, v_proj_{nullptr};
+  torch::nn::Linear b_proj_{nullptr}, f_a_proj_{nullptr}, f_b_proj_{nullptr};
+  torch::nn::Linear g_proj_{nullptr}, o_proj_{nullptr};
+  // Only their weights are used (the causal left context comes from the state).
+  torch::nn::Conv1d q_conv1d_{nullptr}, k_conv1d_{nullptr}, v_conv1d_{nullptr};
+  at::Tensor A_log_, dt_bias_;
+  RmsNorm o_norm_{nullptr};  // over each head's V values, one weight for all heads
+};
+TORCH_MODULE(IncrementalAttention);
+
+}  // namespace odyssey::model

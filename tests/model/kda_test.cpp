@@ -1,0 +1,391 @@
+#include "model/kda.h"
+
+#include <cmath>
+#include <cstdio>
+#include <map>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/utils.h>
+
+namespace odyssey::model {
+namespace {
+
+struct Inputs {
+  at::Tensor q, k, v, g, beta, state;
+};
+
+at::Tensor l2_normalize(const at::Tensor& x) {
+  return x / x.pow(2).sum(-1, /*keepdim=*/true).sqrt();
+}
+
+// q, k L2-normalised (as the layer makes them), g uniform in [g_low, g_high], beta in (0, 1).
+Inputs random_inputs(int64_t batch, int64_t length, int64_t heads, int64_t k_dim, int64_t v_dim,
+                     double g_low, double g_high, uint64_t seed,
+                     at::ScalarType dtype = at::kDouble) {
+  torch::manual_seed(seed);
+  const auto opts = at::TensorOptions().dtype(dtype);
+  Inputs in;
+  in.q = l2_normalize(at::randn({batch, length, heads, k_dim}, opts));
+  in.k = l2_normalize(at::randn({batch, length, heads, k_dim}, opts));
+  in.v = at::randn({batch, length, heads, v_dim}, opts);
+  in.g = g_low + (g_high - g_low) * at::rand({batch, length, heads, k_dim}, opts);
+  in.beta = at::rand({batch, length, heads}, opts);
+  in.state = 0.5 * at::randn({batch, heads, k_dim, v_dim}, opts);
+  return in;
+}
+
+double max_abs_diff(const at::Tensor& a, const at::Tensor& b) {
+  if (a.numel() == 0) return 0.0;
+  return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
+}
+
+void report(const std::string& what, double value) {
+  std::printf("  max |diff| %-48s %.3e\n", what.c_str(), value);
+}
+
+double scale_for(const at::Tensor& q) { return 1.0 / std::sqrt(static_cast<double>(q.size(-1))); }
+
+// Checks chunked against recurrent on the same inputs, o and final state.
+void expect_chunked_equals_recurrent(const Inputs& in, int64_t chunk, double tolerance,
+                                     const std::string& label) {
+  const double scale = scale_for(in.q);
+  const auto ref = kda::recurrent(in.q, in.k, in.v, in.g, in.beta, in.state, scale);
+  const auto out = kda::chunked(in.q, in.k, in.v, in.g, in.beta, in.state, scale, chunk);
+  ASSERT_EQ(out.o.sizes(), ref.o.sizes());
+  ASSERT_EQ(out.final_state.sizes(), ref.final_state.sizes());
+  const double o_diff = max_abs_diff(out.o, ref.o);
+  const double s_diff = max_abs_diff(out.final_state, ref.final_state);
+  report(label + " o", o_diff);
+  report(label + " final state", s_diff);
+  EXPECT_LT(o_diff, tolerance) << label;
+  EXPECT_LT(s_diff, tolerance) << label;
+}
+
+TEST(Kda, ChunkedEqualsRecurrentInFp64OnRandomInputs) {
+  const Inputs in = random_inputs(2, 64, 2, 16, 8, /*g_low=*/-5.0, /*g_high=*/0.0, /*seed=*/1);
+  expect_chunked_equals_recurrent(in, /*chunk=*/16, 1e-10, "random T=64 C=16");
+  expect_chunked_equals_recurrent(in, /*chunk=*/8, 1e-10, "random T=64 C=8");
+  expect_chunked_equals_recurrent(in, /*chunk=*/5, 1e-10, "random T=64 C=5");
+}
+
+TEST(Kda, ChunkedEqualsRecurrentWithSaturatedGates) {
+  Inputs in = random_inputs(2, 64, 2, 16, 8, -5.0, 0.0, /*seed=*/2);
+  in.g = at::full_like(in.g, -5.0);
+  expect_chunked_equals_recurrent(in, /*chunk=*/16, 1e-10, "g=-5 T=64 C=16");
+}
+
+TEST(Kda, ChunkedEqualsRecurrentWithoutDecay) {
+  Inputs in = random_inputs(2, 64, 2, 16, 8, -5.0, 0.0, /*seed=*/3);
+  in.g = at::zeros_like(in.g);
+  expect_chunked_equals_recurrent(in, /*chunk=*/16, 1e-10, "g=0 T=64 C=16");
+}
+
+TEST(Kda, ChunkedEqualsRecurrentWithPartlyFilledLastChunk) {
+  for (int64_t length : {50, 17, 1}) {
+    const Inputs in = random_inputs(2, length, 2, 16, 8, -5.0, 0.0, /*seed=*/10 + length);
+    expect_chunked_equals_recurrent(in, /*chunk=*/16, 1e-10, "T=" + std::to_string(length));
+  }
+  // Saturated gates make a wrongly anchored exponent overflow: the padding must stay inert.
+  Inputs in = random_inputs(1, 37, 2, 16, 8, -5.0, 0.0, /*seed=*/4);
+  in.g = at::full_like(in.g, -5.0);
+  expect_chunked_equals_recurrent(in, /*chunk=*/16, 1e-10, "g=-5 T=37");
+}
+
+TEST(Kda, ChunkedWithoutInitialStateStartsFromZeros) {
+  const Inputs in = random_inputs(1, 20, 2, 16, 8, -5.0, 0.0, /*seed=*/5);
+  const double scale = scale_for(in.q);
+  const auto implicit = kda::chunked(in.q, in.k, in.v, in.g, in.beta, at::Tensor(), scale);
+  const auto explicit_zero =
+      kda::recurrent(in.q, in.k, in.v, in.g, in.beta, at::zeros_like(in.state), scale);
+  const double diff = max_abs_diff(implicit.o, explicit_zero.o);
+  report("no initial state vs zeros o", diff);
+  EXPECT_LT(diff, 1e-10);
+}
+
+TEST(Kda, ChunkedOutputsBeforePositionIgnoreLaterInputs) {
+  const int64_t length = 37;
+  const Inputs in = random_inputs(2, length, 2, 16, 8, -5.0, 0.0, /*seed=*/6);
+  const Inputs other = random_inputs(2, length, 2, 16, 8, -5.0, 0.0, /*seed=*/7);
+  const double scale = scale_for(in.q);
+  const auto base = kda::chunked(in.q, in.k, in.v, in.g, in.beta, in.state, scale);
+  // P on a chunk boundary, inside a full chunk, inside the partly filled last chunk.
+  for (int64_t prefix : {16, 21, 35, 1}) {
+    auto splice = [&](const at::Tensor& a, const at::Tensor& b) {
+      return at::cat({a.slice(1, 0, prefix), b.slice(1, prefix)}, 1);
+    };
+    // Later tokens replaced, with saturated gates so any leak through an exponent would show.
+    const auto changed = kda::chunked(splice(in.q, other.q), splice(in.k, other.k),
+                                      splice(in.v, other.v),
+                                      splice(in.g, at::full_like(other.g, -5.0)),
+                                      splice(in.beta, other.beta), in.state, scale);
+    const double diff =
+        max_abs_diff(changed.o.slice(1, 0, prefix), base.o.slice(1, 0, prefix));
+    report("prefix P=" + std::to_string(prefix) + " outputs before P", diff);
+    EXPECT_LT(diff, 1e-14) << "P=" << prefix;
+    EXPECT_GT(max_abs_diff(changed.o.slice(1, prefix), base.o.slice(1, prefix)), 1e-3)
+        << "the later outputs should change (P=" << prefix << ")";
+  }
+}
+
+TEST(Kda, ChunkedCarriesStateAcrossCalls) {
+  const Inputs in = random_inputs(2, 50, 2, 16, 8, -5.0, 0.0, /*seed=*/8);
+  const double scale = scale_for(in.q);
+  const auto whole = kda::chunked(in.q, in.k, in.v, in.g, in.beta, in.state, scale);
+  at::Tensor state = in.state;
+  std::vector<at::Tensor> outputs;
+  int64_t start = 0;
+  for (int64_t size : {23, 16, 1, 10}) {
+    auto part = [&](const at::Tensor& t) { return t.slice(1, start, start + size); };
+    const auto out =
+        kda::chunked(part(in.q), part(in.k), part(in.v), part(in.g), part(in.beta), state, scale);
+    outputs.push_back(out.o);
+    state = out.final_state;
+    start += size;
+  }
+  const double o_diff = max_abs_diff(at::cat(outputs, 1), whole.o);
+  const double s_diff = max_abs_diff(state, whole.final_state);
+  report("split calls vs whole o", o_diff);
+  report("split calls vs whole final state", s_diff);
+  EXPECT_LT(o_diff, 1e-10);
+  EXPECT_LT(s_diff, 1e-10);
+}
+
+TEST(Kda, StepEqualsRecurrentAndUpdatesStateInPlace) {
+  const Inputs in = random_inputs(2, 20, 2, 16, 8, -5.0, 0.0, /*seed=*/9);
+  const double scale = scale_for(in.q);
+  const auto ref = kda::recurrent(in.q, in.k, in.v, in.g, in.beta, in.state, scale);
+  at::Tensor state = in.state.clone();
+  const void* storage = state.data_ptr();
+  std::vector<at::Tensor> outputs;
+  for (int64_t t = 0; t < in.q.size(1); ++t) {
+    outputs.push_back(kda::step(in.q.select(1, t), in.k.select(1, t), in.v.select(1, t),
+                                in.g.select(1, t), in.beta.select(1, t), state, scale));
+  }
+  EXPECT_EQ(state.data_ptr(), storage);
+  const double o_diff = max_abs_diff(at::stack(outputs, 1), ref.o);
+  const double s_diff = max_abs_diff(state, ref.final_state);
+  report("step vs recurrent o", o_diff);
+  report("step vs recurrent final state", s_diff);
+  EXPECT_LT(o_diff, 1e-12);
+  EXPECT_LT(s_diff, 1e-12);
+}
+
+TEST(Kda, ChunkedInFp32StaysCloseToFp64WithSaturatedGates) {
+  // The full exponent budget (g = -5 over 16 tokens) in the first two chunks and in the partly
+  // filled last one (T = 61).
+  Inputs in = random_inputs(2, 61, 2, 16, 8, -5.0, 0.0, /*seed=*/11);
+  in.g.slice(1, 0, 32).fill_(-5.0);
+  in.g.slice(1, 48).fill_(-5.0);
+  const double scale = scale_for(in.q);
+  const auto ref = kda::recurrent(in.q, in.k, in.v, in.g, in.beta, in.state, scale);
+  const auto out = kda::chunked(in.q.to(at::kFloat), in.k.to(at::kFloat), in.v.to(at::kFloat),
+                                in.g.to(at::kFloat), in.beta.to(at::kFloat),
+                                in.state.to(at::kFloat), scale);
+  EXPECT_EQ(out.o.scalar_type(), at::kFloat);
+  EXPECT_EQ(out.final_state.scalar_type(), at::kFloat);
+  const double o_diff = max_abs_diff(out.o, ref.o);
+  const double s_diff = max_abs_diff(out.final_state, ref.final_state);
+  report("fp32 chunked vs fp64 recurrent o", o_diff);
+  report("fp32 chunked vs fp64 recurrent final state", s_diff);
+  EXPECT_LT(o_diff, 1e-4);
+  EXPECT_LT(s_diff, 1e-4);
+}
+
+TEST(Kda, ChunkedGradientsEqualRecurrentGradientsInFp64) {
+  // T = 21 with C = 8 and C = 16: full chunks, a partly filled one, and the state hand-off.
+  for (int64_t chunk : {8, 16}) {
+    Inputs in = random_inputs(2, 21, 2, 8, 4, -5.0, 0.0, /*seed=*/12);
+    std::vector<at::Tensor> leaves = {in.q, in.k, in.v, in.g, in.beta, in.state};
+    for (auto& t : leaves) t.requires_grad_(true);
+    torch::manual_seed(13);
+    const at::Tensor o_weight = at::randn({2, 21, 2, 4}, at::kDouble);
+    const at::Tensor s_weight = at::randn({2, 2, 8, 4}, at::kDouble);
+    const double scale = scale_for(in.q);
+    auto loss_of = [&](const kda::Output& out) {
+      return (out.o * o_weight).sum() + (out.final_state * s_weight).sum();
+    };
+    const auto ref_grads = torch::autograd::grad(
+        {loss_of(kda::recurrent(leaves[0], leaves[1], leaves[2], leaves[3], leaves[4], leaves[5],
+                                scale))},
+        leaves);
+    const auto grads = torch::autograd::grad(
+        {loss_of(kda::chunked(leaves[0], leaves[1], leaves[2], leaves[3], leaves[4], leaves[5],
+                              scale, chunk))},
+        leaves);
+    const char* names[] = {"q", "k", "v", "g", "beta", "initial_state"};
+    for (size_t i = 0; i < leaves.size(); ++i) {
+      const double diff = max_abs_diff(grads[i], ref_grads[i]);
+      report("C=" + std::to_string(chunk) + " d loss / d " + names[i], diff);
+      EXPECT_LT(diff, 1e-9) << names[i] << " C=" << chunk;
+      EXPECT_GT(ref_grads[i].abs().max().item<double>(), 1e-3) << names[i];
+    }
+  }
+}
+
+TEST(Kda, ChunkedRejectsMismatchedShapes) {
+  const Inputs in = random_inputs(1, 4, 2, 16, 8, -5.0, 0.0, /*seed=*/14);
+  EXPECT_THROW(kda::chunked(in.q, in.k.slice(1, 0, 3), in.v, in.g, in.beta, in.state, 0.25),
+               c10::Error);
+  EXPECT_THROW(kda::recurrent(in.q, in.k, in.v, in.g, in.beta, in.state.slice(2, 0, 8), 0.25),
+               c10::Error);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The layer
+
+IncrementalAttentionOptions small_options() {
+  IncrementalAttentionOptions o;
+  o.hidden = 32;
+  o.heads = 2;
+  o.head_k_dim = 16;
+  o.head_v_dim = 8;
+  o.decay_rank = 8;
+  return o;
+}
+
+IncrementalAttention fp64_layer(uint64_t seed) {
+  torch::manual_seed(seed);
+  IncrementalAttention layer(small_options());
+  layer->to(at::kDouble);
+  return layer;
+}
+
+TEST(Kda, LayerParametersHaveDocumentedNamesAndShapes) {
+  IncrementalAttention layer(small_options());
+  const std::map<std::string, std::vector<int64_t>> expected = {
+      {"q_proj.weight", {32, 32}},   {"k_proj.weight", {32, 32}},
+      {"v_proj.weight", {16, 32}},   {"q_conv1d.weight", {32, 1, 4}},
+      {"k_conv1d.weight", {32, 1, 4}}, {"v_conv1d.weight", {16, 1, 4}},
+      {"b_proj.weight", {2, 32}},    {"f_a_proj.weight", {8, 32}},
+      {"f_b_proj.weight", {32, 8}},  {"A_log", {2}},
+      {"dt_bias", {32}},             {"g_proj.weight", {16, 32}},
+      {"o_norm.weight", {8}},        {"o_proj.weight", {32, 16}},
+  };
+  std::map<std::string, std::vector<int64_t>> actual;
+  for (const auto& p : layer->named_parameters()) actual[p.key()] = p.value().sizes().vec();
+  EXPECT_EQ(actual, expected);
+}
+
+TEST(Kda, LayerForwardChunksAndStepsAgreeInFp64) {
+  IncrementalAttention layer = fp64_layer(20);
+  torch::manual_seed(21);
+  const at::Tensor x = at::randn({2, 40, 32}, at::kDouble);
+  const at::Tensor whole = layer->forward(x);
+  ASSERT_EQ(whole.sizes(), x.sizes());
+
+  KdaState chunk_state = layer->initial_state(2);
+  std::vector<at::Tensor> chunks;
+  int64_t start = 0;
+  for (int64_t size : {7, 16, 1, 16}) {
+    chunks.push_back(layer->forward_chunk(x.slice(1, start, start + size), chunk_state));
+    start += size;
+  }
+  const double chunk_diff = max_abs_diff(at::cat(chunks, 1), whole);
+  report("layer forward_chunk vs forward", chunk_diff);
+  EXPECT_LT(chunk_diff, 1e-12);
+
+  torch::NoGradGuard no_grad;
+  KdaState step_state = layer->initial_state(2);
+  std::vector<at::Tensor> steps;
+  for (int64_t t = 0; t < x.size(1); ++t) steps.push_back(layer->step(x.select(1, t), step_state));
+  const double step_diff = max_abs_diff(at::stack(steps, 1), whole);
+  report("layer step vs forward", step_diff);
+  EXPECT_LT(step_diff, 1e-12);
+  const double state_diff = max_abs_diff(step_state.recurrent, chunk_state.recurrent);
+  report("layer step vs forward_chunk final state", state_diff);
+  EXPECT_LT(state_diff, 1e-12);
+  EXPECT_LT(max_abs_diff(step_state.v_conv_inputs, chunk_state.v_conv_inputs), 1e-15);
+}
+
+TEST(Kda, LayerChunkByChunkOverLongSequenceEqualsWholeForward) {
+  IncrementalAttention layer = fp64_layer(22);
+  torch::NoGradGuard no_grad;
+  torch::manual_seed(23);
+  const at::Tensor x = at::randn({1, 1000, 32}, at::kDouble);
+  const at::Tensor whole = layer->forward(x);
+  KdaState state = layer->initial_state(1);
+  std::vector<at::Tensor> chunks;
+  for (int64_t start = 0; start < x.size(1); start += 96) {
+    chunks.push_back(layer->forward_chunk(x.slice(1, start, start + 96), state));
+  }
+  const double diff = max_abs_diff(at::cat(chunks, 1), whole);
+  report("layer T=1000 in chunks of 96 vs forward", diff);
+  EXPECT_LT(diff, 1e-10);
+}
+
+TEST(Kda, LayerStateRoundTripsThroughBytesAndTensors) {
+  IncrementalAttention layer = fp64_layer(24);
+  torch::NoGradGuard no_grad;
+  torch::manual_seed(25);
+  const at::Tensor x = at::randn({2, 30, 32}, at::kDouble);
+  KdaState state = layer->initial_state(2);
+  layer->forward_chunk(x.slice(1, 0, 19), state);
+
+  const std::string bytes = state.to_bytes();
+  auto from_bytes = KdaState::from_bytes(bytes);
+  ASSERT_TRUE(from_bytes.ok()) << from_bytes.status().to_string();
+  auto from_tensors = KdaState::from_tensors(state.to_tensors());
+  ASSERT_TRUE(from_tensors.ok()) << from_tensors.status().to_string();
+  for (const KdaState* restored : {&*from_bytes, &*from_tensors}) {
+    EXPECT_TRUE(at::equal(restored->recurrent, state.recurrent));
+    EXPECT_TRUE(at::equal(restored->q_conv_inputs, state.q_conv_inputs));
+    EXPECT_TRUE(at::equal(restored->k_conv_inputs, state.k_conv_inputs));
+    EXPECT_TRUE(at::equal(restored->v_conv_inputs, state.v_conv_inputs));
+  }
+  EXPECT_EQ(from_bytes->to_bytes(), bytes);
+
+  // Continuing from the restored state is bit-identical to continuing from the original.
+  KdaState restored = *from_bytes;
+  const at::Tensor original_next = layer->forward_chunk(x.slice(1, 19), state);
+  const at::Tensor restored_next = layer->forward_chunk(x.slice(1, 19), restored);
+  report("layer continue from restored state", max_abs_diff(restored_next, original_next));
+  EXPECT_TRUE(at::equal(restored_next, original_next));
+
+  // A snapshot does not follow later in-place decode steps.
+  const auto snapshot = state.to_tensors();
+  layer->step(x.select(1, 0), state);
+  EXPECT_FALSE(at::equal(snapshot.at("recurrent"), state.recurrent));
+}
+
+TEST(Kda, StateFromBadBytesOrTensorsIsAnErrorNotACrash) {
+  IncrementalAttention layer(small_options());
+  const KdaState state = layer->initial_state(3);
+  const std::string bytes = state.to_bytes();
+  for (size_t cut : {size_t{0}, size_t{5}, size_t{12}, bytes.size() / 2, bytes.size() - 1}) {
+    auto r = KdaState::from_bytes(bytes.substr(0, cut));
+    ASSERT_FALSE(r.ok()) << "cut at " << cut;
+    EXPECT_EQ(r.status().code(), StatusCode::kCorrupt) << r.status().to_string();
+  }
+  auto trailing = KdaState::from_bytes(bytes + "x");
+  EXPECT_EQ(trailing.status().code(), StatusCode::kCorrupt);
+  std::string huge = bytes;
+  // The most significant byte of the first tensor's (k_conv_inputs) first size.
+  huge[8 + 4 + 4 + std::string("k_conv_inputs").size() + 1 + 4 + 7] = '\x7f';
+  EXPECT_FALSE(KdaState::from_bytes(huge).ok());
+
+  auto tensors = state.to_tensors();
+  tensors.erase("k_conv_inputs");
+  auto missing = KdaState::from_tensors(tensors);
+  EXPECT_EQ(missing.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(missing.status().message().find("k_conv_inputs"), std::string::npos);
+  tensors = state.to_tensors();
+  tensors["v_conv_inputs"] = at::zeros({3, 3, 15});
+  EXPECT_EQ(KdaState::from_tensors(tensors).status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(Kda, LayerGradientsReachEveryParameter) {
+  IncrementalAttention layer = fp64_layer(26);
+  torch::manual_seed(27);
+  const at::Tensor x = at::randn({2, 20, 32}, at::kDouble);
+  layer->forward(x).pow(2).sum().backward();
+  for (const auto& p : layer->named_parameters()) {
+    ASSERT_TRUE(p.value().grad().defined()) << p.key();
+    EXPECT_GT(p.value().grad().abs().max().item<double>(), 0.0) << p.key();
+  }
+}
+
+}  // namespace
+}  // namespace odyssey::model
