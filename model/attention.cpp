@@ -1,0 +1,209 @@
+#include "model/attention.h"
+
+#include <algorithm>
+#include <limits>
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+namespace odyssey::model {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+at::ScalarType compute_dtype(const at::Tensor& q) {
+  return q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+void check_shapes(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
+              "attention: q, k, v must be [B, H, T, D]; got ranks ", q.dim(), ", ", k.dim(),
+              ", ", v.dim());
+  TORCH_CHECK(k.size(0) == q.size(0) && v.size(0) == q.size(0),
+              "attention: batch sizes differ: q ", q.sizes(), ", k ", k.sizes(), ", v ", v.sizes());
+  TORCH_CHECK(v.size(1) == k.size(1) && v.size(2) == k.size(2),
+              "attention: k ", k.sizes(), " and v ", v.sizes(), " differ in heads or tokens");
+  TORCH_CHECK(k.size(1) >= 1 && q.size(1) % k.size(1) == 0, "attention: key heads ", k.size(1),
+              " must divide query heads ", q.size(1));
+  TORCH_CHECK(k.size(3) == q.size(3), "attention: q width ", q.size(3), " != k width ",
+              k.size(3));
+}
+
+// The query heads that share one key/value head are folded into the rows of one matrix:
+// q [B, Hq, Tq, D] -> [B, Hk, (Hq/Hk)*Tq, D], row r at position r % Tq (+ causal offset).
+at::Tensor fold_queries(const at::Tensor& q, int64_t kv_heads) {
+  return q.reshape({q.size(0), kv_heads, (q.size(1) / kv_heads) * q.size(2), q.size(3)});
+}
+
+// The range of query positions (relative to k[0]) held by folded rows [r0, r1).
+struct RowTile {
+  int64_t r0, rows;
+  int64_t min_pos, max_pos;
+  int64_t key_tile;  // keys per score tile: the tile holds about block² scores
+};
+
+RowTile row_tile(int64_t r0, int64_t r1, int64_t tq, int64_t offset, int64_t block) {
+  const bool wraps = (r1 - 1) / tq != r0 / tq;  // spans the end of one head and the next
+  const int64_t lo = wraps ? 0 : r0 % tq;
+  const int64_t hi = wraps ? tq - 1 : (r1 - 1) % tq;
+  return {r0, r1 - r0, lo + offset, hi + offset, std::max(block, block * block / (r1 - r0))};
+}
+
+// True where key c0 + j lies in the future of row tile's row i: [rows, c1 - c0].
+at::Tensor future_mask(const RowTile& t, int64_t c0, int64_t c1, int64_t tq, int64_t offset,
+                       const at::Device& device) {
+  const auto idx = at::TensorOptions().dtype(at::kLong).device(device);
+  const at::Tensor pos = at::arange(t.r0, t.r0 + t.rows, idx).remainder_(tq).add_(offset);
+  const at::Tensor keys = at::arange(c0, c1, idx);
+  return keys.unsqueeze(0) > pos.unsqueeze(1);
+}
+
+// Folded q [B, G, R, D], k [B, G, Tk, D], v [B, G, Tk, Dv]; writes o [B, G, R, Dv] (zeros on
+// entry, compute dtype) and returns the log-sum-exp of each row's scaled scores [B, G, R, 1]
+// (finite for every row, also one that sees no key). No autograd.
+at::Tensor flash_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         at::Tensor& o, int64_t tq, int64_t offset, double scale, int64_t block,
+                         at::ScalarType cdt) {
+  const int64_t B = q.size(0), G = q.size(1), R = q.size(2), tk = k.size(2);
+  const auto opts = q.options().dtype(cdt);
+  const double lowest = cdt == at::kDouble ? std::numeric_limits<double>::lowest()
+                                           : double(std::numeric_limits<float>::lowest());
+  const double neg_inf = -std::numeric_limits<double>::infinity();
+  // With the max subtracted, every row that sees a key has running sum >= 1 (its max term is
+  // exp(0)); rows that see none keep 0. clamp_min(1) therefore only touches the latter.
+  at::Tensor lse = at::empty({B, G, R, 1}, opts);
+  for (int64_t r0 = 0; r0 < R; r0 += block) {
+    const RowTile t = row_tile(r0, std::min(R, r0 + block), tq, offset, block);
+    const int64_t key_end = std::min(tk, t.max_pos + 1);
+    const at::Tensor qs = q.narrow(2, r0, t.rows).to(cdt) * scale;
+    at::Tensor m = at::full({B, G, t.rows, 1}, lowest, opts);
+    at::Tensor l = at::zeros({B, G, t.rows, 1}, opts);
+    at::Tensor acc = o.narrow(2, r0, t.rows);
+    for (int64_t c0 = 0; c0 < key_end; c0 += t.key_tile) {
+      const int64_t c1 = std::min(key_end, c0 + t.key_tile);
+      const at::Tensor kb = k.narrow(2, c0, c1 - c0).to(cdt);
+      const at::Tensor vb = v.narrow(2, c0, c1 - c0).to(cdt);
+      at::Tensor s = at::matmul(qs, kb.transpose(-2, -1));
+      if (c1 - 1 > t.min_pos) {
+        s.masked_fill_(future_mask(t, c0, c1, tq, offset, q.device()), neg_inf);
+      }
+      const at::Tensor m_new = at::maximum(m, std::get<0>(s.max(-1, /*keepdim=*/true)));
+      const at::Tensor p = s.sub_(m_new).exp_();
+      const at::Tensor alpha = (m - m_new).exp_();
+      l.mul_(alpha).add_(p.sum(-1, /*keepdim=*/true));
+      acc.mul_(alpha).add_(at::matmul(p, vb));
+      m = m_new;
+    }
+    l.clamp_min_(1.0);
+    acc.div_(l);
+    lse.narrow(2, r0, t.rows).copy_(m + l.log());
+  }
+  return lse;
+}
+
+struct FlashGrads {
+  at::Tensor dq, dk, dv;  // folded shapes, compute dtype
+};
+
+// The flash-attention backward: recompute p = exp(s - lse) tile by tile.
+FlashGrads flash_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                          const at::Tensor& o, const at::Tensor& lse, const at::Tensor& d_o,
+                          int64_t tq, int64_t offset, double scale, int64_t block,
+                          at::ScalarType cdt) {
+  const int64_t R = q.size(2), tk = k.size(2);
+  const auto opts = q.options().dtype(cdt);
+  const double neg_inf = -std::numeric_limits<double>::infinity();
+  const at::Tensor delta = (d_o * o).sum(-1, /*keepdim=*/true);  // rowsum(dO ∘ O)
+  at::Tensor dq = at::zeros(q.sizes(), opts);
+  at::Tensor dk = at::zeros(k.sizes(), opts);
+  at::Tensor dv = at::zeros(v.sizes(), opts);
+  for (int64_t r0 = 0; r0 < R; r0 += block) {
+    const RowTile t = row_tile(r0, std::min(R, r0 + block), tq, offset, block);
+    const int64_t key_end = std::min(tk, t.max_pos + 1);
+    const at::Tensor qs = q.narrow(2, r0, t.rows).to(cdt) * scale;
+    const at::Tensor dob = d_o.narrow(2, r0, t.rows);
+    const at::Tensor lse_t = lse.narrow(2, r0, t.rows);
+    const at::Tensor delta_t = delta.narrow(2, r0, t.rows);
+    at::Tensor dq_t = dq.narrow(2, r0, t.rows);
+    for (int64_t c0 = 0; c0 < key_end; c0 += t.key_tile) {
+      const int64_t c1 = std::min(key_end, c0 + t.key_tile);
+      const at::Tensor kb = k.narrow(2, c0, c1 - c0).to(cdt);
+      const at::Tensor vb = v.narrow(2, c0, c1 - c0).to(cdt);
+      at::Tensor s = at::matmul(qs, kb.transpose(-2, -1));
+      if (c1 - 1 > t.min_pos) {
+        s.masked_fill_(future_mask(t, c0, c1, tq, offset, q.device()), neg_inf);
+      }
+      const at::Tensor p = s.sub_(lse_t).exp_();
+      dv.narrow(2, c0, c1 - c0).add_(at::matmul(p.transpose(-2, -1), dob));
+      const at::Tensor ds = at::matmul(dob, vb.transpose(-2, -1)).sub_(delta_t).mul_(p);
+      dq_t.add_(at::matmul(ds, kb));
+      dk.narrow(2, c0, c1 - c0).add_(at::matmul(ds.transpose(-2, -1), qs));
+    }
+    dq_t.mul_(scale);
+  }
+  return {dq, dk, dv};
+}
+
+struct BlockwiseAttentionFunction : torch::autograd::Function<BlockwiseAttentionFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
+                            const at::Tensor& v, double scale, int64_t causal_offset,
+                            int64_t block, bool keep_compute_dtype) {
+    const at::ScalarType cdt = compute_dtype(q);
+    const at::Tensor o_compute =
+        at::zeros({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options().dtype(cdt));
+    at::Tensor o_folded = fold_queries(o_compute, k.size(1));
+    const at::Tensor lse = flash_forward(fold_queries(q, k.size(1)), k, v, o_folded, q.size(2),
+                                         causal_offset, scale, block, cdt);
+    ctx->save_for_backward({q, k, v, o_compute, lse});
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["causal_offset"] = causal_offset;
+    ctx->saved_data["block"] = block;
+    return keep_compute_dtype ? o_compute : o_compute.to(q.scalar_type());
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &o = saved[3], &lse = saved[4];
+    const at::ScalarType cdt = compute_dtype(q);
+    const int64_t kv_heads = k.size(1);
+    const FlashGrads g = flash_backward(
+        fold_queries(q, kv_heads), k, v, fold_queries(o, kv_heads), lse,
+        fold_queries(grad_outputs[0].to(cdt), kv_heads), q.size(2),
+        ctx->saved_data["causal_offset"].toInt(), ctx->saved_data["scale"].toDouble(),
+        ctx->saved_data["block"].toInt(), cdt);
+    return {g.dq.view(q.sizes()).to(q.scalar_type()), g.dk.to(k.scalar_type()),
+            g.dv.to(v.scalar_type()), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor blockwise_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               double scale, int64_t causal_offset, int64_t block,
+                               bool keep_compute_dtype) {
+  check_shapes(q, k, v);
+  TORCH_CHECK(block >= 1, "blockwise_attention: block must be >= 1, got ", block);
+  return BlockwiseAttentionFunction::apply(q, k, v, scale, causal_offset, block,
+                                           keep_compute_dtype);
+}
+
+at::Tensor naive_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           double scale, int64_t causal_offset, bool keep_compute_dtype) {
+  check_shapes(q, k, v);
+  const at::ScalarType cdt = compute_dtype(q);
+  const int64_t group = q.size(1) / k.size(1), tq = q.size(2), tk = k.size(2);
+  const at::Tensor kc = k.to(cdt).repeat_interleave(group, /*dim=*/1);
+  const at::Tensor vc = v.to(cdt).repeat_interleave(group, /*dim=*/1);
+  at::Tensor s = at::matmul(q.to(cdt), kc.transpose(-2, -1)) * scale;
+  const auto idx = at::TensorOptions().dtype(at::kLong).device(q.device());
+  const at::Tensor pos = at::arange(tq, idx).add_(causal_offset).unsqueeze(1);
+  const at::Tensor future = at::arange(tk, idx).unsqueeze(0) > pos;  // [Tq, Tk]
+  const at::Tensor blind = (pos < 0);                                 // rows that see no key
+  s = s.masked_fill(future, -std::numeric_limits<double>::infinity()).masked_fill(blind, 0.0);
+  const at::Tensor p = at::softmax(s, -1).masked_fill(blind, 0.0);
+  const at::Tensor o = at::matmul(p, vc);
+  return keep_compute_dtype ? o : o.to(q.scalar_type());
+}
+
+}  // namespace odyssey::model
