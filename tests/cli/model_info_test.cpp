@@ -1,5 +1,6 @@
 // `odyssey model info` run as a real process: the count lines, and errors that name the file.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <array>
 #include <cmath>
@@ -68,7 +69,7 @@ TEST(ModelInfo, OverridesChangeTheCounts) {
 }
 
 TEST(ModelInfo, BadConfigNamesFileLineAndKey) {
-  const std::string path = (std::filesystem::path(::testing::TempDir()) / "model_info_bad.toml").string();
+  const std::string path = (std::filesystem::path(::testing::TempDir()) / ("model_info_bad_" + std::to_string(::getpid()) + ".toml")).string();
   std::ofstream(path) << "[model]\nnum_layers = 6\n\n[model.moe]\nrouted_experts = 8\ntop_k = 9\n";
   int code = -1;
   const std::string out = run(std::string(ODYSSEY_BINARY) + " model info " + path, &code);

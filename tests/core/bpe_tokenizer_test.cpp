@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <atomic>
 #include <fstream>
 #include <set>
@@ -78,7 +80,9 @@ uint32_t id_of(const Json& tokenizer_json, std::string_view raw) {
 }
 
 std::string write_file(const std::string& name, const std::string& text) {
-  const std::string path = ::testing::TempDir() + "bpe_tokenizer_test_" + name + ".json";
+  // Unique per process: ctest runs test cases in parallel processes.
+  const std::string path =
+      ::testing::TempDir() + "bpe_tokenizer_test_" + std::to_string(::getpid()) + "_" + name + ".json";
   std::ofstream(path, std::ios::binary) << text;
   return path;
 }

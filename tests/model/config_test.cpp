@@ -3,6 +3,7 @@
 #include "model/config.h"
 
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -30,7 +31,7 @@ ModelConfig load_shipped(const std::string& name, const std::vector<std::string>
 
 // Writes `text` to a fresh file and returns its path.
 std::string write_config(const std::string& name, const std::string& text) {
-  const std::string path = (std::filesystem::path(::testing::TempDir()) / ("model_config_" + name + ".toml")).string();
+  const std::string path = (std::filesystem::path(::testing::TempDir()) / ("model_config_" + std::to_string(::getpid()) + "_" + name + ".toml")).string();
   std::ofstream(path) << text;
   return path;
 }

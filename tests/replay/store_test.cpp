@@ -198,9 +198,8 @@ TEST_F(StoreTest, RestartedStoreDrawsExactlyWhatItWouldHaveDrawn) {
     for (uint64_t id = 1; id <= 20; ++id) write(*s, {id});
     straight = draw(*s, 30);
   }
-  tmp_.~TempDir();
-  new (&tmp_) TempDir();
-  o.dir = tmp_.str("store");
+  TempDir second;  // the same history again, with a restart in the middle
+  o.dir = second.str("store");
   {
     auto s = open(o);
     for (uint64_t id = 1; id <= 20; ++id) write(*s, {id});
