@@ -30,5 +30,6 @@ void add_replay_commands(CLI::App& app, Action& action);
 void add_traj_commands(CLI::App& app, Action& action);
 void add_config_commands(CLI::App& app, Action& action);
 void add_bench_commands(CLI::App& app, Action& action);
+void add_model_commands(CLI::App& app, Action& action);
 
 }  // namespace odyssey::cli

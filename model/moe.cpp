@@ -1,0 +1,166 @@
+#include "model/moe.h"
+
+#include <cmath>
+#include <tuple>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
+
+#include "model/balancing.h"
+
+namespace odyssey::model {
+namespace {
+
+// Uniform(±1/√fan_in), LibTorch's Linear default, for a stacked [count, out, in] weight.
+torch::Tensor stacked_weight(int64_t count, int64_t out, int64_t in) {
+  const double bound = 1.0 / std::sqrt(static_cast<double>(in));
+  return at::empty({count, out, in}, at::kFloat).uniform_(-bound, bound);
+}
+
+at::ScalarType accumulate_dtype(const torch::Tensor& a, const torch::Tensor& b) {
+  return a.scalar_type() == at::kDouble || b.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+}  // namespace
+
+TokenPermutation permute_tokens(const torch::Tensor& selected, int64_t num_experts) {
+  TORCH_CHECK(selected.dim() == 2 && selected.scalar_type() == at::kLong,
+              "permute_tokens: selected must be int64 [tokens, k], got ", selected.scalar_type(), selected.sizes());
+  const int64_t k = selected.size(1);
+  const torch::Tensor flat = selected.reshape({-1});
+  TokenPermutation permutation;
+  permutation.source = std::get<1>(at::sort(flat, /*stable=*/true, /*dim=*/0, /*descending=*/false));
+  permutation.token = at::div(permutation.source, k, /*rounding_mode=*/"floor");
+  permutation.tokens_per_expert = at::bincount(flat, /*weights=*/{}, /*minlength=*/num_experts);
+  TORCH_CHECK(permutation.tokens_per_expert.size(0) == num_experts, "permute_tokens: an expert id is >= ",
+              num_experts);
+  return permutation;
+}
+
+torch::Tensor permute(const torch::Tensor& tokens, const TokenPermutation& permutation) {
+  return tokens.index_select(0, permutation.token);
+}
+
+torch::Tensor unpermute(const torch::Tensor& copies, const TokenPermutation& permutation,
+                        const torch::Tensor& weights) {
+  TORCH_CHECK(weights.dim() == 2 && copies.size(0) == weights.numel(), "unpermute: ", copies.size(0),
+              " copies for weights ", weights.sizes());
+  const at::ScalarType dtype = accumulate_dtype(copies, weights);
+  std::vector<int64_t> weight_shape(static_cast<size_t>(copies.dim()), 1);
+  weight_shape[0] = copies.size(0);
+  const torch::Tensor copy_weight =
+      weights.reshape({-1}).index_select(0, permutation.source).to(dtype).reshape(weight_shape);
+  std::vector<int64_t> out_shape = copies.sizes().vec();
+  out_shape[0] = weights.size(0);
+  return at::zeros(out_shape, copies.options().dtype(dtype))
+      .index_add(0, permutation.token, copies.to(dtype) * copy_weight);
+}
+
+StackedExpertsImpl::StackedExpertsImpl(int64_t count, int64_t width, int64_t ffn, double beta1, double beta2)
+    : count_(count), beta1_(beta1), beta2_(beta2) {
+  TORCH_CHECK(count > 0 && width > 0 && ffn > 0, "StackedExperts: count (", count, "), width (", width,
+              ") and ffn (", ffn, ") must be positive");
+  gate_proj = register_parameter("gate_proj", stacked_weight(count, ffn, width));
+  up_proj = register_parameter("up_proj", stacked_weight(count, ffn, width));
+  down_proj = register_parameter("down_proj", stacked_weight(count, width, ffn));
+}
+
+torch::Tensor StackedExpertsImpl::forward(const torch::Tensor& rows, const torch::Tensor& tokens_per_expert) {
+  TORCH_CHECK(tokens_per_expert.dim() == 1 && tokens_per_expert.size(0) == count_,
+              "StackedExperts: tokens_per_expert must be [", count_, "], got ", tokens_per_expert.sizes());
+  const torch::Tensor counts = tokens_per_expert.to(at::kCPU, at::kLong).contiguous();
+  const int64_t* count_of = counts.data_ptr<int64_t>();
+  std::vector<torch::Tensor> outputs;
+  int64_t start = 0;
+  for (int64_t e = 0; e < count_; ++e) {
+    if (count_of[e] == 0) continue;
+    const torch::Tensor slice = rows.narrow(0, start, count_of[e]);
+    const torch::Tensor h = situ_glu(at::matmul(slice, gate_proj.select(0, e).t()),
+                                     at::matmul(slice, up_proj.select(0, e).t()), beta1_, beta2_);
+    outputs.push_back(at::matmul(h, down_proj.select(0, e).t()));
+    start += count_of[e];
+  }
+  TORCH_CHECK(start == rows.size(0), "StackedExperts: tokens_per_expert sums to ", start, ", rows are ",
+              rows.size(0));
+  if (outputs.empty()) return at::zeros_like(rows);
+  return at::cat(outputs, /*dim=*/0);
+}
+
+torch::Tensor StackedExpertsImpl::sum_all(const torch::Tensor& x) {
+  // Σ_e down_e · h_e(x) is one MLP whose inner width is the experts' widths side by side.
+  const int64_t width = gate_proj.size(2);
+  const int64_t inner = count_ * gate_proj.size(1);
+  const torch::Tensor h = situ_glu(at::matmul(x, gate_proj.reshape({inner, width}).t()),
+                                   at::matmul(x, up_proj.reshape({inner, width}).t()), beta1_, beta2_);
+  return at::matmul(h, down_proj.permute({1, 0, 2}).reshape({width, inner}).t());
+}
+
+RouterImpl::RouterImpl(int64_t hidden, int64_t num_experts) {
+  const double bound = 1.0 / std::sqrt(static_cast<double>(hidden));
+  weight = register_parameter("weight", at::empty({num_experts, hidden}, at::kFloat).uniform_(-bound, bound));
+  bias = register_buffer("bias", at::zeros({num_experts}, at::kFloat));
+}
+
+torch::Tensor RouterImpl::forward(const torch::Tensor& tokens) {
+  const at::ScalarType compute = tokens.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  return at::sigmoid(at::matmul(tokens.to(compute), weight.to(compute).t()));
+}
+
+MoeImpl::MoeImpl(const MoeOptions& options) : options_(options) {
+  TORCH_CHECK(options.hidden > 0 && options.latent > 0 && options.expert_ffn > 0, "Moe: hidden (", options.hidden,
+              "), latent (", options.latent, ") and expert_ffn (", options.expert_ffn, ") must be positive");
+  TORCH_CHECK(options.top_k >= 1 && options.top_k <= options.num_experts, "Moe: top_k ", options.top_k,
+              " must be in [1, num_experts = ", options.num_experts, "]");
+  TORCH_CHECK(options.num_shared >= 0 && (options.num_shared == 0 || options.shared_ffn > 0), "Moe: ",
+              options.num_shared, " shared experts need a positive shared_ffn, got ", options.shared_ffn);
+  using torch::nn::Linear;
+  using torch::nn::LinearOptions;
+  // Registration order is the order of model_tensors() (model/config.h).
+  router = register_module("router", Router(options.hidden, options.num_experts));
+  latent_down = register_module("latent_down", Linear(LinearOptions(options.hidden, options.latent).bias(false)));
+  latent_up = register_module("latent_up", Linear(LinearOptions(options.latent, options.hidden).bias(false)));
+  latent_norm = register_module("latent_norm", RmsNorm(options.latent, options.eps));
+  experts = register_module("experts", StackedExperts(options.num_experts, options.latent, options.expert_ffn,
+                                                      options.situ_beta1, options.situ_beta2));
+  if (options.num_shared > 0) {
+    shared_experts = register_module("shared_experts",
+                                     StackedExperts(options.num_shared, options.hidden, options.shared_ffn,
+                                                    options.situ_beta1, options.situ_beta2));
+  }
+}
+
+MoeRouting MoeImpl::route(const torch::Tensor& x) {
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == options_.hidden, "Moe: x must be [..., ", options_.hidden, "], got ",
+              x.sizes());
+  MoeRouting routing;
+  routing.scores = router(x.reshape({-1, options_.hidden}));
+  routing.selected = select_experts(routing.scores, router->bias, options_.top_k);
+  const torch::Tensor chosen = routing.scores.gather(/*dim=*/1, routing.selected);
+  routing.weights = chosen / chosen.sum(/*dim=*/{-1}, /*keepdim=*/true);
+  return routing;
+}
+
+MoeOutput MoeImpl::forward(const torch::Tensor& x) {
+  MoeOutput out;
+  out.routing = route(x);
+  const torch::Tensor tokens = x.reshape({-1, options_.hidden});
+  const torch::Tensor z = latent_down(tokens);
+  const TokenPermutation permutation = permute_tokens(out.routing.selected, options_.num_experts);
+  const torch::Tensor expert_out = experts(permute(z, permutation), permutation.tokens_per_expert);
+  const torch::Tensor u = unpermute(expert_out, permutation, out.routing.weights);
+  torch::Tensor y = latent_up(latent_norm(u).to(x.scalar_type()));
+  if (!shared_experts.is_empty()) y = y + shared_experts->sum_all(tokens);
+  out.y = y.reshape(x.sizes());
+  return out;
+}
+
+void MoeImpl::set_expert_bias(const torch::Tensor& bias) {
+  TORCH_CHECK(bias.dim() == 1 && bias.size(0) == options_.num_experts, "Moe: expert bias must be [",
+              options_.num_experts, "], got ", bias.sizes());
+  c10::NoGradGuard no_grad;
+  router->bias.copy_(bias);
+}
+
+}  // namespace odyssey::model
