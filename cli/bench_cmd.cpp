@@ -1,8 +1,9 @@
-// odyssey bench replay
+// odyssey bench replay | model
 #include <cstdio>
 
 #include <spdlog/spdlog.h>
 
+#include "bench/model_bench.h"
 #include "bench/replay_bench.h"
 #include "cli/commands.h"
 
@@ -34,6 +35,27 @@ void add_bench_commands(CLI::App& app, Action& action) {
       auto r = bench::run_replay_bench(o);
       if (!r.ok()) {
         spdlog::error("bench replay: {}", r.status().to_string());
+        return 1;
+      }
+      return 0;
+    };
+  });
+
+  static bench::ModelBenchOptions model_options;
+  auto* model = bench->add_subcommand(
+      "model", "the policy's layers in each form (tokens/s) and chunked KDA vs its recurrence at T=4096 (CPU)");
+  model->add_option("--model-config", model_options.model_config, "model config TOML")->capture_default_str();
+  model->add_option("--sequence", model_options.sequence, "tokens for the parallel and chunked forms")
+      ->capture_default_str();
+  model->add_option("--decode", model_options.decode, "tokens for the one-at-a-time forms")->capture_default_str();
+  model->add_option("--kda-tokens", model_options.kda_tokens, "T of the chunked-vs-recurrent comparison")
+      ->capture_default_str();
+  model->add_option("--repeats", model_options.repeats, "best of this many runs")->capture_default_str();
+  model->callback([&action] {
+    action = [] {
+      auto r = bench::run_model_bench(model_options);
+      if (!r.ok()) {
+        spdlog::error("bench model: {}", r.status().to_string());
         return 1;
       }
       return 0;
