@@ -417,7 +417,7 @@ std::string load_error(const Json& j) {
   EXPECT_FALSE(tok.ok());
   if (tok.ok()) return "";
   EXPECT_EQ(tok.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(tok.status().message().find("bpe_tokenizer_test_bad.json"), std::string::npos) << tok.status().message();
+  EXPECT_NE(tok.status().message().find("_bad.json"), std::string::npos) << tok.status().message();
   return tok.status().message();
 }
 

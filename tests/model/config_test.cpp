@@ -31,7 +31,10 @@ ModelConfig load_shipped(const std::string& name, const std::vector<std::string>
 
 // Writes `text` to a fresh file and returns its path.
 std::string write_config(const std::string& name, const std::string& text) {
-  const std::string path = (std::filesystem::path(::testing::TempDir()) / ("model_config_" + std::to_string(::getpid()) + "_" + name + ".toml")).string();
+  // A folder per process (ctest runs cases in parallel); the file name stays what tests expect.
+  const auto dir = std::filesystem::path(::testing::TempDir()) / ("odyssey_model_config_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  const std::string path = (dir / ("model_config_" + name + ".toml")).string();
   std::ofstream(path) << text;
   return path;
 }
