@@ -1,6 +1,8 @@
 // The benchmarks run end to end at small sizes and end with their ratio line (the figures
 // themselves are for `odyssey bench ...` runs, not for tests).
 #include <gtest/gtest.h>
+
+#include "cli/run_command.h"
 #include <sys/wait.h>
 
 #include <array>
@@ -10,12 +12,7 @@
 namespace {
 
 std::string run(const std::string& args, int* code) {
-  std::string out;
-  FILE* p = ::popen((std::string(ODYSSEY_BINARY) + " " + args + " 2>&1").c_str(), "r");
-  std::array<char, 4096> buf;
-  while (size_t n = std::fread(buf.data(), 1, buf.size(), p)) out.append(buf.data(), n);
-  *code = WEXITSTATUS(::pclose(p));
-  return out;
+  return odyssey::testing::run_shell(std::string(ODYSSEY_BINARY) + " " + args, code);
 }
 
 std::string last_line(const std::string& out) {

@@ -1,6 +1,8 @@
 // `odyssey doctor` runs every check for real on this machine and reports success.
 #include <gtest/gtest.h>
 
+#include "cli/run_command.h"
+
 #include <array>
 #include <cstdio>
 #include <memory>
@@ -10,14 +12,7 @@
 
 namespace {
 
-std::string run(const std::string& cmd, int* code) {
-  std::string out;
-  FILE* p = ::popen((cmd + " 2>&1").c_str(), "r");
-  std::array<char, 4096> buf;
-  while (size_t n = std::fread(buf.data(), 1, buf.size(), p)) out.append(buf.data(), n);
-  *code = WEXITSTATUS(::pclose(p));
-  return out;
-}
+std::string run(const std::string& cmd, int* code) { return odyssey::testing::run_shell(cmd, code); }
 
 TEST(Doctor, EveryCheckPassesOnThisMachine) {
   int code = -1;

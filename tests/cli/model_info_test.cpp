@@ -1,5 +1,7 @@
 // `odyssey model info` run as a real process: the count lines, and errors that name the file.
 #include <gtest/gtest.h>
+
+#include "cli/run_command.h"
 #include <unistd.h>
 
 #include <array>
@@ -13,14 +15,7 @@
 
 namespace {
 
-std::string run(const std::string& cmd, int* code) {
-  std::string out;
-  FILE* p = ::popen((cmd + " 2>&1").c_str(), "r");
-  std::array<char, 4096> buf;
-  while (size_t n = std::fread(buf.data(), 1, buf.size(), p)) out.append(buf.data(), n);
-  *code = WEXITSTATUS(::pclose(p));
-  return out;
-}
+std::string run(const std::string& cmd, int* code) { return odyssey::testing::run_shell(cmd, code); }
 
 // The N of the line "key: N", or -1.
 long long count_line(const std::string& out, const std::string& key) {
