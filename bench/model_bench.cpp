@@ -10,9 +10,7 @@
 #include <torch/utils.h>
 
 #include "model/config.h"
-#include "model/kda.h"
-#include "model/mla.h"
-#include "model/moe.h"
+#include "model/policy.h"
 
 namespace odyssey::bench {
 
@@ -49,16 +47,7 @@ Result<ModelBenchResult> run_model_bench(const ModelBenchOptions& o) {
   const at::Tensor x = at::randn({1, o.sequence, d});
 
   // --- KDA layer in its three forms ---
-  model::IncrementalAttentionOptions ko;
-  ko.hidden = d;
-  ko.heads = cfg.kda.heads;
-  ko.head_k_dim = cfg.kda.head_k_dim;
-  ko.head_v_dim = cfg.kda.head_v_dim;
-  ko.decay_rank = cfg.kda.decay_rank;
-  ko.g_min = cfg.kda.g_min;
-  ko.conv_width = cfg.kda.conv_width;
-  ko.chunk = cfg.kda.chunk_size;
-  model::IncrementalAttention kda(ko);
+  model::IncrementalAttention kda(model::kda_options(cfg));
   row("kda", "parallel (chunked form)", o.sequence, best_seconds(o.repeats, [&] { kda->forward(x); }));
   row("kda", "chunk by chunk, state carried", o.sequence, best_seconds(o.repeats, [&] {
         auto state = kda->initial_state(1);
@@ -72,15 +61,7 @@ Result<ModelBenchResult> run_model_bench(const ModelBenchOptions& o) {
 
   // --- MLA layer ---
   if (!cfg.mla_layers.empty()) {
-    model::GatedMlaOptions mo;
-    mo.hidden = d;
-    mo.heads = cfg.mla.heads;
-    mo.q_latent = cfg.mla.q_latent;
-    mo.kv_latent = cfg.mla.kv_latent;
-    mo.head_dim = cfg.mla.qk_nope_dim;
-    mo.shared_dim = cfg.mla.shared_key_dim;
-    mo.v_dim = cfg.mla.v_head_dim;
-    model::GatedMla mla(mo);
+    model::GatedMla mla(model::mla_options(cfg));
     row("mla", "parallel (blockwise)", o.sequence, best_seconds(o.repeats, [&] { mla->forward(x); }));
     row("mla", "chunk by chunk, cache carried", o.sequence, best_seconds(o.repeats, [&] {
           auto cache = mla->initial_cache(1, o.sequence);
@@ -94,15 +75,7 @@ Result<ModelBenchResult> run_model_bench(const ModelBenchOptions& o) {
   }
 
   // --- MoE layer ---
-  model::MoeOptions eo;
-  eo.hidden = d;
-  eo.latent = cfg.moe.latent_width;
-  eo.expert_ffn = cfg.moe.expert_ffn_width;
-  eo.num_experts = cfg.moe.routed_experts;
-  eo.top_k = cfg.moe.top_k;
-  eo.num_shared = cfg.moe.shared_experts;
-  eo.shared_ffn = cfg.moe.shared_ffn_width;
-  model::Moe moe(eo);
+  model::Moe moe(model::moe_options(cfg));
   row("moe", "all tokens at once", o.sequence, best_seconds(o.repeats, [&] { moe->forward(x); }));
   row("moe", "one token at a time", o.decode, best_seconds(o.repeats, [&] {
         for (int64_t t = 0; t < o.decode; ++t) moe->forward(x.narrow(1, t, 1));

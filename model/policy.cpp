@@ -13,6 +13,12 @@ namespace odyssey::model {
 
 namespace {
 
+MoeRouting detached(const MoeRouting& r) {
+  return {r.scores.detach(), r.selected.detach(), r.weights.detach()};
+}
+
+}  // namespace
+
 IncrementalAttentionOptions kda_options(const ModelConfig& c) {
   IncrementalAttentionOptions o;
   o.hidden = c.hidden_size;
@@ -62,12 +68,6 @@ MoeOptions moe_options(const ModelConfig& c) {
   o.situ_beta2 = c.situ_beta2;
   return o;
 }
-
-MoeRouting detached(const MoeRouting& r) {
-  return {r.scores.detach(), r.selected.detach(), r.weights.detach()};
-}
-
-}  // namespace
 
 PolicyLayerImpl::PolicyLayerImpl(const ModelConfig& config, int64_t layer)
     : attention_kind_(config.attention_kind(layer)), ffn_kind_(config.ffn_kind(layer)) {

@@ -88,6 +88,13 @@ struct PolicyState {
   int64_t tokens = 0;  // tokens consumed so far
 };
 
+// Each layer kind's options as the policy builds them from a model config (also what
+// `odyssey bench model` measures, so the bench runs exactly the policy's layers).
+IncrementalAttentionOptions kda_options(const ModelConfig& config);
+GatedMlaOptions mla_options(const ModelConfig& config);
+DenseFfnOptions dense_options(const ModelConfig& config);
+MoeOptions moe_options(const ModelConfig& config);
+
 class PolicyImpl : public torch::nn::Module {
  public:
   // Checks the config (validate()); throws c10::Error on an invalid config, on
