@@ -7,6 +7,7 @@
 
 #include <ATen/ATen.h>
 #include <torch/types.h>
+#include <torch/optim/adamw.h>
 #include <torch/utils.h>
 
 #include "model/config.h"
@@ -31,13 +32,20 @@ double best_seconds(int repeats, const std::function<void()>& fn) {
 }
 
 void row(const char* layer, const char* form, int64_t tokens, double secs) {
-  std::printf("%-6s %-28s %8ld tokens  %9.3f ms  %12.0f tokens/s\n", layer, form, static_cast<long>(tokens),
+  std::printf("%-6s %-30s %8ld tokens  %9.3f ms  %12.0f tokens/s\n", layer, form, static_cast<long>(tokens),
               secs * 1e3, tokens / secs);
 }
 
 }  // namespace
 
 Result<ModelBenchResult> run_model_bench(const ModelBenchOptions& o) {
+  if (o.sequence < 2 || o.chunk < 1 || o.repeats < 1 || o.decode < 1 || o.decode > o.sequence ||
+      o.train_tokens < 1 || o.train_tokens >= o.sequence || o.kda_tokens < 1) {
+    return invalid_argument(
+        "bench model: need sequence >= 2, chunk >= 1, repeats >= 1, 1 <= decode <= sequence and "
+        "1 <= train-tokens < sequence (got sequence {}, chunk {}, repeats {}, decode {}, train-tokens {})",
+        o.sequence, o.chunk, o.repeats, o.decode, o.train_tokens);
+  }
   ODY_ASSIGN_OR_RETURN(auto cfg, model::load_model_config({o.model_config}));
   torch::NoGradGuard no_grad;
   at::manual_seed(0);
@@ -45,6 +53,32 @@ Result<ModelBenchResult> run_model_bench(const ModelBenchOptions& o) {
   std::printf("bench model: %s (d=%ld), %d threads; best of %d\n", o.model_config.c_str(), static_cast<long>(d),
               at::get_num_threads(), o.repeats);
   const at::Tensor x = at::randn({1, o.sequence, d});
+
+  // --- the whole policy in its three forms, then one training step ---
+  {
+    model::Policy policy(cfg);
+    const at::Tensor tokens = at::randint(0, cfg.vocab_size, {1, o.sequence}, at::kLong);
+    row("policy", "parallel (whole sequence)", o.sequence, best_seconds(o.repeats, [&] { policy->forward(tokens); }));
+    row("policy", "chunk by chunk, state carried", o.sequence, best_seconds(o.repeats, [&] {
+          auto state = policy->initial_state(1, o.sequence);
+          for (int64_t t = 0; t < o.sequence; t += o.chunk)
+            policy->forward_chunk(tokens.narrow(1, t, std::min(o.chunk, o.sequence - t)), state);
+        }));
+    row("policy", "one token at a time", o.decode, best_seconds(o.repeats, [&] {
+          auto state = policy->initial_state(1, o.decode);
+          for (int64_t t = 0; t < o.decode; ++t) policy->step(tokens.select(1, t), state);
+        }));
+    // A training step: forward, next-token cross-entropy, backward, AdamW update.
+    torch::AutoGradMode grad(true);
+    torch::optim::AdamW adamw(policy->parameters(), torch::optim::AdamWOptions(1e-3));
+    const at::Tensor inputs = tokens.narrow(1, 0, o.train_tokens), targets = tokens.narrow(1, 1, o.train_tokens);
+    row("policy", "training step (fwd+bwd+AdamW)", o.train_tokens, best_seconds(o.repeats, [&] {
+          adamw.zero_grad();
+          const at::Tensor logits = policy->forward(inputs);
+          at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1})).backward();
+          adamw.step();
+        }));
+  }
 
   // --- KDA layer in its three forms ---
   model::IncrementalAttention kda(model::kda_options(cfg));

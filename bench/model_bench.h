@@ -1,6 +1,7 @@
-// `odyssey bench model` (CPU): the policy's layers in each way they run — parallel over a
+// `odyssey bench model` (CPU): the whole policy and its layers in each way they run — parallel over a
 // sequence, chunk by chunk with state carried, one token at a time — in tokens per second,
-// at the sizes of a model config (tiny by default), and the chunked KDA form against its
+// at the sizes of a model config (tiny by default), a training step of the whole policy
+// (forward, cross-entropy, backward, AdamW), and the chunked KDA form against its
 // token-by-token recurrence at T = 4096 measured in the same run. Last line:
 // `kda_chunked_speedup: X` (recurrence time / chunked time).
 #pragma once
@@ -18,6 +19,7 @@ struct ModelBenchOptions {
   int64_t chunk = 128;       // chunk of the chunk-by-chunk form
   int64_t decode = 256;      // tokens for the one-at-a-time form
   int64_t kda_tokens = 4096; // T of the chunked-vs-recurrent comparison
+  int64_t train_tokens = 512; // tokens of the training-step row (< sequence)
   int repeats = 3;           // best of
 };
 

@@ -43,12 +43,14 @@ void add_bench_commands(CLI::App& app, Action& action) {
 
   static bench::ModelBenchOptions model_options;
   auto* model = bench->add_subcommand(
-      "model", "the policy's layers in each form (tokens/s) and chunked KDA vs its recurrence at T=4096 (CPU)");
+      "model", "the whole policy and its layers in each form, a training step (tokens/s), and chunked KDA vs its recurrence at T=4096 (CPU)");
   model->add_option("--model-config", model_options.model_config, "model config TOML")->capture_default_str();
   model->add_option("--sequence", model_options.sequence, "tokens for the parallel and chunked forms")
       ->capture_default_str();
   model->add_option("--decode", model_options.decode, "tokens for the one-at-a-time forms")->capture_default_str();
   model->add_option("--kda-tokens", model_options.kda_tokens, "T of the chunked-vs-recurrent comparison")
+      ->capture_default_str();
+  model->add_option("--train-tokens", model_options.train_tokens, "tokens of the training-step row")
       ->capture_default_str();
   model->add_option("--repeats", model_options.repeats, "best of this many runs")->capture_default_str();
   model->callback([&action] {
