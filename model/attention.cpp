@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/version.h>
 
 namespace odyssey::model {
 namespace {
@@ -179,11 +180,54 @@ struct BlockwiseAttentionFunction : torch::autograd::Function<BlockwiseAttention
 
 }  // namespace
 
+bool fused_attention_applies(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             int64_t causal_offset) {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1)
+  const bool half = q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf;
+  const int64_t tq = q.size(2), tk = k.size(2);
+  const bool plain_causal = causal_offset == 0 && tq == tk;
+  const bool sees_all = causal_offset >= tk - 1;
+  return q.is_cuda() && half && k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type() &&
+         q.size(1) == k.size(1) && std::max(q.size(3), v.size(3)) <= 256 && (plain_causal || sees_all);
+#else
+  (void)q, (void)k, (void)v, (void)causal_offset;
+  return false;  // LibTorch < 2.1 has no scaled_dot_product_attention with a scale
+#endif
+}
+
+namespace {
+
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1)
+// LibTorch's fused attention (flash / memory-efficient kernels). Both want one head width for
+// q, k and v: zero columns appended to the narrower side change no dot product (q, k) and only
+// add output columns that are sliced off again (v).
+at::Tensor fused_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+                           int64_t causal_offset, bool keep_compute_dtype) {
+  const int64_t d = q.size(3), dv = v.size(3);
+  const int64_t width = (std::max(d, dv) + 7) / 8 * 8;
+  auto widen = [width](const at::Tensor& t) {
+    return t.size(3) == width ? t : at::constant_pad_nd(t, {0, width - t.size(3)});
+  };
+  const bool is_causal = causal_offset == 0 && q.size(2) == k.size(2) && q.size(2) > 1;
+  at::Tensor o = at::scaled_dot_product_attention(widen(q), widen(k), widen(v), /*attn_mask=*/{},
+                                                  /*dropout_p=*/0.0, is_causal, scale);
+  if (dv != width) o = o.narrow(3, 0, dv);
+  return keep_compute_dtype ? o.to(at::kFloat) : o;
+}
+#endif
+
+}  // namespace
+
 at::Tensor blockwise_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                double scale, int64_t causal_offset, int64_t block,
-                               bool keep_compute_dtype) {
+                               bool keep_compute_dtype, bool allow_fused) {
   check_shapes(q, k, v);
   TORCH_CHECK(block >= 1, "blockwise_attention: block must be >= 1, got ", block);
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1)
+  if (allow_fused && fused_attention_applies(q, k, v, causal_offset)) {
+    return fused_attention(q, k, v, scale, causal_offset, keep_compute_dtype);
+  }
+#endif
   return BlockwiseAttentionFunction::apply(q, k, v, scale, causal_offset, block,
                                            keep_compute_dtype);
 }

@@ -32,6 +32,15 @@
 // so training memory is also O(T) rather than O(T²). It is differentiable once (no double
 // backward). naive_attention is plain autograd.
 //
+// On the GPU (LibTorch >= 2.1, CUDA tensors in bf16/fp16, as many key/value heads as query heads,
+// head widths <= 256, and either plain self-attention or a query block that sees every key,
+// e.g. one decode token): LibTorch's fused scaled_dot_product_attention (flash or
+// memory-efficient kernel, O(T) memory too) runs instead, unless allow_fused is false; its
+// statistics are fp32 inside the kernel and its output is rounded to q's dtype before the
+// keep_compute_dtype cast. fused_attention_applies() says whether a call takes that path.
+// Chunks that continue a cache (0 < causal_offset < Tk - 1) always take the blockwise path: the
+// fused kernels' causal mask is aligned to the top-left, not to the cache's end.
+//
 // Errors: shape mismatches throw c10::Error (programming errors, not outside input).
 #pragma once
 
@@ -45,7 +54,12 @@ inline constexpr int64_t kAttentionBlock = 256;
 
 at::Tensor blockwise_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                double scale, int64_t causal_offset,
-                               int64_t block = kAttentionBlock, bool keep_compute_dtype = false);
+                               int64_t block = kAttentionBlock, bool keep_compute_dtype = false,
+                               bool allow_fused = true);
+
+// Whether blockwise_attention(q, k, v, ..., causal_offset) runs LibTorch's fused kernel.
+bool fused_attention_applies(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             int64_t causal_offset);
 
 // The same contract, by materializing the [B, Hq, Tq, Tk] score matrix. For tests only.
 at::Tensor naive_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
