@@ -34,13 +34,15 @@ TurnParser::TurnParser(std::vector<ToolSpec> tools, TurnLimits limits) : tools_(
 
 TurnParser::Checked TurnParser::check_call(const std::string& raw, std::string id) const {
   Checked out;
-  auto fail = [&out](std::string message) {
+  auto fail = [&out](std::string message, RejectReason reason = RejectReason::kMalformed) {
     out.error = std::move(message);
+    out.reason = reason;
     return out;
   };
   if (raw.size() > limits_.max_call_bytes)
     return fail(fmt::format("tool call is {} bytes, over the limit of {} bytes; it was not run", raw.size(),
-                            limits_.max_call_bytes));
+                            limits_.max_call_bytes),
+                RejectReason::kTooLarge);
   json call;
   try {
     call = json::parse(raw);
@@ -60,13 +62,16 @@ TurnParser::Checked TurnParser::check_call(const std::string& raw, std::string i
   if (name == body->end()) return fail("missing \"name\": write {\"name\": <tool>, \"arguments\": {...}}");
   if (!name->is_string()) return fail(fmt::format("\"name\" must be a string, got {}", name->type_name()));
   const std::string tool = name->get<std::string>();
+  out.tool = tool;
   size_t index = 0;
   while (index < tools_.size() && tools_[index].name != tool) ++index;
   if (index == tools_.size()) {
     std::vector<std::string> known;
     for (const ToolSpec& t : tools_) known.push_back(t.name);
-    if (known.empty()) return fail(fmt::format("unknown tool '{}': this environment has no tools", tool));
-    return fail(fmt::format("unknown tool '{}' (known tools: {})", tool, fmt::join(known, ", ")));
+    if (known.empty())
+      return fail(fmt::format("unknown tool '{}': this environment has no tools", tool), RejectReason::kUnknownTool);
+    return fail(fmt::format("unknown tool '{}' (known tools: {})", tool, fmt::join(known, ", ")),
+                RejectReason::kUnknownTool);
   }
   json arguments = json::object();
   if (auto args = body->find("arguments"); args != body->end()) {
@@ -75,16 +80,20 @@ TurnParser::Checked TurnParser::check_call(const std::string& raw, std::string i
         arguments = json::parse(args->get_ref<const std::string&>());
       } catch (const json::parse_error& e) {
         return fail(fmt::format("\"arguments\" of tool '{}' is a string that is not valid JSON: {}", tool,
-                                parser_message(e)));
+                                parser_message(e)),
+                    RejectReason::kBadArguments);
       }
     } else {
       arguments = *args;
     }
   }
   if (!arguments.is_object())
-    return fail(fmt::format("\"arguments\" of tool '{}' must be a JSON object, got {}", tool, arguments.type_name()));
+    return fail(fmt::format("\"arguments\" of tool '{}' must be a JSON object, got {}", tool, arguments.type_name()),
+                RejectReason::kBadArguments);
   const Result<JsonSchema>& schema = schemas_[index];
-  if (!schema.ok()) return fail(fmt::format("tool '{}' cannot be called: {}", tool, schema.status().message()));
+  if (!schema.ok())
+    return fail(fmt::format("tool '{}' cannot be called: {}", tool, schema.status().message()),
+                RejectReason::kBadArguments);
   std::vector<std::string> violations = schema->validate(arguments);
   if (!violations.empty()) {
     const size_t more = violations.size() > kMaxSchemaMessages ? violations.size() - kMaxSchemaMessages : 0;
@@ -92,7 +101,7 @@ TurnParser::Checked TurnParser::check_call(const std::string& raw, std::string i
     std::string message = fmt::format("arguments of tool '{}' do not match its input schema: {}", tool,
                                       fmt::join(violations, "; "));
     if (more > 0) message += fmt::format("; and {} more", more);
-    return fail(std::move(message));
+    return fail(std::move(message), RejectReason::kBadArguments);
   }
   out.call = env::ToolCall{std::move(id), tool, std::move(arguments)};
   return out;
@@ -108,13 +117,16 @@ ParsedTurn TurnParser::parse_text_pieces(const std::vector<TurnPiece>& pieces) {
     std::string id = fmt::format("call_{}", next_call_++);
     turn.call_order.push_back(id);
     ++calls_this_turn;
-    std::string error;
+    std::string error, tool;
+    RejectReason reason = RejectReason::kMalformed;
     if (unterminated_by != nullptr) {
+      reason = RejectReason::kUnterminated;
       error = *unterminated_by == ""
                   ? "unterminated tool call: the turn ended before <|/tool_call|>; it was not run"
                   : fmt::format("unterminated tool call: {} came before <|/tool_call|>; it was not run",
                                 *unterminated_by);
     } else if (calls_this_turn > limits_.max_calls) {
+      reason = RejectReason::kTooMany;
       error = fmt::format("too many tool calls in one turn (the limit is {}); this call was not run",
                           limits_.max_calls);
     } else {
@@ -124,8 +136,11 @@ ParsedTurn TurnParser::parse_text_pieces(const std::vector<TurnPiece>& pieces) {
         return;
       }
       error = std::move(checked.error);
+      reason = checked.reason;
+      tool = std::move(checked.tool);
     }
-    turn.rejected.push_back({raw, env::ToolResult{std::move(id), std::move(error), /*is_error=*/true}});
+    turn.rejected.push_back(
+        {raw, env::ToolResult{std::move(id), std::move(error), /*is_error=*/true}, reason, std::move(tool)});
   };
 
   for (const TurnPiece& piece : pieces) {

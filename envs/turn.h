@@ -64,9 +64,21 @@ struct TurnPiece {
   static TurnPiece Special(SpecialToken token) { return {Kind::kSpecial, special_token_text(token), token}; }
 };
 
+// Why a call was rejected (records map these onto trajectory.capnp's ToolStatus).
+enum class RejectReason {
+  kMalformed,     // not JSON, not an object, no "name" or a "name" that is not a string
+  kUnknownTool,
+  kBadArguments,  // "arguments" not an object (or not JSON text), or the schema rejects them
+  kUnterminated,  // no <|/tool_call|> before another control token or the end of the turn
+  kTooMany,       // over TurnLimits::max_calls in this turn
+  kTooLarge,      // over TurnLimits::max_call_bytes
+};
+
 struct RejectedCall {
   std::string raw;          // the text between the call tokens, as the model wrote it
   env::ToolResult result;   // is_error = true; content says what is wrong
+  RejectReason reason = RejectReason::kMalformed;
+  std::string tool;         // the tool the call names, when it got that far; else ""
 };
 
 struct ParsedTurn {
@@ -93,6 +105,8 @@ class TurnParser {
   struct Checked {
     std::optional<env::ToolCall> call;
     std::string error;
+    RejectReason reason = RejectReason::kMalformed;
+    std::string tool;
   };
   Checked check_call(const std::string& raw, std::string id) const;
 

@@ -178,6 +178,34 @@ TEST(TurnParser, RejectsACallOverTheSizeLimit) {
   EXPECT_EQ(message, "tool call is " + std::to_string(big.size()) + " bytes, over the limit of 1000 bytes; it was not run");
 }
 
+TEST(TurnParser, RecordsWhyEachCallWasRejectedAndTheToolItNamed) {
+  ByteTokenizer tok;
+  TurnParser parser(tools(), TurnLimits{/*max_calls=*/5, /*max_call_bytes=*/200});
+  ParsedTurn turn = parser.parse(turn_tokens(tok, "",
+                                             {"{oops", R"({"name": "gues"})", R"({"name": "guess", "arguments": 3})",
+                                              R"({"name": "write", "arguments": {"path": ")" + std::string(300, 'p') + "\"}}",
+                                              R"({"name": "guess", "arguments": {"n": 1}})", R"({"name": "guess")"},
+                                             /*terminate_last=*/false),
+                                 tok);
+  ASSERT_EQ(turn.rejected.size(), 5u);
+  EXPECT_EQ(turn.rejected[0].reason, RejectReason::kMalformed);
+  EXPECT_EQ(turn.rejected[0].tool, "");
+  EXPECT_EQ(turn.rejected[1].reason, RejectReason::kUnknownTool);
+  EXPECT_EQ(turn.rejected[1].tool, "gues");
+  EXPECT_EQ(turn.rejected[2].reason, RejectReason::kBadArguments);
+  EXPECT_EQ(turn.rejected[2].tool, "guess");
+  EXPECT_EQ(turn.rejected[3].reason, RejectReason::kTooLarge);
+  EXPECT_EQ(turn.rejected[4].reason, RejectReason::kUnterminated);
+  EXPECT_EQ(turn.rejected[4].result.call_id, "call_5");
+  ASSERT_EQ(turn.action.tool_calls.size(), 1u);
+  EXPECT_EQ(turn.action.tool_calls[0].id, "call_4");
+
+  TurnParser strict(tools(), TurnLimits{/*max_calls=*/1, /*max_call_bytes=*/200});
+  ParsedTurn over = strict.parse(turn_tokens(tok, "", {"{}", "{}"}), tok);
+  ASSERT_EQ(over.rejected.size(), 2u);
+  EXPECT_EQ(over.rejected[1].reason, RejectReason::kTooMany);
+}
+
 TEST(TurnParser, AcceptsOpenAisFunctionShapeWithArgumentsAsAString) {
   ByteTokenizer tok;
   TurnParser parser(tools());
