@@ -19,13 +19,22 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+at::Device g_device = at::kCPU;
+
+// Waits for the device's queued work: a copy to the host follows everything queued before it.
+void sync() {
+  if (!g_device.is_cpu()) at::zeros({1}, at::TensorOptions().device(g_device)).cpu();
+}
+
 // Best wall time of `repeats` runs of `fn`, after one warm-up run.
 double best_seconds(int repeats, const std::function<void()>& fn) {
   fn();
+  sync();
   double best = 1e30;
   for (int i = 0; i < repeats; ++i) {
     const auto t0 = Clock::now();
     fn();
+    sync();
     best = std::min(best, std::chrono::duration<double>(Clock::now() - t0).count());
   }
   return best;
@@ -42,22 +51,39 @@ Result<ModelBenchResult> run_model_bench(const ModelBenchOptions& o) {
   if (o.sequence < 2 || o.chunk < 1 || o.repeats < 1 || o.decode < 1 || o.decode > o.sequence ||
       o.train_tokens < 1 || o.train_tokens >= o.sequence || o.kda_tokens < 1) {
     return invalid_argument(
-        "bench model: need sequence >= 2, chunk >= 1, repeats >= 1, 1 <= decode <= sequence and "
+        "need sequence >= 2, chunk >= 1, repeats >= 1, 1 <= decode <= sequence and "
         "1 <= train-tokens < sequence (got sequence {}, chunk {}, repeats {}, decode {}, train-tokens {})",
         o.sequence, o.chunk, o.repeats, o.decode, o.train_tokens);
   }
   ODY_ASSIGN_OR_RETURN(auto cfg, model::load_model_config({o.model_config}));
+  at::ScalarType dtype = at::kFloat;
+  if (o.dtype == "bf16") {
+    dtype = at::kBFloat16;
+  } else if (o.dtype != "fp32") {
+    return invalid_argument("--dtype must be fp32 or bf16, got '{}'", o.dtype);
+  }
+  try {
+    g_device = at::Device(o.device);
+  } catch (const c10::Error&) {
+    return invalid_argument("--device '{}' is not a device LibTorch knows (cpu, cuda, cuda:1)", o.device);
+  }
+  if (g_device.is_cuda() && !at::hasCUDA()) {
+    return invalid_argument("--device {} but this LibTorch build has no CUDA device", o.device);
+  }
+  const auto opts = at::TensorOptions().device(g_device).dtype(dtype);
+  const auto index_opts = at::TensorOptions().device(g_device).dtype(at::kLong);
   torch::NoGradGuard no_grad;
   at::manual_seed(0);
   const int64_t d = cfg.hidden_size;
-  std::printf("bench model: %s (d=%ld), %d threads; best of %d\n", o.model_config.c_str(), static_cast<long>(d),
-              at::get_num_threads(), o.repeats);
-  const at::Tensor x = at::randn({1, o.sequence, d});
+  std::printf("bench model: %s (d=%ld) on %s in %s, %d CPU threads; best of %d\n", o.model_config.c_str(),
+              static_cast<long>(d), g_device.str().c_str(), o.dtype.c_str(), at::get_num_threads(), o.repeats);
+  const at::Tensor x = at::randn({1, o.sequence, d}, opts);
 
   // --- the whole policy in its three forms, then one training step ---
   {
     model::Policy policy(cfg);
-    const at::Tensor tokens = at::randint(0, cfg.vocab_size, {1, o.sequence}, at::kLong);
+    policy->to(g_device, dtype);
+    const at::Tensor tokens = at::randint(0, cfg.vocab_size, {1, o.sequence}, index_opts);
     row("policy", "parallel (whole sequence)", o.sequence, best_seconds(o.repeats, [&] { policy->forward(tokens); }));
     row("policy", "chunk by chunk, state carried", o.sequence, best_seconds(o.repeats, [&] {
           auto state = policy->initial_state(1, o.sequence);
@@ -82,6 +108,7 @@ Result<ModelBenchResult> run_model_bench(const ModelBenchOptions& o) {
 
   // --- KDA layer in its three forms ---
   model::IncrementalAttention kda(model::kda_options(cfg));
+  kda->to(g_device, dtype);
   row("kda", "parallel (chunked form)", o.sequence, best_seconds(o.repeats, [&] { kda->forward(x); }));
   row("kda", "chunk by chunk, state carried", o.sequence, best_seconds(o.repeats, [&] {
         auto state = kda->initial_state(1);
@@ -96,6 +123,7 @@ Result<ModelBenchResult> run_model_bench(const ModelBenchOptions& o) {
   // --- MLA layer ---
   if (!cfg.mla_layers.empty()) {
     model::GatedMla mla(model::mla_options(cfg));
+    mla->to(g_device, dtype);
     row("mla", "parallel (blockwise)", o.sequence, best_seconds(o.repeats, [&] { mla->forward(x); }));
     row("mla", "chunk by chunk, cache carried", o.sequence, best_seconds(o.repeats, [&] {
           auto cache = mla->initial_cache(1, o.sequence);
@@ -110,6 +138,7 @@ Result<ModelBenchResult> run_model_bench(const ModelBenchOptions& o) {
 
   // --- MoE layer ---
   model::Moe moe(model::moe_options(cfg));
+  moe->to(g_device, dtype);
   row("moe", "all tokens at once", o.sequence, best_seconds(o.repeats, [&] { moe->forward(x); }));
   row("moe", "one token at a time", o.decode, best_seconds(o.repeats, [&] {
         for (int64_t t = 0; t < o.decode; ++t) moe->forward(x.narrow(1, t, 1));
@@ -118,9 +147,12 @@ Result<ModelBenchResult> run_model_bench(const ModelBenchOptions& o) {
   // --- chunked KDA against its recurrence, same inputs ---
   const int64_t T = o.kda_tokens, H = cfg.kda.heads, K = cfg.kda.head_k_dim, V = cfg.kda.head_v_dim;
   auto l2 = [](const at::Tensor& t) { return t / t.pow(2).sum(-1, true).add(1e-6).sqrt(); };
-  const at::Tensor q = l2(at::randn({1, T, H, K})), k = l2(at::randn({1, T, H, K})), v = at::randn({1, T, H, V});
-  const at::Tensor g = at::sigmoid(at::randn({1, T, H, K})) * cfg.kda.g_min;
-  const at::Tensor beta = at::sigmoid(at::randn({1, T, H}));
+  // The KDA core always in fp32: the comparison is about the two forms, not the dtype.
+  const auto core = opts.dtype(at::kFloat);
+  const at::Tensor q = l2(at::randn({1, T, H, K}, core)), k = l2(at::randn({1, T, H, K}, core));
+  const at::Tensor v = at::randn({1, T, H, V}, core);
+  const at::Tensor g = at::sigmoid(at::randn({1, T, H, K}, core)) * cfg.kda.g_min;
+  const at::Tensor beta = at::sigmoid(at::randn({1, T, H}, core));
   const double scale = 1.0 / std::sqrt(static_cast<double>(K));
   ModelBenchResult r;
   model::kda::Output chunked_out, recurrent_out;

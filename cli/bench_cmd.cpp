@@ -52,6 +52,8 @@ void add_bench_commands(CLI::App& app, Action& action) {
       ->capture_default_str();
   model->add_option("--train-tokens", model_options.train_tokens, "tokens of the training-step row")
       ->capture_default_str();
+  model->add_option("--device", model_options.device, "cpu or cuda")->capture_default_str();
+  model->add_option("--dtype", model_options.dtype, "fp32 or bf16")->capture_default_str();
   model->add_option("--repeats", model_options.repeats, "best of this many runs")->capture_default_str();
   model->callback([&action] {
     action = [] {
