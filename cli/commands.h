@@ -31,5 +31,6 @@ void add_traj_commands(CLI::App& app, Action& action);
 void add_config_commands(CLI::App& app, Action& action);
 void add_bench_commands(CLI::App& app, Action& action);
 void add_model_commands(CLI::App& app, Action& action);
+void add_ckpt_commands(CLI::App& app, Action& action);
 
 }  // namespace odyssey::cli
