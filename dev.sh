@@ -12,6 +12,7 @@ PACKAGES=(
   librocksdb-dev libzmq3-dev cppzmq-dev libcapnp-dev capnproto
   libspdlog-dev libfmt-dev libgtest-dev libgmock-dev nlohmann-json3-dev
   libtomlplusplus-dev libcli11-dev libxxhash-dev
+  json-schema-test-suite  # the official JSON Schema test suite, run by envs_tests
 )
 
 install_packages() {
@@ -26,6 +27,27 @@ install_packages() {
     $sudo apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
   fi
+}
+
+# Node.js and npm run the MCP servers the tests use (tests/envs/mcp/); Debian's when missing.
+install_node() {
+  if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
+    local PACKAGES=(nodejs npm)
+    install_packages
+  fi
+}
+
+# The MCP servers pinned in tests/envs/mcp/package-lock.json, into $BUILD_DIR/npm (the envs
+# tests look there; ODYSSEY_NPM_DIR overrides). Skips the network when that lock is installed.
+install_mcp_servers() {
+  local dir="$BUILD_DIR/npm" src=tests/envs/mcp
+  if [ -d "$dir/node_modules" ] && cmp -s "$src/package-lock.json" "$dir/package-lock.json"; then
+    return
+  fi
+  echo "dev.sh: installing MCP test servers into $dir"
+  mkdir -p "$dir"
+  cp "$src/package.json" "$src/package-lock.json" "$dir/"
+  (cd "$dir" && npm ci --no-audit --no-fund --loglevel=error)
 }
 
 BUILD_DIR="${BUILD_DIR:-build}"
@@ -51,7 +73,9 @@ case "${1:-}" in
   test)
     shift
     install_packages
+    install_node
     build
+    install_mcp_servers
     ctest --test-dir "$BUILD_DIR" --output-on-failure -j "$JOBS" "$@"
     ;;
   *)
