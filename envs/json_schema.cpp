@@ -612,7 +612,8 @@ class Compiler {
   }
 
   Status schema_array(const json& v, const std::string& ptr, int depth) {
-    if (!v.is_array() || v.empty()) return bad(ptr, fmt::format("expected a non-empty array of schemas, got {}", brief(v)));
+    if (!v.is_array() || v.empty())
+      return bad(ptr, fmt::format("expected a non-empty array of schemas, got {}", brief(v)));
     for (size_t i = 0; i < v.size(); ++i) ODY_RETURN_IF_ERROR(schema(v[i], child(ptr, i), depth + 1));
     return Status::Ok();
   }
@@ -630,7 +631,8 @@ class Compiler {
     try {
       c_.patterns.emplace(p, Pattern{std::regex(p, std::regex::ECMAScript), kStackScale * 200 * (p.size() + 8)});
     } catch (const std::regex_error& e) {
-      return bad(ptr, fmt::format("pattern '{}' does not compile as an ECMAScript regex (std::regex): {}", p, e.what()));
+      return bad(ptr,
+                 fmt::format("pattern '{}' does not compile as an ECMAScript regex (std::regex): {}", p, e.what()));
     }
     return Status::Ok();
   }
