@@ -753,6 +753,10 @@ Status HostedSession::start_host() {
                        who);
   if (o.call_timeout.count() <= 0 || o.start_timeout.count() <= 0)
     return invalid_argument("env-host for plugin {}: call_timeout and start_timeout must be positive", who);
+  if (o.cpu_seconds == 0 || o.host_cpu_seconds < o.cpu_seconds)
+    return invalid_argument("env-host for plugin {}: cpu_seconds ({}) must be at least 1 and at most host_cpu_seconds "
+                            "({})",
+                            who, o.cpu_seconds, o.host_cpu_seconds);
 
   std::vector<std::string> args = {
       "odyssey",        "env-host",

@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -468,6 +469,44 @@ TEST(HostedSession, PassesPluginErrorsThroughAndKeepsTheHost) {
   EXPECT_EQ(s.host_pid(), pid);
   EXPECT_EQ(s.restore("not a snapshot").code(), StatusCode::kFailedPrecondition);
   EXPECT_EQ(s.counters().starts, 1u);
+}
+
+TEST(HostedSession, ReplacesAHostWhoseCpuBudgetRanLowBetweenEpisodes) {
+  HostOptions options = test_options();
+  options.cpu_seconds = 2;
+  options.host_cpu_seconds = 2;  // starting odyssey alone uses part of it: every reset needs a fresh host
+  auto session = HostedSession::start(test_plugin("crashing"), json::object(), options);
+  ASSERT_TRUE(session.ok()) << session.status().to_string();
+  const pid_t first = (*session)->host_pid();
+  auto prompt = (*session)->reset(json::object(), 3);
+  ASSERT_TRUE(prompt.ok()) << prompt.status().to_string();
+  EXPECT_NE((*session)->host_pid(), first);
+  EXPECT_TRUE(process_gone(first));
+  EXPECT_EQ((*session)->counters().recycles, 1u);
+  EXPECT_EQ((*session)->counters().restarts, 0u);
+  EXPECT_EQ((*session)->counters().starts, 2u);
+
+  options.host_cpu_seconds = 1;
+  auto inverted = HostedSession::start(test_plugin("crashing"), json::object(), options);
+  EXPECT_EQ(inverted.status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(EnvHostCommand, PrintsEveryLimitWithItsDefault) {
+  const std::string cmd = std::string(ODYSSEY_BINARY) + " env-host --help 2>&1";
+  FILE* p = ::popen(cmd.c_str(), "r");
+  ASSERT_NE(p, nullptr);
+  std::string out;
+  char buf[4096];
+  while (size_t n = std::fread(buf, 1, sizeof(buf), p)) out.append(buf, n);
+  EXPECT_EQ(::pclose(p), 0) << out;
+  const HostOptions defaults;
+  for (const std::string& option : {std::string("--cpu-seconds"), std::string("--host-cpu-seconds"),
+                                    std::string("--memory-bytes"), std::string("--file-bytes"),
+                                    std::string("--open-files"), std::string("--allow-network"),
+                                    std::string("--working-dir"), std::string("--keep-env")})
+    EXPECT_NE(out.find(option), std::string::npos) << option << " missing from:\n" << out;
+  EXPECT_NE(out.find(std::to_string(defaults.memory_bytes)), std::string::npos) << out;
+  EXPECT_NE(out.find(std::to_string(defaults.host_cpu_seconds)), std::string::npos) << out;
 }
 
 }  // namespace
