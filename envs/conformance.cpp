@@ -345,7 +345,7 @@ class Suite {
     auto first = fresh();
     if (!first.ok()) {
       add("create", CheckOutcome::kFail, first.status().message());
-      report_.subject = "(no session)";
+      report_.subject = "(no session could be created)";
       return std::move(report_);
     }
     session_ = std::move(*first);
@@ -499,8 +499,8 @@ class Suite {
       const std::string diff = first_difference(a->to_json(true), trace->to_json(true));
       if (!diff.empty()) return warn(fmt::format("only info differs ({}): {}", who, diff));
     }
-    return pass(fmt::format("seed {}: {} steps identical on a second instance and after a reset", options_.seed,
-                            a->steps));
+    return pass(fmt::format("seed {}: {} step{} identical on a second instance and after a reset", options_.seed,
+                            a->steps, a->steps == 1 ? "" : "s"));
   }
 
   Outcome check_seeds() {
@@ -640,8 +640,8 @@ class Suite {
     const std::string garbage("\x00\xff not a snapshot \x01", 20);
     Status restored = (*garbage_target)->restore(garbage);
     if (restored.ok()) return fail("restore accepted 20 bytes of garbage");
-    std::string detail = fmt::format("{} bytes; a restored copy matched for {} steps and the score; garbage refused",
-                                     bytes->size(), compared);
+    std::string detail = fmt::format("{} bytes; a restored copy matched for {} step{} and the score; garbage refused",
+                                     bytes->size(), compared, compared == 1 ? "" : "s");
     if (restored.code() == StatusCode::kInternal || restored.code() == StatusCode::kUnavailable)
       return warn(detail + fmt::format(", but as {} (use ODY_ENV_ERR_UNSUPPORTED)", status_code_name(restored.code())));
     return pass(detail);
@@ -697,9 +697,11 @@ std::string ConformanceReport::to_text() const {
     out += fmt::format("{}  {:<16} {}\n", check_outcome_name(c.outcome), c.name, c.detail);
     ++counts[int(c.outcome)];
   }
-  out += fmt::format("{}: {} checks, {} passed, {} failed, {} warnings, {} skipped\n", passed() ? "PASSED" : "FAILED",
-                     checks.size(), counts[int(CheckOutcome::kPass)], counts[int(CheckOutcome::kFail)],
-                     counts[int(CheckOutcome::kWarn)], counts[int(CheckOutcome::kSkip)]);
+  const int warnings = counts[int(CheckOutcome::kWarn)];
+  out += fmt::format("{}: {} check{}, {} passed, {} failed, {} warning{}, {} skipped\n", passed() ? "PASSED" : "FAILED",
+                     checks.size(), checks.size() == 1 ? "" : "s", counts[int(CheckOutcome::kPass)],
+                     counts[int(CheckOutcome::kFail)], warnings, warnings == 1 ? "" : "s",
+                     counts[int(CheckOutcome::kSkip)]);
   return out;
 }
 

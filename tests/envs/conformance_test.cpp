@@ -85,6 +85,7 @@ TEST(Conformance, ASessionThatCannotBeCreatedIsOneFailedCheck) {
       in_process(std::string(ODYSSEY_PLUGIN_DIR) + "/libody_env_guess.so", json{{"max_guesses", "ten"}}),
       ConformanceOptions{});
   ASSERT_EQ(report.checks.size(), 1u) << report.to_text();
+  EXPECT_TRUE(contains(report.to_text(), "FAILED: 1 check, 0 passed, 1 failed, 0 warnings, 0 skipped")) << report.to_text();
   EXPECT_EQ(report.checks[0].outcome, CheckOutcome::kFail);
   EXPECT_TRUE(contains(report.checks[0].detail, "'max_guesses' must be an integer")) << report.checks[0].detail;
 }
