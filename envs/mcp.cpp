@@ -211,6 +211,7 @@ std::string did_you_mean(const std::string& key, const std::vector<std::string>&
 Result<std::unique_ptr<McpClient>> McpClient::start(const McpServerConfig& config) {
   std::unique_ptr<McpClient> client(new McpClient());
   client->timeout_ = config.timeout;
+  client->startup_timeout_ = config.startup_timeout;
   client->command_line_ = shell_words(config.command, config.args);
   ODY_RETURN_IF_ERROR(client->spawn(config));
   Status s = client->initialize();
@@ -311,7 +312,7 @@ Status McpClient::initialize() {
   nlohmann::json params = {{"protocolVersion", kProtocolVersion},
                            {"capabilities", nlohmann::json::object()},
                            {"clientInfo", {{"name", "odyssey"}, {"version", kClientVersion}}}};
-  auto answer = exchange("initialize", params);
+  auto answer = exchange("initialize", params, startup_timeout_);
   if (!answer.ok()) return answer.status().with_context("MCP initialize");
   if (!answer->error.is_null())
     return make_status(StatusCode::kFailedPrecondition, "MCP server `{}` refused initialize: {}", command_line_,
@@ -492,10 +493,11 @@ void McpClient::handle_request(const nlohmann::json& message) {
   (void)send(reply, Clock::now() + timeout_);
 }
 
-Result<McpClient::Answer> McpClient::exchange(const std::string& method, const nlohmann::json& params) {
+Result<McpClient::Answer> McpClient::exchange(const std::string& method, const nlohmann::json& params,
+                                              milliseconds timeout) {
   if (!failure_.ok()) return failure_;
   const int64_t id = next_id_++;
-  const auto deadline = Clock::now() + timeout_;
+  const auto deadline = Clock::now() + timeout;
   nlohmann::json message = {{"jsonrpc", "2.0"}, {"id", id}, {"method", method}};
   if (!params.is_null()) message["params"] = params;
   ODY_RETURN_IF_ERROR(send(message, deadline));
@@ -564,7 +566,7 @@ Result<McpClient::Answer> McpClient::exchange(const std::string& method, const n
       (void)send(cancel, Clock::now() + milliseconds(100));
       if (!failure_.ok()) return failure_;
       return make_status(StatusCode::kTimeout, "MCP server `{}` did not answer {} within {} ms", command_line_, method,
-                         timeout_.count());
+                         timeout.count());
     }
     pollfd fds[2] = {{stdout_fd_, POLLIN, 0}, {stderr_fd_, POLLIN, 0}};
     if (poll(fds, 2, wait) < 0) {
@@ -590,7 +592,7 @@ Result<McpClient::Answer> McpClient::exchange(const std::string& method, const n
 }
 
 Result<nlohmann::json> McpClient::request(const std::string& method, const nlohmann::json& params) {
-  ODY_ASSIGN_OR_RETURN(Answer answer, exchange(method, params));
+  ODY_ASSIGN_OR_RETURN(Answer answer, exchange(method, params, timeout_));
   if (!answer.error.is_null())
     return make_status(StatusCode::kFailedPrecondition, "MCP server `{}` answered {} with error {}: {}", command_line_,
                        method, dump(answer.error.value("code", nlohmann::json())),
@@ -636,7 +638,7 @@ Result<std::vector<ToolSpec>> McpClient::list_tools() {
 }
 
 Result<McpToolResult> McpClient::call_tool(const std::string& name, const nlohmann::json& arguments) {
-  ODY_ASSIGN_OR_RETURN(Answer answer, exchange("tools/call", {{"name", name}, {"arguments", arguments}}));
+  ODY_ASSIGN_OR_RETURN(Answer answer, exchange("tools/call", {{"name", name}, {"arguments", arguments}}, timeout_));
   McpToolResult out;
   if (!answer.error.is_null()) {
     // Older servers (and the SDK for unknown tools or bad arguments) answer with a JSON-RPC
@@ -704,7 +706,7 @@ namespace {
 
 const std::vector<std::string> kConfigKeys = {
     "type",      "name",      "description", "command",    "args",      "env",
-    "cwd",       "timeout_ms", "tasks",      "tasks_file", "restart_per_episode",
+    "cwd",       "timeout_ms", "startup_timeout_ms", "tasks",      "tasks_file", "restart_per_episode",
     "max_turns", "tools",     "answer_instructions", "config_dir"};
 
 constexpr const char* kDefaultAnswerInstructions =
@@ -908,6 +910,12 @@ Result<SessionConfig> parse_config(const nlohmann::json& config) {
     if (!t.is_number_integer() || t.get<int64_t>() <= 0 || t.get<int64_t>() > 86400000)
       return invalid_argument("{}: key 'timeout_ms' must be an integer in 1..86400000, got {}", where, dump(t));
     out.server.timeout = milliseconds(t.get<int64_t>());
+  }
+  if (config.contains("startup_timeout_ms")) {
+    const auto& t = config["startup_timeout_ms"];
+    if (!t.is_number_integer() || t.get<int64_t>() <= 0 || t.get<int64_t>() > 86400000)
+      return invalid_argument("{}: key 'startup_timeout_ms' must be an integer in 1..86400000, got {}", where, dump(t));
+    out.server.startup_timeout = milliseconds(t.get<int64_t>());
   }
   if (config.contains("max_turns")) {
     const auto& t = config["max_turns"];

@@ -12,7 +12,7 @@
 //                rendered as text, isError is kept. A JSON-RPC error answer to tools/call (how
 //                servers report unknown tools and invalid arguments) is an is_error result too.
 // Every request has a timeout (kTimeout; the client sends notifications/cancelled and stays
-// usable, a late answer is dropped). Notifications and log messages from the server are
+// usable, a late answer is dropped); initialize has its own, for slow start-ups. Notifications and log messages from the server are
 // logged and otherwise ignored; requests from the server are answered: ping with {}, anything
 // else (roots/list, sampling/createMessage, elicitation/create: we declare no client
 // capabilities) with JSON-RPC error -32601. The server's stderr goes to our log, line by line,
@@ -27,13 +27,15 @@
 // McpSession (make_mcp_session) is an EnvSession whose tools are the server's tools and whose
 // episodes come from a task list. Config (a JSON object; errors name the key):
 //   command (string, required), args ([string]), env ({string: string}, added to ours),
-//   cwd (string), timeout_ms (int > 0, default 30000: per request, start-up included),
+//   cwd (string), timeout_ms (int > 0, default 30000: per request), startup_timeout_ms (int > 0,
+//   default 30000: for the server to start and answer initialize),
 //   tasks ([task]) or tasks_file (string: JSONL, one task per line, blank lines skipped),
 //   restart_per_episode (bool, default false), max_turns (int > 0, default 16),
 //   tools ([string]: expose only these server tools), name, description (strings),
 //   answer_instructions (string appended to each prompt; default says how to answer; "" for
-//   none), type ("mcp", ignored), config_dir (string: base of relative cwd / tasks_file and the
-//   value of ${CONFIG_DIR}; set by load_mcp_config_file).
+//   none), type ("mcp", ignored), config_dir (string: what relative paths in command (when it
+//   holds a '/'), cwd and tasks_file are taken against, and the value of ${CONFIG_DIR}; set by
+//   load_mcp_config_file). args are not taken as paths (the server reads them from its cwd).
 // In command, args, env values, cwd and tasks_file, ${VAR} and ${VAR:-default} are replaced by
 // the environment variable (an unset VAR without a default is an error naming the key).
 // A task is {"prompt": string, "answer": string?, "check": {"tool": string, "arguments":
@@ -75,7 +77,8 @@ struct McpServerConfig {
   std::vector<std::string> args;
   std::map<std::string, std::string> env;  // set in the server's environment, over ours
   std::string cwd;                         // "" = ours
-  std::chrono::milliseconds timeout{30000};
+  std::chrono::milliseconds timeout{30000};          // each request
+  std::chrono::milliseconds startup_timeout{30000};  // initialize (start-up included)
 };
 
 struct McpImage {
@@ -126,7 +129,7 @@ class McpClient {
   };
   Status spawn(const McpServerConfig& config);
   Status initialize();
-  Result<Answer> exchange(const std::string& method, const nlohmann::json& params);
+  Result<Answer> exchange(const std::string& method, const nlohmann::json& params, std::chrono::milliseconds timeout);
   Status send(const nlohmann::json& message, std::chrono::steady_clock::time_point deadline);
   Status fail(Status status);
   Status server_gone();
@@ -136,6 +139,7 @@ class McpClient {
   std::string reap(std::chrono::milliseconds wait);
 
   std::chrono::milliseconds timeout_{30000};
+  std::chrono::milliseconds startup_timeout_{30000};
   std::string command_line_;
   std::string log_name_;  // the server's name once known, else the command's file name
   pid_t pid_ = -1;

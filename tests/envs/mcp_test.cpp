@@ -83,10 +83,8 @@ McpServerConfig filesystem_config(const std::string& root) {
   return {"node", {filesystem_server(), root}, {}, "", std::chrono::milliseconds(10000)};
 }
 
-McpServerConfig peer_config(const std::string& mode, int timeout_ms = 10000, std::vector<std::string> extra = {}) {
-  McpServerConfig config{"node", {kPeer, mode}, {}, "", std::chrono::milliseconds(timeout_ms)};
-  config.args.insert(config.args.end(), extra.begin(), extra.end());
-  return config;
+McpServerConfig peer_config(const std::string& mode, int timeout_ms = 10000) {
+  return {"node", {kPeer, mode}, {}, "", std::chrono::milliseconds(timeout_ms)};
 }
 
 json filesystem_session_config(const std::string& root, json tasks) {
@@ -239,7 +237,9 @@ TEST(McpClient, TurnsALineThatIsNotJsonIntoAnError) {
 
 TEST(McpClient, TimesOutOnAServerThatNeverAnswers) {
   const auto t0 = Clock::now();
-  auto client = McpClient::start(peer_config("silent", /*timeout_ms=*/300));
+  McpServerConfig config = peer_config("silent");
+  config.startup_timeout = std::chrono::milliseconds(300);
+  auto client = McpClient::start(config);
   const auto elapsed = Clock::now() - t0;
   ASSERT_FALSE(client.ok());
   EXPECT_EQ(client.status().code(), StatusCode::kTimeout);
@@ -581,6 +581,9 @@ TEST(McpSession, PicksTasksByIndexOrFromTheSeed) {
   ASSERT_TRUE(score.ok());
   EXPECT_TRUE(score->success);  // compared trimmed
 
+  auto bad_check = session->reset({{"prompt", "p"}, {"check", {{"tool", "nope"}}}}, 0);
+  ASSERT_FALSE(bad_check.ok());
+  EXPECT_NE(bad_check.status().message().find("check.tool 'nope' is not a tool of the server"), std::string::npos);
   auto out_of_range = session->reset({{"index", 5}}, 0);
   ASSERT_FALSE(out_of_range.ok());
   EXPECT_NE(out_of_range.status().message().find("task index 5 is out of range: the task list has 5 tasks"),
@@ -622,7 +625,7 @@ TEST(McpSession, EndsTheEpisodeOnAnAnswerLineNoToolCallsOrTheTurnLimit) {
 
 TEST(McpSession, ShowsATimedOutToolCallToTheModelAsAnError) {
   json config = peer_session_config(json::array({{{"prompt", "p"}, {"answer", "a"}}}));
-  config["timeout_ms"] = 300;
+  config["timeout_ms"] = 1000;  // start-up has its own (startup_timeout_ms)
   auto session = make_session(config);
   ASSERT_NE(session, nullptr);
   ASSERT_TRUE(session->reset({{"index", 0}}, 0).ok());
@@ -631,7 +634,7 @@ TEST(McpSession, ShowsATimedOutToolCallToTheModelAsAnError) {
   ASSERT_TRUE(obs.ok()) << obs.status().to_string();
   ASSERT_EQ(obs->tool_results.size(), 2u);
   EXPECT_TRUE(obs->tool_results[0].is_error);
-  EXPECT_EQ(obs->tool_results[0].content, "tool 'sleep' did not finish within 300 ms");
+  EXPECT_EQ(obs->tool_results[0].content, "tool 'sleep' did not finish within 1000 ms");
   EXPECT_FALSE(obs->tool_results[1].is_error);
   EXPECT_EQ(obs->tool_results[1].content, "next");
 }
@@ -713,6 +716,8 @@ TEST(McpSession, RejectsBadConfigsNamingTheKey) {
   EXPECT_NE(refusal(with("args", {"a", 1})).find("key 'args[1]' must be a string"), std::string::npos);
   EXPECT_NE(refusal(with("env", {{"A", 1}})).find("key 'env.A' must be a string"), std::string::npos);
   EXPECT_NE(refusal(with("timeout_ms", 0)).find("key 'timeout_ms' must be an integer in 1..86400000, got 0"),
+            std::string::npos);
+  EXPECT_NE(refusal(with("startup_timeout_ms", 1.5)).find("key 'startup_timeout_ms' must be an integer"),
             std::string::npos);
   EXPECT_NE(refusal(with("restart_per_episode", "yes")).find("key 'restart_per_episode' must be true or false"),
             std::string::npos);
