@@ -11,7 +11,7 @@ PACKAGES=(
   libtorch-dev libgloo-dev
   librocksdb-dev libzmq3-dev cppzmq-dev libcapnp-dev capnproto
   libspdlog-dev libfmt-dev libgtest-dev libgmock-dev nlohmann-json3-dev
-  libtomlplusplus-dev libcli11-dev libxxhash-dev
+  libtomlplusplus-dev libcli11-dev libxxhash-dev zlib1g-dev python3
   json-schema-test-suite  # the official JSON Schema test suite, run by envs_tests
 )
 

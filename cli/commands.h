@@ -32,6 +32,8 @@ void add_config_commands(CLI::App& app, Action& action);
 void add_bench_commands(CLI::App& app, Action& action);
 void add_model_commands(CLI::App& app, Action& action);
 void add_ckpt_commands(CLI::App& app, Action& action);
+void add_run_commands(CLI::App& app, Action& action);
+void add_plot_commands(CLI::App& app, Action& action);
 void add_env_commands(CLI::App& app, Action& action);
 void add_env_host_commands(CLI::App& app, Action& action);
 

@@ -20,6 +20,8 @@ int main(int argc, char** argv) {
   odyssey::cli::add_bench_commands(app, action);
   odyssey::cli::add_model_commands(app, action);
   odyssey::cli::add_ckpt_commands(app, action);
+  odyssey::cli::add_run_commands(app, action);
+  odyssey::cli::add_plot_commands(app, action);
   odyssey::cli::add_env_commands(app, action);
   odyssey::cli::add_env_host_commands(app, action);
   app.add_subcommand("doctor", "check this machine: LibTorch, CUDA, c10d, RocksDB, ZeroMQ, for real")
