@@ -537,11 +537,15 @@ class WorldBuilder {
       } while (entities_[subject].rel[r] < 0);
     }
     const int32_t truth = entities_[subject].rel[r];
+    // The near miss: usually the true object's twin, else another entity of its kind.
     int32_t wrong = entities_[truth].twin;
-    if (wrong < 0 || rng_.chance(0.3)) {
-      for (int i = 0; i < 100 && (wrong < 0 || wrong == truth || wrong == subject); ++i) wrong = any(entities_[truth].kind);
+    if (wrong < 0 || wrong == subject || rng_.chance(0.3)) {
+      wrong = -1;
+      for (int i = 0; i < 100 && wrong < 0; ++i) {
+        const int32_t candidate = any(entities_[truth].kind);
+        if (candidate != truth && candidate != subject) wrong = candidate;
+      }
     }
-    if (wrong == truth || wrong == subject) wrong = entities_[truth].twin;  // tiny worlds only
     const std::string& s = entities_[subject].name;
     const std::string year = std::to_string(rng_.range(1990, 2023));
     std::string title;
@@ -561,7 +565,7 @@ class WorldBuilder {
         break;
     }
     std::vector<std::string> claims;
-    if (wrong >= 0 && wrong != truth) claims.push_back(retraction(r, s, entities_[wrong].name));
+    if (wrong >= 0) claims.push_back(retraction(r, s, entities_[wrong].name));
     // A couple more retracted claims about random entities, so the gold one does not stand out.
     for (int extra = rng_.range(1, 3); extra > 0; --extra) {
       int32_t other;
