@@ -14,6 +14,7 @@
 #include "cli/commands.h"
 #include "envs/conformance.h"
 #include "envs/env_host.h"
+#include "envs/mcp.h"
 #include "envs/plugin.h"
 
 namespace odyssey::cli {
@@ -116,16 +117,38 @@ int run_check(const CheckArgs& args) {
     std::fprintf(stderr, "odyssey env check: --episodes must be >= 0 and --max-steps >= 1\n");
     return 2;
   }
-  auto path = envs::find_plugin(args.plugin, args.dirs);
-  if (!path.ok()) {
-    std::fprintf(stderr, "odyssey env check: %s\n", path.status().message().c_str());
-    return 1;
-  }
   envs::ConformanceOptions options;
   options.task = *task;
   options.seed = args.seed;
   options.episodes = args.episodes;
   options.max_steps = args.max_steps;
+  auto path = envs::find_plugin(args.plugin, args.dirs);
+  if (!path.ok()) {
+    // Not a plugin: maybe an MCP server's environment config (configs/envs/NAME.json).
+    auto mcp_path = envs::find_mcp_config(args.plugin, args.dirs);
+    if (!mcp_path.ok()) {
+      std::fprintf(stderr, "odyssey env check: %s\n(nor an MCP environment config: %s)\n",
+                   path.status().message().c_str(), mcp_path.status().message().c_str());
+      return 1;
+    }
+    auto mcp_config = envs::load_mcp_config_file(*mcp_path);
+    if (!mcp_config.ok()) {
+      std::fprintf(stderr, "odyssey env check: %s\n", mcp_config.status().message().c_str());
+      return 1;
+    }
+    json merged = *mcp_config;
+    merged.update(*config);  // --config overrides keys of the file
+    const envs::ConformanceReport report = envs::run_conformance(
+        [merged]() { return envs::make_mcp_session(merged); }, options);
+    if (args.json) {
+      json out = report.to_json();
+      out["mode"] = "mcp";
+      std::printf("%s\n", out.dump(2).c_str());
+    } else {
+      std::printf("%s", report.to_text().c_str());
+    }
+    return report.passed() ? 0 : 1;
+  }
 
   envs::SessionFactory factory;
   std::shared_ptr<envs::Plugin> plugin;  // in-process: loaded once, kept for every session

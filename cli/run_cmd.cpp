@@ -6,6 +6,7 @@
 //   DIR/checkpoints/         learner checkpoints (weights, optimizer, RNG, step, replay cursor)
 //   DIR/metrics/<role>.jsonl what each role reports; DIR/metrics.jsonl all of it, merged in order
 //   DIR/logs/<role>.log      each process's output
+//   DIR/processes.json       the pid of every role, rewritten at each (re)start
 //
 // Start order: replay service (waits for its "listening on" line), learner ranks, actors, the
 // eval actor. Supervision: a crashed actor, eval actor or replay service is restarted; a crashed
@@ -269,7 +270,23 @@ class Supervisor {
     role.pid = pid;
     role.started = Clock::now();
     spdlog::debug("run: started {} (pid {})", role.name, pid);
+    write_process_table();
     return true;
+  }
+
+  // DIR/processes.json: {"supervisor": pid, "roles": {name: {"pid", "restarts"}}}, rewritten
+  // whenever a role (re)starts, for operators and tests that need to signal one role.
+  void write_process_table() const {
+    nlohmann::json roles = nlohmann::json::object();
+    for (const auto& r : roles_) roles[r.name] = {{"pid", r.pid}, {"restarts", r.restarts}};
+    const nlohmann::json table = {{"supervisor", ::getpid()}, {"roles", roles}};
+    const std::string path = out_ + "/processes.json", tmp = path + ".tmp";
+    {
+      std::ofstream f(tmp, std::ios::trunc);
+      f << table.dump(2) << '\n';
+    }
+    std::error_code ec;
+    fs::rename(tmp, path, ec);
   }
 
   bool wait_for_replay(const Role& replay) {
