@@ -36,6 +36,7 @@ void add_run_commands(CLI::App& app, Action& action);
 void add_plot_commands(CLI::App& app, Action& action);
 void add_env_commands(CLI::App& app, Action& action);
 void add_env_host_commands(CLI::App& app, Action& action);
+void add_learner_commands(CLI::App& app, Action& action);
 void add_actor_commands(CLI::App& app, Action& action);
 
 }  // namespace odyssey::cli
