@@ -1,8 +1,9 @@
-// odyssey bench replay | model
+// odyssey bench replay | model | actor
 #include <cstdio>
 
 #include <spdlog/spdlog.h>
 
+#include "bench/actor_bench.h"
 #include "bench/model_bench.h"
 #include "bench/replay_bench.h"
 #include "cli/commands.h"
@@ -60,6 +61,29 @@ void add_bench_commands(CLI::App& app, Action& action) {
       auto r = bench::run_model_bench(model_options);
       if (!r.ok()) {
         spdlog::error("bench model: {}", r.status().to_string());
+        return 1;
+      }
+      return 0;
+    };
+  });
+
+  static bench::ActorBenchOptions actor_options;
+  auto* actor = bench->add_subcommand(
+      "actor", "decode tokens/s at long contexts, hybrid (KDA + MLA) vs an all-MLA variant of the same size (CPU)");
+  actor->add_option("--model-config", actor_options.model_config, "model config TOML")->capture_default_str();
+  actor->add_option("--contexts", actor_options.contexts, "context lengths, ascending")->capture_default_str();
+  actor->add_option("--real-prefill", actor_options.real_prefill,
+                    "prefill for real up to this many tokens; longer contexts extend the MLA caches")
+      ->capture_default_str();
+  actor->add_option("--chunk", actor_options.chunk, "forward_chunk size of the prefill")->capture_default_str();
+  actor->add_option("--decode", actor_options.decode, "decode steps per timed run")->capture_default_str();
+  actor->add_option("--repeats", actor_options.repeats, "timed runs per row (best counts)")->capture_default_str();
+  actor->add_option("--threads", actor_options.threads, "LibTorch threads (0 = default)")->capture_default_str();
+  actor->callback([&action] {
+    action = [] {
+      auto r = bench::run_actor_bench(actor_options);
+      if (!r.ok()) {
+        spdlog::error("bench actor: {}", r.status().to_string());
         return 1;
       }
       return 0;

@@ -38,5 +38,6 @@ void add_env_commands(CLI::App& app, Action& action);
 void add_env_host_commands(CLI::App& app, Action& action);
 void add_learner_commands(CLI::App& app, Action& action);
 void add_actor_commands(CLI::App& app, Action& action);
+void add_pretrain_commands(CLI::App& app, Action& action);
 
 }  // namespace odyssey::cli

@@ -26,6 +26,7 @@ int main(int argc, char** argv) {
   odyssey::cli::add_env_host_commands(app, action);
   odyssey::cli::add_learner_commands(app, action);
   odyssey::cli::add_actor_commands(app, action);
+  odyssey::cli::add_pretrain_commands(app, action);
   app.add_subcommand("doctor", "check this machine: LibTorch, CUDA, c10d, RocksDB, ZeroMQ, for real")
       ->callback([&action] { action = [] { return odyssey::cli::run_doctor(); }; });
   // Name an unknown subcommand instead of CLI11's generic "a subcommand is required".
