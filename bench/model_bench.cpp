@@ -1,5 +1,6 @@
 #include "bench/model_bench.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -47,7 +48,9 @@ void row(const char* layer, const char* form, int64_t tokens, double secs) {
 
 }  // namespace
 
-Result<ModelBenchResult> run_model_bench(const ModelBenchOptions& o) {
+Result<ModelBenchResult> run_model_bench(const ModelBenchOptions& options) {
+  ModelBenchOptions o = options;
+  if (o.train_tokens == 0) o.train_tokens = std::min<int64_t>(512, o.sequence - 1);
   if (o.sequence < 2 || o.chunk < 1 || o.repeats < 1 || o.decode < 1 || o.decode > o.sequence ||
       o.train_tokens < 1 || o.train_tokens >= o.sequence || o.kda_tokens < 1) {
     return invalid_argument(

@@ -19,7 +19,7 @@ struct ModelBenchOptions {
   int64_t chunk = 128;       // chunk of the chunk-by-chunk form
   int64_t decode = 256;      // tokens for the one-at-a-time form
   int64_t kda_tokens = 4096; // T of the chunked-vs-recurrent comparison
-  int64_t train_tokens = 512; // tokens of the training-step row (< sequence)
+  int64_t train_tokens = 0;   // tokens of the training-step row (< sequence); 0 = min(512, sequence - 1)
   int repeats = 3;           // best of
   std::string device = "cpu"; // or "cuda" (GPU build): absolute times count only from the GPU machine
   std::string dtype = "fp32"; // or "bf16" (model and activations; the KDA core comparison stays fp32)
