@@ -83,9 +83,11 @@ struct Role {
 // Follows DIR/metrics/*.jsonl and keeps the latest figures for the progress line.
 class MetricsTail {
  public:
-  explicit MetricsTail(std::string dir) : dir_(std::move(dir)), merged_(dir_ + "/metrics.jsonl", std::ios::app) {}
+  explicit MetricsTail(std::string dir) : dir_(std::move(dir)) {}
 
   void poll() {
+    // Opened on first use: the supervisor creates DIR after constructing this.
+    if (!merged_.is_open()) merged_.open(dir_ + "/metrics.jsonl", std::ios::app);
     std::error_code ec;
     for (const auto& entry : fs::directory_iterator(dir_ + "/metrics", ec)) {
       if (entry.path().extension() != ".jsonl") continue;

@@ -23,36 +23,31 @@ bool trajectory_success(schema::Trajectory::Reader record) {
   return record.getRewardTotal() >= 1.0;
 }
 
-Status sample_groups(replay::ReplaySampler& sampler, uint32_t groups, uint32_t wait_ms, const std::atomic<bool>* stop,
-                     TrainingBatch* batch, std::vector<replay::TrajectoryInfo>* records) {
-  uint32_t have = 0;
-  while (have < groups) {
-    if (stop && stop->load()) {
-      batch->interrupted = true;
-      return Status::Ok();
+Result<uint32_t> sample_more(replay::ReplaySampler& sampler, uint32_t count, uint32_t wait_ms, TrainingBatch* batch,
+                             std::vector<replay::TrajectoryInfo>* records) {
+  if (count == 0) return 0u;
+  auto sampled = sampler.sample(count, wait_ms);
+  if (!sampled.ok()) {
+    if (sampled.status().code() == StatusCode::kTimeout) {
+      spdlog::debug("learner: waiting for groups: {}", sampled.status().message());
+      return 0u;
     }
-    auto sampled = sampler.sample(groups - have, wait_ms);
-    if (!sampled.ok()) {
-      if (sampled.status().code() == StatusCode::kTimeout) {
-        spdlog::debug("learner: waiting for groups ({} of {}): {}", have, groups, sampled.status().message());
-        continue;
-      }
-      return sampled.status().with_context("sampling groups from the replay service");
-    }
-    if (sampled->items.empty()) continue;
-    batch->cursor = std::max(batch->cursor, sampled->cursor);
-    std::vector<uint32_t> starts = sampled->group_starts;
-    if (starts.empty()) starts.push_back(0);  // one unit
-    for (size_t g = 0; g < starts.size(); ++g) {
-      const size_t begin = starts[g];
-      const size_t end = g + 1 < starts.size() ? starts[g + 1] : sampled->items.size();
-      if (begin >= end) continue;
-      batch->group_starts.push_back(records->size());
-      for (size_t i = begin; i < end; ++i) records->push_back(sampled->items[i]);
-      ++have;
-    }
+    return sampled.status().with_context("sampling groups from the replay service");
   }
-  return Status::Ok();
+  if (sampled->items.empty()) return 0u;
+  batch->cursor = std::max(batch->cursor, sampled->cursor);
+  std::vector<uint32_t> starts = sampled->group_starts;
+  if (starts.empty()) starts.push_back(0);  // one unit
+  uint32_t got = 0;
+  for (size_t g = 0; g < starts.size(); ++g) {
+    const size_t begin = starts[g];
+    const size_t end = g + 1 < starts.size() ? starts[g + 1] : sampled->items.size();
+    if (begin >= end) continue;
+    batch->group_starts.push_back(records->size());
+    for (size_t i = begin; i < end; ++i) records->push_back(sampled->items[i]);
+    ++got;
+  }
+  return got;
 }
 
 Status read_trajectory(replay::ReplaySampler& sampler, uint32_t version_now, const ReadLimits& limits,
@@ -100,15 +95,11 @@ Status read_trajectory(replay::ReplaySampler& sampler, uint32_t version_now, con
   return Status::Ok();
 }
 
-Result<TrainingBatch> load_batch(replay::ReplaySampler& sampler, uint32_t groups, uint32_t version_now,
-                                 const ReadLimits& limits, uint32_t wait_ms, const std::atomic<bool>* stop) {
-  TrainingBatch batch;
-  std::vector<replay::TrajectoryInfo> records;
-  ODY_RETURN_IF_ERROR(sample_groups(sampler, groups, wait_ms, stop, &batch, &records));
-  if (batch.interrupted) return batch;
-  batch.trajectories.resize(records.size());
+Status read_batch(replay::ReplaySampler& sampler, const std::vector<replay::TrajectoryInfo>& records,
+                  uint32_t version_now, const ReadLimits& limits, TrainingBatch* batch) {
+  batch->trajectories.resize(records.size());
   for (size_t i = 0; i < records.size(); ++i) {
-    TrajectoryTokens& t = batch.trajectories[i];
+    TrajectoryTokens& t = batch->trajectories[i];
     Status st = guarded("trajectory record", [&]() -> Status {
       auto r = records[i].record();
       t.id = r.getId();
@@ -120,6 +111,23 @@ Result<TrainingBatch> load_batch(replay::ReplaySampler& sampler, uint32_t groups
     ODY_RETURN_IF_ERROR(st);
     ODY_RETURN_IF_ERROR(read_trajectory(sampler, version_now, limits, &t));
   }
+  return Status::Ok();
+}
+
+Result<TrainingBatch> load_batch(replay::ReplaySampler& sampler, uint32_t groups, uint32_t version_now,
+                                 const ReadLimits& limits, uint32_t wait_ms, const std::atomic<bool>* stop) {
+  TrainingBatch batch;
+  std::vector<replay::TrajectoryInfo> records;
+  uint32_t have = 0;
+  while (have < groups) {
+    if (stop && stop->load()) {
+      batch.interrupted = true;
+      return batch;
+    }
+    ODY_ASSIGN_OR_RETURN(uint32_t got, sample_more(sampler, groups - have, wait_ms, &batch, &records));
+    have += got;
+  }
+  ODY_RETURN_IF_ERROR(read_batch(sampler, records, version_now, limits, &batch));
   return batch;
 }
 

@@ -1,8 +1,9 @@
 // What one learner rank trains on in one step: whole GRPO groups sampled from the replay
 // service, each trajectory read segment by segment into compact per-token arrays.
 //
-// Sampling: sample_groups() asks the service (replay/client.h ReplaySampler) for units until it
-// holds `groups` of them; with the group_complete sampler a unit is one whole group (the
+// Sampling: sample_more() asks the service (replay/client.h ReplaySampler) for units, as many
+// times as it takes to hold the groups a step needs (load_batch loops; the trainer loops with a
+// collective between requests so data-parallel ranks wait together); with the group_complete sampler a unit is one whole group (the
 // trajectories of one task), with any other sampler a single trajectory (a group of one, whose
 // advantage is 0). Every answered sample is a delivery with a cursor; the batch keeps the
 // largest, which the learner commits once a checkpoint covers the step (learner/README.md says
@@ -22,8 +23,7 @@
 // Policy lag of a token = the learner's current version − the version that produced it (0 when
 // the token is newer, which happens only across a learner restart).
 //
-// Errors: kTimeout when `stop` is raised while waiting for data (what was sampled so far is
-// returned in the batch with `interrupted` set), kUnavailable when the service does not answer
+// Errors: kUnavailable when the service does not answer
 // (a sample whose reply was lost may have leased trajectories the learner never saw: the
 // learner must then restart from its checkpoint, see README), kCorrupt / kInvalidArgument for a
 // malformed record or segment (naming the trajectory and segment).
@@ -76,17 +76,18 @@ struct ReadLimits {
   uint64_t max_bytes = 16ull << 20;
 };
 
-// Samples until `groups` units are held (each answered sample may bring fewer). Waits in slices
-// of `wait_ms` for the service, checking `stop` between them. Records only (no segments read).
-Status sample_groups(replay::ReplaySampler& sampler, uint32_t groups, uint32_t wait_ms, const std::atomic<bool>* stop,
-                     TrainingBatch* batch, std::vector<replay::TrajectoryInfo>* records);
+// One sample request for up to `count` more units, waiting at most `wait_ms` for the service:
+// appends what came (records, group starts, cursor) and returns how many units. 0 when nothing
+// was sampleable in time (or the rate limiter held samples back).
+Result<uint32_t> sample_more(replay::ReplaySampler& sampler, uint32_t count, uint32_t wait_ms, TrainingBatch* batch,
+                             std::vector<replay::TrajectoryInfo>* records);
 
-// Reads one trajectory's segments (see above) into `out`, whose id, group, reward and success
-// the caller filled from the record. `version_now` is the learner's current policy version.
-Status read_trajectory(replay::ReplaySampler& sampler, uint32_t version_now, const ReadLimits& limits,
-                       TrajectoryTokens* out);
+// Fills batch->trajectories from the records (rewards, success) and reads every trajectory.
+Status read_batch(replay::ReplaySampler& sampler, const std::vector<replay::TrajectoryInfo>& records,
+                  uint32_t version_now, const ReadLimits& limits, TrainingBatch* batch);
 
-// sample_groups, then the records' rewards and success, then every trajectory read.
+// sample_more until `groups` units are held (checking `stop` between requests; a stop returns
+// the partial batch with `interrupted` set and nothing read), then read_batch.
 Result<TrainingBatch> load_batch(replay::ReplaySampler& sampler, uint32_t groups, uint32_t version_now,
                                  const ReadLimits& limits, uint32_t wait_ms, const std::atomic<bool>* stop);
 

@@ -72,6 +72,7 @@ Result<std::unique_ptr<DataParallel>> DataParallel::create(const DataParallelOpt
 #ifdef ODYSSEY_WITH_CUDA
     group->device = at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(c10::cuda::current_device()));
     auto opts = c10d::ProcessGroupNCCL::Options::create();
+    opts->timeout = o.timeout;
     group->pg = c10::make_intrusive<c10d::ProcessGroupNCCL>(group->store, o.rank, o.ranks, opts);
 #else
     auto opts = c10d::ProcessGroupGloo::Options::create();

@@ -30,7 +30,10 @@ struct DataParallelOptions {
   int ranks = 1;
   std::string backend = "gloo";      // gloo | nccl
   std::string master = "127.0.0.1:29500";
-  std::chrono::milliseconds timeout{std::chrono::minutes(5)};
+  // Longest a collective (or the rendezvous) may wait for the other ranks. Ranks meet every
+  // sample_wait_ms while waiting for data, but one rank's forward/backward over a very long
+  // trajectory can keep the others waiting that long.
+  std::chrono::milliseconds timeout{std::chrono::minutes(60)};
 };
 
 class DataParallel {

@@ -86,6 +86,7 @@ json StepMetrics::to_json() const {
               {"trained_tokens", trained_tokens},
               {"tokens_per_s", tokens_per_s},
               {"seconds", seconds},
+              {"wait_seconds", wait_seconds},
               {"policy_lag_mean", policy_lag_mean},
               {"policy_lag_max", policy_lag_max},
               {"clip_fraction", clip_fraction},
@@ -324,14 +325,29 @@ Result<StepMetrics> Trainer::Impl::step_once(const std::atomic<bool>* stop) {
   const auto t0 = Clock::now();
   if (any_rank(stop && stop->load())) return Status(StatusCode::kTimeout, "learner: stop requested");
 
-  // 1. This rank's groups, read in bounded pieces.
-  const int64_t groups_here = share(o.groups_per_step, o.rank, o.ranks);
+  // 1. This rank's groups. Requests wait at most sample_wait_ms; between them the ranks agree
+  // (one small all-reduce) whether everyone has its groups or someone was asked to stop, so no
+  // collective ever waits long on a rank that is waiting for data.
+  const uint32_t groups_here = static_cast<uint32_t>(share(o.groups_per_step, o.rank, o.ranks));
   TrainingBatch batch;
-  if (groups_here > 0) {
-    ODY_ASSIGN_OR_RETURN(batch, load_batch(*sampler, static_cast<uint32_t>(groups_here), version, ReadLimits{},
-                                           o.sample_wait_ms, stop));
+  std::vector<replay::TrajectoryInfo> records;
+  uint32_t have = 0;
+  double wait_seconds = 0;
+  for (;;) {
+    const bool stopping = stop && stop->load();
+    if (have < groups_here && !stopping) {
+      const auto w0 = Clock::now();
+      ODY_ASSIGN_OR_RETURN(uint32_t got, sample_more(*sampler, groups_here - have, o.sample_wait_ms, &batch, &records));
+      have += got;
+      wait_seconds += std::chrono::duration<double>(Clock::now() - w0).count();
+    }
+    at::Tensor flags = at::tensor({have < groups_here ? 1.0f : 0.0f, stopping ? 1.0f : 0.0f});
+    dp->all_reduce_max(flags);
+    // The partial batch is abandoned: its deliveries stay leased and come back at the next resume.
+    if (flags[1].item<float>() > 0) return Status(StatusCode::kTimeout, "learner: stop requested while waiting for data");
+    if (flags[0].item<float>() == 0) break;
   }
-  if (any_rank(batch.interrupted)) return Status(StatusCode::kTimeout, "learner: stop requested while waiting for data");
+  ODY_RETURN_IF_ERROR(read_batch(*sampler, records, version, ReadLimits{}, &batch));
 
   // 2. Group-relative advantages.
   for (size_t g = 0; g < batch.group_starts.size(); ++g) {
@@ -474,7 +490,8 @@ Result<StepMetrics> Trainer::Impl::step_once(const std::atomic<bool>* stop) {
   if (step % o.publish_every == 0) ODY_RETURN_IF_ERROR(publish_next());
   m.version = version;
   m.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
-  m.tokens_per_s = m.seconds > 0 ? m.tokens / m.seconds : 0;
+  m.wait_seconds = wait_seconds;
+  m.tokens_per_s = m.seconds - wait_seconds > 0 ? m.tokens / (m.seconds - wait_seconds) : 0;
   if (metrics.is_open()) {
     metrics << m.to_json().dump() << "\n";
     metrics.flush();

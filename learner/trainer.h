@@ -88,7 +88,7 @@ struct StepMetrics {
   int64_t step = 0;
   uint32_t version = 0;
   double loss = 0, reward_mean = 0, success_rate = 0;
-  double tokens = 0, trained_tokens = 0, tokens_per_s = 0, seconds = 0;
+  double tokens = 0, trained_tokens = 0, tokens_per_s = 0, seconds = 0, wait_seconds = 0;
   double policy_lag_mean = 0, policy_lag_max = 0;
   double clip_fraction = 0, entropy = 0, ratio_mean = 0, ratio_max = 0, masked_fraction = 0, kl = 0;
   double grad_norm = 0, lr = 0;

@@ -10,6 +10,7 @@
 #include <fstream>
 #include <regex>
 #include <string>
+#include <thread>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -107,6 +108,36 @@ TEST(LearnerProcess, SigkilledMidRunAndResumedItTrainsEveryAcknowledgedTrajector
   }
   EXPECT_EQ(last, kSteps);
   EXPECT_GE(lines, kSteps);
+}
+
+TEST(LearnerProcess, SigtermWhileWaitingForDataWritesAFinalCheckpointAndExitsZero) {
+  TempDir tmp;
+  InProcessReplay replay(tmp.str("replay"));
+  const std::string init = testing::save_init_checkpoint(tmp.str("init"), 11);
+  auto config = model::load_model_config({testing::tiny_model_config()});
+  ASSERT_TRUE(config.ok());
+  model::Policy actor(*config);
+  ASSERT_TRUE(model::load_policy(actor, init).ok());
+  // One step's worth (two groups) and one more group: the second step waits for a fourth.
+  ASSERT_TRUE(testing::write_groups(replay.endpoint(), testing::sample_groups_from(actor, 3, 3, 4, 12, 12)).ok());
+  const std::string cfg = write_config(tmp, replay.endpoint(), init, /*steps=*/10);
+  Process learner({ODYSSEY_BINARY, "learner", "--config", cfg, "--rank", "0"}, tmp.str("learner.log"));
+  ASSERT_TRUE(learner.wait_for_output("learner: step 1 ", 120s)) << learner.output();
+  std::this_thread::sleep_for(1s);
+  learner.kill(SIGTERM);
+  ASSERT_EQ(learner.wait(60s), 0) << learner.output();
+  EXPECT_NE(learner.output().find("done at step 1 "), std::string::npos) << learner.output();
+  const auto latest = latest_checkpoint(tmp.str("out/checkpoints"));
+  ASSERT_TRUE(latest.has_value());
+  EXPECT_EQ(*latest, checkpoint_dir(tmp.str("out/checkpoints"), 1));
+  replay::ClientOptions o;
+  o.endpoint = replay.endpoint();
+  auto sampler = replay::ReplaySampler::connect(o);
+  ASSERT_TRUE(sampler.ok());
+  auto stats = (*sampler)->stats();
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ(stats->consumed, 6u);  // the trained step, committed with the final checkpoint
+  EXPECT_EQ(stats->complete, 3u);  // the third group: sampled, never trained, not consumed
 }
 
 }  // namespace
