@@ -1,0 +1,153 @@
+// `odyssey run`: a short RL job end to end with real processes (replay service, learner, actor,
+// eval actor), and the supervisor restarting a SIGKILLed learner and actor.
+#include <netinet/in.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "cli/run_command.h"
+
+namespace odyssey {
+namespace {
+
+namespace fs = std::filesystem;
+
+int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  socklen_t len = sizeof(addr);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  ::close(fd);
+  return ntohs(addr.sin_port);
+}
+
+std::vector<nlohmann::json> read_metrics(const std::string& path) {
+  std::vector<nlohmann::json> out;
+  std::ifstream in(path);
+  std::string line;
+  while (std::getline(in, line)) {
+    auto j = nlohmann::json::parse(line, nullptr, false);
+    if (j.is_object()) out.push_back(j);
+  }
+  return out;
+}
+
+class RunJob : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string pattern = (fs::path(::testing::TempDir()) / "run_test_XXXXXX").string();
+    ASSERT_NE(::mkdtemp(pattern.data()), nullptr);
+    root_ = pattern;
+  }
+  void TearDown() override {
+    if (std::getenv("ODYSSEY_KEEP_TEST_DIRS") == nullptr) fs::remove_all(root_);
+  }
+  std::string out() const { return (root_ / "run").string(); }
+
+  // A job of a few seconds of work: random initial weights, tiny batches, short episodes.
+  std::string command(int steps, const std::string& extra = "") const {
+    return "cd " + std::string(ODYSSEY_SOURCE_DIR) + " && " + ODYSSEY_BINARY + " run configs/tiny.toml --out " + out() +
+           " --set 'policy.init=\"\"' --set learner.steps=" + std::to_string(steps) +
+           " --set replay.listen=tcp://127.0.0.1:" + std::to_string(free_port()) +
+           " --set learner.master=127.0.0.1:" + std::to_string(free_port()) +
+           " --set actor.slots=4 --set actor.group_size=2 --set learner.groups_per_step=1"
+           " --set actor.max_tokens=96 --set actor.max_turn_tokens=24 --set learner.checkpoint_every=2"
+           " --set replay.rate_limiter.min_size_to_sample=2 --set run.eval_every=2 --set run.eval_tasks=4"
+           " --set run.max_minutes=8 --set run.log_every_seconds=1 " +
+           extra;
+  }
+
+  fs::path root_;
+};
+
+TEST_F(RunJob, ShortJobStoresTrajectoriesStepsTheLearnerPublishesWeightsAndWritesMetrics) {
+  int code = 0;
+  const std::string output = odyssey::testing::run_shell(command(3), &code);
+  ASSERT_EQ(code, 0) << output;
+  EXPECT_NE(output.find("run: 3 steps"), std::string::npos) << "summary line missing:\n" << output;
+  const auto metrics = read_metrics(out() + "/metrics.jsonl");
+  int last_step = 0, actor_lines = 0, eval_lines = 0;
+  for (const auto& j : metrics) {
+    const std::string role = j.value("role", "");
+    if (role == "learner") last_step = std::max(last_step, j.value("step", 0));
+    if (role.rfind("actor", 0) == 0) ++actor_lines;
+    if (role == "eval") {
+      ++eval_lines;
+      EXPECT_TRUE(j.contains("eval_success")) << j.dump();
+    }
+  }
+  EXPECT_EQ(last_step, 3) << "the learner's steps in metrics.jsonl";
+  EXPECT_GT(actor_lines, 0) << "actors report their throughput";
+  EXPECT_GT(eval_lines, 0) << "the eval actor reports eval_success";
+  EXPECT_TRUE(fs::exists(out() + "/weights/LATEST")) << "weights reached the actors' folder";
+  EXPECT_TRUE(fs::exists(out() + "/config.toml"));
+  EXPECT_FALSE(fs::is_empty(out() + "/checkpoints"));
+  EXPECT_FALSE(fs::is_empty(out() + "/replay")) << "trajectories were stored";
+
+  const std::string plot = odyssey::testing::run_shell(std::string(ODYSSEY_BINARY) + " plot " + out(), &code);
+  ASSERT_EQ(code, 0) << plot;
+  EXPECT_GT(fs::file_size(out() + "/curves.png"), 1000u);
+
+  // The same --out again without --resume is refused; a run is never silently overwritten.
+  const std::string again = odyssey::testing::run_shell(command(3), &code);
+  EXPECT_NE(code, 0);
+  EXPECT_NE(again.find("--resume"), std::string::npos) << again;
+}
+
+TEST_F(RunJob, SupervisorRestartsAKilledLearnerAndActorAndTheStepCountContinues) {
+  // Start the job in the background, kill the learner and the actor once the learner has
+  // stepped, and let the job finish.
+  const std::string log = (root_ / "run.log").string();
+  const std::string cmd = command(6) + " > " + log + " 2>&1; echo $? > " + (root_ / "rc").string();
+  std::thread job([cmd] { int c = 0; odyssey::testing::run_shell(cmd, &c); });
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::minutes(6);
+  bool killed = false;
+  while (std::chrono::steady_clock::now() < deadline && !killed) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    int step = 0;
+    for (const auto& j : read_metrics(out() + "/metrics.jsonl"))
+      if (j.value("role", "") == "learner") step = std::max(step, j.value("step", 0));
+    if (step < 2) continue;
+    std::ifstream in(out() + "/processes.json");
+    const auto table = nlohmann::json::parse(in, nullptr, false);
+    ASSERT_TRUE(table.is_object());
+    ::kill(table["roles"]["learner-0"]["pid"].get<int>(), SIGKILL);
+    ::kill(table["roles"]["actor-0"]["pid"].get<int>(), SIGKILL);
+    killed = true;
+  }
+  job.join();
+  ASSERT_TRUE(killed) << "the learner never reached step 2";
+  std::ifstream rc_in((root_ / "rc").string());
+  int rc = -1;
+  rc_in >> rc;
+  std::ifstream log_in(log);
+  const std::string text((std::istreambuf_iterator<char>(log_in)), std::istreambuf_iterator<char>());
+  ASSERT_EQ(rc, 0) << text;
+  EXPECT_NE(text.find("learner-0 killed by"), std::string::npos) << text;
+  EXPECT_NE(text.find("actor-0 killed by"), std::string::npos) << text;
+  std::ifstream in(out() + "/processes.json");
+  const auto table = nlohmann::json::parse(in, nullptr, false);
+  EXPECT_GE(table["roles"]["learner-0"]["restarts"].get<int>(), 1);
+  EXPECT_GE(table["roles"]["actor-0"]["restarts"].get<int>(), 1);
+  int last_step = 0;
+  for (const auto& j : read_metrics(out() + "/metrics.jsonl"))
+    if (j.value("role", "") == "learner") last_step = std::max(last_step, j.value("step", 0));
+  EXPECT_EQ(last_step, 6) << "the resumed learner continued to the last step";
+}
+
+}  // namespace
+}  // namespace odyssey
