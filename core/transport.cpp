@@ -1,5 +1,7 @@
 #include "core/transport.h"
 
+#include <cerrno>
+
 #include <capnp/serialize.h>
 
 namespace odyssey {
@@ -39,6 +41,9 @@ Result<std::optional<std::vector<zmq::message_t>>> recv_frames(zmq::socket_t& so
     if (frames.empty()) return std::optional<std::vector<zmq::message_t>>();
     return std::optional<std::vector<zmq::message_t>>(std::move(frames));
   } catch (const zmq::error_t& e) {
+    // A signal (SIGTERM asking for a clean stop) interrupted the wait: report "nothing yet" so the
+    // caller's loop gets to look at its stop flag instead of failing the whole process.
+    if (e.num() == EINTR) return std::optional<std::vector<zmq::message_t>>();
     return Status(StatusCode::kUnavailable, fmt::format("zmq recv: {}", e.what()));
   }
 }
