@@ -1,9 +1,10 @@
-// odyssey bench replay | model | actor
+// odyssey bench replay | model | learner | actor
 #include <cstdio>
 
 #include <spdlog/spdlog.h>
 
 #include "bench/actor_bench.h"
+#include "bench/learner_bench.h"
 #include "bench/model_bench.h"
 #include "bench/replay_bench.h"
 #include "cli/commands.h"
@@ -84,6 +85,29 @@ void add_bench_commands(CLI::App& app, Action& action) {
       auto r = bench::run_actor_bench(actor_options);
       if (!r.ok()) {
         spdlog::error("bench actor: {}", r.status().to_string());
+        return 1;
+      }
+      return 0;
+    };
+  });
+
+  static bench::LearnerBenchOptions learner_options;
+  auto* learner = bench->add_subcommand(
+      "learner", "the learner's training step (chunked recompute, loss, AdamW) in tokens/s vs a plain LibTorch "
+                 "whole-sequence step, at a few lengths (CPU); --long N: one step on an N-token trajectory");
+  learner->add_option("--model-config", learner_options.model_config, "model config TOML")->capture_default_str();
+  learner->add_option("--lengths", learner_options.lengths, "sequence lengths")->capture_default_str();
+  learner->add_option("--batch-tokens", learner_options.batch_tokens, "tokens per step at every length")
+      ->capture_default_str();
+  learner->add_option("--chunk-tokens", learner_options.chunk_tokens, "learner.chunk_tokens")->capture_default_str();
+  learner->add_option("--threads", learner_options.threads, "LibTorch intra-op threads")->capture_default_str();
+  learner->add_option("--repeats", learner_options.repeats, "best of this many runs")->capture_default_str();
+  learner->add_option("--long", learner_options.long_tokens, "instead: one step on one trajectory of this many tokens");
+  learner->callback([&action] {
+    action = [] {
+      auto r = bench::run_learner_bench(learner_options);
+      if (!r.ok()) {
+        spdlog::error("bench learner: {}", r.status().to_string());
         return 1;
       }
       return 0;

@@ -1,0 +1,153 @@
+#include "bench/learner_bench.h"
+
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <functional>
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/types.h>
+// after torch/types.h, which it needs
+#include <torch/nn/utils/clip_grad.h>
+#include <torch/optim/adamw.h>
+
+#include "learner/batch.h"
+#include "learner/chunked_policy.h"
+#include "learner/optimizer.h"
+#include "learner/policy_gradient.h"
+#include "model/config.h"
+#include "model/policy.h"
+
+namespace odyssey::bench {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double best_seconds(int repeats, const std::function<void()>& fn) {
+  fn();  // warm-up
+  double best = 1e30;
+  for (int i = 0; i < repeats; ++i) {
+    const auto t0 = Clock::now();
+    fn();
+    best = std::min(best, std::chrono::duration<double>(Clock::now() - t0).count());
+  }
+  return best;
+}
+
+double peak_rss_mb() {
+  rusage u{};
+  ::getrusage(RUSAGE_SELF, &u);
+  return static_cast<double>(u.ru_maxrss) / 1024.0;  // Linux: kilobytes
+}
+
+// `rows` synthetic trajectories of `length` tokens: random tokens, the second half model-written
+// with log-probs near the policy's (a uniform guess), advantages alternating +1 / -1.
+std::vector<learner::TrajectoryTokens> synthetic_batch(int64_t rows, int64_t length, int64_t vocab) {
+  std::vector<learner::TrajectoryTokens> out(static_cast<size_t>(rows));
+  const at::Tensor tokens = at::randint(0, 256, {rows, length}, at::kInt);
+  auto acc = tokens.accessor<int32_t, 2>();
+  for (int64_t r = 0; r < rows; ++r) {
+    auto& t = out[static_cast<size_t>(r)];
+    t.id = static_cast<uint64_t>(r + 1);
+    t.advantage = r % 2 == 0 ? 1.0 : -1.0;
+    for (int64_t p = 0; p < length; ++p) {
+      t.tokens.push_back(acc[r][p]);
+      t.logprobs.push_back(-std::log(static_cast<float>(vocab)));
+      t.loss_mask.push_back(p >= length / 2 ? 1 : 0);
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+Result<LearnerBenchResult> run_learner_bench(const LearnerBenchOptions& o) {
+  if (o.repeats < 1 || o.batch_tokens < 2 || o.chunk_tokens < 16 || o.lengths.empty())
+    return invalid_argument("bench learner: need repeats >= 1, batch_tokens >= 2, chunk_tokens >= 16 and a length");
+  for (int64_t length : o.lengths) {
+    if (length < 2) return invalid_argument("bench learner: --lengths: {} is too short (a length is at least 2 tokens)", length);
+  }
+  at::set_num_threads(std::max(1, o.threads));
+  ODY_ASSIGN_OR_RETURN(auto cfg, model::load_model_config({o.model_config}));
+  at::manual_seed(0);
+  model::Policy policy(cfg);
+  policy->train();
+  learner::ChunkedPolicy runner(policy);
+  std::vector<std::pair<std::string, at::Tensor>> named;
+  for (const auto& p : policy->named_parameters()) named.emplace_back(p.key(), p.value());
+  std::vector<at::Tensor> params;
+  for (auto& p : named) params.push_back(p.second);
+  learner::AdamW adamw(named, learner::AdamWOptions{1e-5, 0.9, 0.95, 1e-8, 0.0});
+  learner::PolicyGradientOptions pgo;
+  pgo.chunk_tokens = o.chunk_tokens;
+  pgo.recompute = o.recompute;
+
+  // The learner's step compute on `batch`.
+  auto learner_step = [&](const std::vector<learner::TrajectoryTokens>& batch) {
+    for (auto& p : params) p.mutable_grad() = at::Tensor();
+    learner::accumulate_policy_gradient(runner, nullptr, batch, {}, pgo);
+    learner::clip_grad_norm(params, 1.0);
+    adamw.step(1e-5);
+  };
+
+  std::printf("model %s (%s), %d thread(s), chunk_tokens %ld, recompute %s\n", cfg.name.c_str(), o.model_config.c_str(),
+              std::max(1, o.threads), static_cast<long>(o.chunk_tokens), o.recompute ? "on" : "off");
+  LearnerBenchResult result;
+  if (o.long_tokens > 0) {
+    const auto batch = synthetic_batch(1, o.long_tokens, cfg.vocab_size);
+    const double rss_before = peak_rss_mb();
+    const auto t0 = Clock::now();
+    learner_step(batch);
+    const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
+    result.learner_tokens_per_s = static_cast<double>(o.long_tokens) / secs;
+    std::printf("one trajectory of %ld tokens (%ld trained): one learner step in %.1f s, peak RSS %.0f MB (%.0f MB before)\n",
+                static_cast<long>(o.long_tokens), static_cast<long>(batch[0].trained_tokens()), secs, peak_rss_mb(),
+                rss_before);
+    std::printf("learner_long_tokens_per_s: %.1f\n", result.learner_tokens_per_s);
+    return result;
+  }
+
+  torch::optim::AdamW reference_adamw(policy->parameters(), torch::optim::AdamWOptions(1e-5).weight_decay(0));
+  std::printf("%8s %6s %16s %16s %8s\n", "length", "rows", "learner tok/s", "reference tok/s", "ratio");
+  for (int64_t length : o.lengths) {
+    const int64_t rows = std::max<int64_t>(1, o.batch_tokens / length);
+    const auto batch = synthetic_batch(rows, length, cfg.vocab_size);
+    const double tokens = static_cast<double>(rows * length);
+    const double learner_s = best_seconds(o.repeats, [&] { learner_step(batch); });
+
+    // Plain LibTorch: one whole-sequence forward, the same token-mean policy-gradient loss.
+    at::Tensor tok = at::zeros({rows, length}, at::kLong), adv = at::zeros({rows, 1}), mask = at::zeros({rows, length});
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t p = 0; p < length; ++p) {
+        tok[r][p] = batch[static_cast<size_t>(r)].tokens[static_cast<size_t>(p)];
+        mask[r][p] = p >= 1 && batch[static_cast<size_t>(r)].loss_mask[static_cast<size_t>(p)] ? 1.0 : 0.0;
+      }
+      adv[r][0] = batch[static_cast<size_t>(r)].advantage;
+    }
+    const at::Tensor inputs = tok.narrow(1, 0, length - 1), targets = tok.narrow(1, 1, length - 1);
+    const at::Tensor m = mask.narrow(1, 1, length - 1);
+    const double reference_s = best_seconds(o.repeats, [&] {
+      reference_adamw.zero_grad();
+      const at::Tensor logp =
+          at::log_softmax(policy->forward(inputs), -1).gather(2, targets.unsqueeze(2)).squeeze(2);
+      const at::Tensor loss = -(adv * logp * m).sum() / m.sum();
+      loss.backward();
+      torch::nn::utils::clip_grad_norm_(policy->parameters(), 1.0);
+      reference_adamw.step();
+    });
+    result.learner_tokens_per_s = tokens / learner_s;
+    result.reference_tokens_per_s = tokens / reference_s;
+    std::printf("%8ld %6ld %16.0f %16.0f %8.2f\n", static_cast<long>(length), static_cast<long>(rows),
+                result.learner_tokens_per_s, result.reference_tokens_per_s, reference_s / learner_s);
+  }
+  std::printf("peak RSS %.0f MB\n", peak_rss_mb());
+  std::printf("learner_tokens_per_s: %.1f\n", result.learner_tokens_per_s);
+  return result;
+}
+
+}  // namespace odyssey::bench

@@ -1,0 +1,41 @@
+// `odyssey bench learner` (CPU): training tokens per second of the learner's step compute on a
+// fixed synthetic batch — the chunked forward/backward with the state carried and activation
+// recomputation (learner/policy_gradient.h), the GRPO/PPO loss, gradient clipping and AdamW —
+// at a few sequence lengths, against the plain LibTorch reference measured in the same run: one
+// whole-sequence Policy::forward, the same token-mean policy-gradient loss, backward and
+// torch::optim::AdamW. The batch holds about `batch_tokens` tokens at every length (rows =
+// batch_tokens / length), half of each sequence model-written. Last line:
+// `learner_tokens_per_s: X` (the learner at the longest length).
+//
+// --long N instead trains one step on a single N-token trajectory through the learner's path
+// (the 64K check: time and the process's peak resident memory), and prints
+// `learner_long_tokens_per_s: X` last.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/status.h"
+
+namespace odyssey::bench {
+
+struct LearnerBenchOptions {
+  std::string model_config = "configs/model/tiny.toml";
+  std::vector<int64_t> lengths = {256, 2048};
+  int64_t batch_tokens = 2048;
+  int64_t chunk_tokens = 1024;  // learner.chunk_tokens
+  bool recompute = true;
+  int repeats = 1;        // best of (after one warm-up run)
+  int threads = 1;
+  int64_t long_tokens = 0;  // > 0: the long-trajectory check only
+};
+
+struct LearnerBenchResult {
+  double learner_tokens_per_s = 0;
+  double reference_tokens_per_s = 0;
+};
+
+Result<LearnerBenchResult> run_learner_bench(const LearnerBenchOptions& options);
+
+}  // namespace odyssey::bench
