@@ -57,11 +57,14 @@ json train_task(uint64_t index) { return json{{"split", "train"}, {"index", inde
 
 std::vector<ArithDifficulty> default_arith_mix() {
   return {
-      {json{{"min_steps", 1}, {"max_steps", 1}, {"max_operand", 9}}, /*weight=*/0.70, /*calculator=*/0.25},
-      {json{{"min_steps", 1}, {"max_steps", 2}, {"max_operand", 20}}, /*weight=*/0.15, /*calculator=*/0.75},
-      {json{{"min_steps", 2}, {"max_steps", 3}, {"max_operand", 20}}, /*weight=*/0.08, /*calculator=*/1.0},
-      {json{{"min_steps", 1}, {"max_steps", 3}, {"max_operand", 12}, {"word_problems", true}}, /*weight=*/0.07,
-       /*calculator=*/1.0},
+      {json{{"min_steps", 1}, {"max_steps", 1}, {"max_operand", 9}},
+       /*weight=*/0.70, /*calculator=*/0.25, /*worked=*/1.0},
+      {json{{"min_steps", 1}, {"max_steps", 2}, {"max_operand", 20}},
+       /*weight=*/0.15, /*calculator=*/0.75, /*worked=*/1.0},
+      {json{{"min_steps", 2}, {"max_steps", 3}, {"max_operand", 20}},
+       /*weight=*/0.08, /*calculator=*/1.0, /*worked=*/1.0},
+      {json{{"min_steps", 1}, {"max_steps", 3}, {"max_operand", 12}, {"word_problems", true}},
+       /*weight=*/0.07, /*calculator=*/1.0, /*worked=*/1.0},
   };
 }
 
@@ -103,7 +106,11 @@ Result<Demonstration> play_arith_expert(envs::EnvSession& session, const Tokeniz
     const bool calculator_turn = use_calculator && turn == 0;
     const std::string call = calculator_turn ? compact_tool_call("calculator", json{{"expression", problem.expression}})
                                              : compact_tool_call("answer", json{{"value", value}});
-    std::vector<uint32_t> tokens{special(SpecialToken::kToolCall)};
+    std::vector<uint32_t> tokens;
+    if (strategy == ArithStrategy::kWorkedAnswer) {
+      tokens = tokenizer.encode(problem.expression + "=" + std::to_string(value));
+    }
+    tokens.push_back(special(SpecialToken::kToolCall));
     const std::vector<uint32_t> text = tokenizer.encode(call);
     tokens.insert(tokens.end(), text.begin(), text.end());
     tokens.push_back(special(SpecialToken::kToolCallEnd));
@@ -202,7 +209,9 @@ struct DocumentStream::Impl {
 
   Result<Document> demonstration() {
     const size_t d = pick_difficulty(false);
-    const ArithStrategy strategy = rng.unit() < options.mix[d].calculator ? ArithStrategy::kCalculator : ArithStrategy::kAnswer;
+    ArithStrategy strategy = ArithStrategy::kCalculator;
+    if (rng.unit() >= options.mix[d].calculator)
+      strategy = rng.unit() < options.mix[d].worked ? ArithStrategy::kWorkedAnswer : ArithStrategy::kAnswer;
     const json task = take_task(d);
     ODY_ASSIGN_OR_RETURN(Demonstration demo,
                          play_arith_expert(*sessions[d], tokenizer, task, strategy, /*seed=*/rng.next()));
@@ -255,8 +264,9 @@ DocumentStream::~DocumentStream() = default;
 Result<std::unique_ptr<DocumentStream>> DocumentStream::create(const Tokenizer& tokenizer, const DataOptions& options) {
   if (options.mix.empty()) return invalid_argument("pretrain data: the difficulty mix is empty");
   for (const ArithDifficulty& d : options.mix) {
-    if (!(d.weight > 0) || !(d.calculator >= 0 && d.calculator <= 1)) {
-      return invalid_argument("pretrain data: difficulty {} needs weight > 0 and calculator in [0, 1]", d.config.dump());
+    if (!(d.weight > 0) || !(d.calculator >= 0 && d.calculator <= 1) || !(d.worked >= 0 && d.worked <= 1)) {
+      return invalid_argument("pretrain data: difficulty {} needs weight > 0, calculator and worked in [0, 1]",
+                              d.config.dump());
     }
   }
   if (!(options.text_fraction >= 0 && options.text_fraction <= 1)) {

@@ -10,9 +10,11 @@
 //   <|tool|> <|tool_result|>recorded 7<|/tool_result|> <|end_turn|>     the env's observation
 //   <|eos|>
 //
-// or, with the calculator first (ArithStrategy::kCalculator), a turn
-// {"name":"calculator","arguments":{"expression":"3+4"}}, the tool turn with "7", <|assistant|>,
-// then the answer turn as above. Tool calls are written by a compact JSON serializer (no spaces,
+// or, worked (ArithStrategy::kWorkedAnswer), the same turn with the problem worked out as text
+// before the call: <|assistant|>3+4=7<|tool_call|>{"name":"answer",...}; or, with the calculator
+// first (ArithStrategy::kCalculator), a turn {"name":"calculator","arguments":{"expression":"3+4"}},
+// the tool turn with "7", <|assistant|>, then the answer turn as above. The worked line is the
+// same text as the text corpus's lines, so what the model learns from one serves the other. Tool calls are written by a compact JSON serializer (no spaces,
 // keys "name" then "arguments"). The loss mask is 1 on exactly the expert's tokens (each turn
 // after <|assistant|>, through its <|end_turn|>) and 0 on everything the framework or the
 // environment writes (<|bos|>, the user turn, <|assistant|>, tool turns, <|eos|>), as actors
@@ -65,20 +67,24 @@ struct Document {
 };
 
 enum class ArithStrategy {
-  kAnswer,      // one turn: the answer tool with the value
+  kAnswer,        // one turn: the answer tool with the value
+  kWorkedAnswer,  // one turn: "<expression>=<value>" as text, then the answer tool
   kCalculator,  // the calculator with the problem's expression, then the answer tool with its result
 };
 
-// A share of the demonstrations: an arith config, its relative weight and how often the expert
-// calls the calculator before answering.
+// A share of the demonstrations: an arith config, its relative weight and how the expert solves
+// it: with the calculator first (probability `calculator`), else worked out as text before the
+// answer (probability `worked`), else the bare answer.
 struct ArithDifficulty {
   nlohmann::json config;
   double weight = 1.0;
   double calculator = 0.0;  // probability of ArithStrategy::kCalculator
+  double worked = 1.0;      // of the others: probability of kWorkedAnswer (else kAnswer)
 };
 
-// Mostly the easiest config {"min_steps":1,"max_steps":1,"max_operand":9} (answered directly
-// more often than not), plus multi-step terse and word problems (mostly with the calculator).
+// Mostly the easiest config {"min_steps":1,"max_steps":1,"max_operand":9} (worked and answered
+// directly three times in four, else with the calculator), plus multi-step terse and word
+// problems (mostly with the calculator).
 std::vector<ArithDifficulty> default_arith_mix();
 
 // The tool call as the expert writes it: {"name":"answer","arguments":{"value":7}}.

@@ -100,6 +100,27 @@ TEST(Demonstrations, DirectAnswerDecodesToTheActorsTranscriptAndParsesAsTheRight
   }
 }
 
+TEST(Demonstrations, WorkedAnswerWritesTheProblemOutAsTextBeforeTheCall) {
+  const ByteTokenizer tok;
+  auto s = session(kEasiest);
+  envs::TurnParser parser(arith()->info().tools);
+  const json task = {{"split", "train"}, {"index", 5}};
+  const std::string prompt = prompt_of(kEasiest, task);
+  const std::string v = std::to_string(solve_one_step(prompt));
+  auto demo = play_arith_expert(*s, tok, task, ArithStrategy::kWorkedAnswer);
+  ASSERT_TRUE(demo.ok()) << demo.status().to_string();
+  EXPECT_EQ(tok.decode(demo->document.tokens),
+            "<|bos|><|user|>" + prompt + "<|end_turn|><|assistant|>" + prompt.substr(0, 3) + "=" + v +
+                "<|tool_call|>{\"name\":\"answer\",\"arguments\":{\"value\":" + v +
+                "}}<|/tool_call|><|end_turn|><|tool|><|tool_result|>recorded " + v + "<|/tool_result|><|end_turn|><|eos|>");
+  const auto turns = expert_turns(demo->document);
+  ASSERT_EQ(turns.size(), 1u);
+  const envs::ParsedTurn parsed = parser.parse(turns[0], tok);
+  EXPECT_EQ(parsed.action.text, prompt.substr(0, 3) + "=" + v);
+  ASSERT_EQ(parsed.action.tool_calls.size(), 1u);
+  EXPECT_EQ(parsed.action.tool_calls[0].arguments["value"].get<int64_t>(), std::stoll(v));
+}
+
 TEST(Demonstrations, CalculatorFirstShowsTheEnvironmentsResultThenAnswersIt) {
   const ByteTokenizer tok;
   auto s = session(kEasiest);
