@@ -4,6 +4,7 @@
 #include <spdlog/spdlog.h>
 
 #include "bench/actor_bench.h"
+#include "bench/kernels_bench.h"
 #include "bench/learner_bench.h"
 #include "bench/model_bench.h"
 #include "bench/replay_bench.h"
@@ -62,6 +63,28 @@ void add_bench_commands(CLI::App& app, Action& action) {
       auto r = bench::run_model_bench(model_options);
       if (!r.ok()) {
         spdlog::error("bench model: {}", r.status().to_string());
+        return 1;
+      }
+      return 0;
+    };
+  });
+
+  static bench::KernelsBenchOptions kernels_options;
+  auto* kernels = bench->add_subcommand(
+      "kernels", "CUDA kernels vs their LibTorch references: chunked KDA forward (B=2 T=16K H=64, B=1 T=64K H=4) "
+                 "and decode (batch 256), ms, TFLOP/s, fraction of the memory floor (GPU build only)");
+  kernels->add_option("--repeats", kernels_options.repeats, "kernel timings: best/median of this many")
+      ->capture_default_str();
+  kernels->add_option("--warmup", kernels_options.warmup, "untimed runs first")->capture_default_str();
+  kernels->add_option("--reference-repeats", kernels_options.reference_repeats,
+                      "LibTorch reference timings: best of this many")
+      ->capture_default_str();
+  kernels->add_flag("!--no-reference", kernels_options.reference, "skip timing the LibTorch references");
+  kernels->callback([&action] {
+    action = [] {
+      auto r = bench::run_kernels_bench(kernels_options);
+      if (!r.ok()) {
+        spdlog::error("bench kernels: {}", r.status().to_string());
         return 1;
       }
       return 0;

@@ -3,13 +3,19 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <initializer_list>
 #include <optional>
 #include <vector>
 
+#include <c10/core/GradMode.h>
 #include <torch/nn/options/conv.h>
 #include <torch/nn/options/linear.h>
 #include <torch/types.h>
 #include <torch/utils.h>
+
+#ifdef ODYSSEY_WITH_CUDA_KERNELS
+#include "kernels/torch_bindings.h"
+#endif
 
 namespace odyssey::model {
 
@@ -87,6 +93,15 @@ at::Tensor to_chunks(const at::Tensor& x, int64_t chunk, int64_t num_chunks,
       .permute({0, 3, 1, 2, 4});
 }
 
+// Whether autograd would record through these (the kernels are forward only).
+[[maybe_unused]] bool needs_grad(std::initializer_list<const at::Tensor*> tensors) {
+  if (!c10::GradMode::is_enabled()) return false;
+  for (const at::Tensor* t : tensors) {
+    if (t->defined() && t->requires_grad()) return true;
+  }
+  return false;
+}
+
 }  // namespace
 
 Output recurrent(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -114,6 +129,21 @@ Output recurrent(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 Output chunked(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                const at::Tensor& g, const at::Tensor& beta, const at::Tensor& initial_state,
                double scale, int64_t chunk) {
+#ifdef ODYSSEY_WITH_CUDA_KERNELS
+  if (q.defined() && q.is_cuda() &&
+      !needs_grad({&q, &k, &v, &g, &beta, &initial_state}) &&
+      kernels::kda_chunked_supported(q, k, v, g, beta, initial_state, chunk)) {
+    check_sequence_inputs("kda::chunked", q, k, v, g, beta, initial_state);
+    kernels::KdaChunkedOutput out = kernels::kda_chunked(q, k, v, g, beta, initial_state, scale);
+    return {out.o, out.final_state};
+  }
+#endif
+  return chunked_reference(q, k, v, g, beta, initial_state, scale, chunk);
+}
+
+Output chunked_reference(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         const at::Tensor& g, const at::Tensor& beta,
+                         const at::Tensor& initial_state, double scale, int64_t chunk) {
   check_sequence_inputs("kda::chunked", q, k, v, g, beta, initial_state);
   TORCH_CHECK(chunk >= 1, "kda::chunked: chunk must be >= 1, got ", chunk);
   const at::ScalarType dtype = compute_dtype(q);
@@ -168,6 +198,18 @@ Output chunked(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 
 at::Tensor step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                 const at::Tensor& g, const at::Tensor& beta, at::Tensor& state, double scale) {
+#ifdef ODYSSEY_WITH_CUDA_KERNELS
+  if (q.defined() && q.is_cuda() && !needs_grad({&q, &k, &v, &g, &beta, &state}) &&
+      kernels::kda_step_supported(q, k, v, g, beta, state)) {
+    return kernels::kda_step(q, k, v, g, beta, state, scale);
+  }
+#endif
+  return step_reference(q, k, v, g, beta, state, scale);
+}
+
+at::Tensor step_reference(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                          const at::Tensor& g, const at::Tensor& beta, at::Tensor& state,
+                          double scale) {
   TORCH_CHECK(state.dim() == 4, "kda::step: state must be [B, H, K, V], got ", state.sizes());
   TORCH_CHECK(state.scalar_type() == at::kFloat || state.scalar_type() == at::kDouble,
               "kda::step: state must be fp32 or fp64, got ", state.scalar_type());

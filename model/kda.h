@@ -66,15 +66,34 @@ Output recurrent(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 // chunk after chunk. A partly filled last chunk is padded with zeros (k = v = q = beta = 0,
 // g = 0), which leaves every real output and the final state unchanged. Passing final_state
 // back as initial_state continues the sequence exactly, so any length runs in bounded memory.
+//
+// Built with the CUDA kernels (-DODYSSEY_CUDA=ON), chunked runs kernels/kda.h's chunked forward
+// when the inputs are CUDA tensors the kernel supports (q, k, v bf16 or fp32, K and V in
+// {64, 128}, chunk 16, fp32/fp64 initial state) and no gradient is needed (grad mode off, or no
+// input requires grad); the kernel assumes g in [-5, 0]. Otherwise, and always on the CPU, it is
+// chunked_reference. The kernel rounds matmul operands to bf16 (kernels/kda.h, "Numerics").
 Output chunked(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                const at::Tensor& g, const at::Tensor& beta, const at::Tensor& initial_state,
                double scale, int64_t chunk = 16);
 
+// The plain LibTorch chunked form above, whatever the build and device (what training
+// differentiates through, and what the kernel tests compare against).
+Output chunked_reference(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         const at::Tensor& g, const at::Tensor& beta,
+                         const at::Tensor& initial_state, double scale, int64_t chunk = 16);
+
 // One decode token for a batch: q, k, g [B, H, K], v [B, H, V], beta [B, H]; state
 // [B, H, K, V] (fp32 or fp64, contiguous or not) is updated in place. Inputs are cast to the
-// state's dtype. Returns o [B, H, V] in q's dtype.
+// state's dtype. Returns o [B, H, V] in q's dtype. Built with the CUDA kernels, a contiguous
+// fp32 CUDA state with q, k, v bf16 or fp32, K in {64, 128} and V a multiple of 32 up to 256
+// runs kernels/kda.h's decode step (fp32 throughout); otherwise step_reference.
 at::Tensor step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                 const at::Tensor& g, const at::Tensor& beta, at::Tensor& state, double scale);
+
+// The plain LibTorch step, whatever the build and device.
+at::Tensor step_reference(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                          const at::Tensor& g, const at::Tensor& beta, at::Tensor& state,
+                          double scale);
 
 }  // namespace kda
 

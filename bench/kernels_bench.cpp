@@ -1,0 +1,196 @@
+#include "bench/kernels_bench.h"
+
+#ifdef ODYSSEY_WITH_CUDA_KERNELS
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <functional>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/core/GradMode.h>
+#include <cuda_runtime.h>
+#include <torch/cuda.h>
+
+#include "kernels/torch_bindings.h"
+#include "model/kda.h"
+
+namespace odyssey::bench {
+namespace {
+
+namespace kda = odyssey::model::kda;
+
+struct Timing {
+  double best_ms = 0, median_ms = 0;
+};
+
+// fn enqueues work on the current stream; each repeat is bracketed by CUDA events.
+Timing time_cuda(const std::function<void()>& fn, int warmup, int repeats) {
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
+  for (int i = 0; i < warmup; ++i) fn();
+  cudaEvent_t start, stop;
+  cudaEventCreate(&start);
+  cudaEventCreate(&stop);
+  std::vector<double> ms;
+  for (int i = 0; i < std::max(1, repeats); ++i) {
+    cudaEventRecord(start, stream);
+    fn();
+    cudaEventRecord(stop, stream);
+    cudaEventSynchronize(stop);
+    float elapsed = 0;
+    cudaEventElapsedTime(&elapsed, start, stop);
+    ms.push_back(elapsed);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  std::sort(ms.begin(), ms.end());
+  return {ms.front(), ms[ms.size() / 2]};
+}
+
+struct KdaInputs {
+  at::Tensor q, k, v, g, beta;
+  double scale = 0;
+};
+
+KdaInputs make_inputs(int64_t batch, int64_t length, int64_t heads, int64_t key, int64_t value) {
+  const auto f32 = at::TensorOptions().device(at::kCUDA).dtype(at::kFloat);
+  auto l2 = [](const at::Tensor& x) { return x * at::rsqrt(x.pow(2).sum(-1, true) + 1e-6); };
+  KdaInputs in;
+  in.q = l2(at::randn({batch, length, heads, key}, f32)).to(at::kBFloat16);
+  in.k = l2(at::randn({batch, length, heads, key}, f32)).to(at::kBFloat16);
+  in.v = at::randn({batch, length, heads, value}, f32).to(at::kBFloat16);
+  in.g = -5.0 * at::sigmoid(at::randn({batch, length, heads, key}, f32) * 2.0 - 3.0);
+  in.beta = at::sigmoid(at::randn({batch, length, heads}, f32)).to(at::kBFloat16);
+  in.scale = 1.0 / std::sqrt(static_cast<double>(key));
+  return in;
+}
+
+// FLOPs of the chunked form per chunk of C tokens per head: K^K~^T, Q^K~^T, W (3 x 2CCK),
+// U and Aqk V' (2 x 2CCV), W S, Q^ S, K_^T V' (3 x 2CKV); the 16 x 16 inverse is left out.
+double chunked_flops(int64_t batch, int64_t length, int64_t heads, int64_t key, int64_t value) {
+  const double c = 16, chunks = std::ceil(length / c);
+  return batch * heads * chunks * 2 * c * (3 * c * key + 2 * c * value + 3.0 * key * value);
+}
+
+// Bytes in and out of the forward: q, k, v, beta (bf16), g (fp32) in, o (bf16) out.
+double chunked_bytes(int64_t batch, int64_t length, int64_t heads, int64_t key, int64_t value) {
+  return static_cast<double>(batch) * length * heads * (2 * key * 2 + key * 4 + value * 2 + 2 + value * 2);
+}
+
+double measure_copy_gb_per_s(const KernelsBenchOptions& o) {
+  const int64_t bytes = int64_t{2} << 30;
+  const at::Tensor src = at::empty({bytes}, at::TensorOptions().device(at::kCUDA).dtype(at::kByte));
+  at::Tensor dst = at::empty_like(src);
+  const Timing t = time_cuda([&] { dst.copy_(src); }, o.warmup, o.repeats);
+  const double gb_per_s = 2.0 * bytes / (t.best_ms * 1e-3) / 1e9;  // read + write
+  std::printf("copy        %5.1f GB device-to-device      best %8.3f ms   %7.0f GB/s (read + write)\n",
+              bytes / 1e9, t.best_ms, gb_per_s);
+  return gb_per_s;
+}
+
+struct ForwardRow {
+  double kernel_ms = 0, reference_ms = 0;
+};
+
+ForwardRow bench_forward(const KernelsBenchOptions& o, int64_t batch, int64_t length,
+                         int64_t heads, double copy_gb_per_s) {
+  const int64_t key = 128, value = 128;
+  const KdaInputs in = make_inputs(batch, length, heads, key, value);
+  const Timing kernel = time_cuda(
+      [&] { kernels::kda_chunked(in.q, in.k, in.v, in.g, in.beta, at::Tensor(), in.scale); },
+      o.warmup, o.repeats);
+  ForwardRow row{kernel.best_ms, 0};
+  const double flops = chunked_flops(batch, length, heads, key, value);
+  const double bytes = chunked_bytes(batch, length, heads, key, value);
+  const double floor_ms = bytes / (copy_gb_per_s * 1e9) * 1e3;
+  std::printf("kda forward B=%ld T=%ld H=%ld K=V=128 bf16: kernel best %8.3f ms  median %8.3f ms"
+              "  %6.1f TFLOP/s  floor %.3f ms (%.2f GB) -> %.0f%% of the floor\n",
+              static_cast<long>(batch), static_cast<long>(length), static_cast<long>(heads),
+              kernel.best_ms, kernel.median_ms, flops / (kernel.best_ms * 1e-3) / 1e12, floor_ms,
+              bytes / 1e9, 100.0 * floor_ms / kernel.best_ms);
+  if (o.reference) {
+    const Timing reference = time_cuda(
+        [&] { kda::chunked_reference(in.q, in.k, in.v, in.g, in.beta, at::Tensor(), in.scale); },
+        /*warmup=*/1, o.reference_repeats);
+    row.reference_ms = reference.best_ms;
+    std::printf("kda forward B=%ld T=%ld H=%ld: reference (kda::chunked_reference) best %9.3f ms"
+                " -> kernel %.1fx faster\n",
+                static_cast<long>(batch), static_cast<long>(length), static_cast<long>(heads),
+                reference.best_ms, reference.best_ms / kernel.best_ms);
+  }
+  std::fflush(stdout);
+  return row;
+}
+
+double bench_decode(const KernelsBenchOptions& o, int64_t batch, int64_t heads,
+                    double copy_gb_per_s) {
+  const int64_t key = 128, value = 128;
+  const KdaInputs in = make_inputs(batch, 1, heads, key, value);
+  auto token = [](const at::Tensor& t) { return t.select(1, 0).contiguous(); };
+  const at::Tensor q = token(in.q), k = token(in.k), v = token(in.v), g = token(in.g),
+                   beta = token(in.beta);
+  at::Tensor state = at::randn({batch, heads, key, value},
+                               at::TensorOptions().device(at::kCUDA).dtype(at::kFloat)) * 0.1;
+  const Timing kernel =
+      time_cuda([&] { kernels::kda_step(q, k, v, g, beta, state, in.scale); }, o.warmup, o.repeats);
+  const double state_bytes = 2.0 * state.numel() * 4;  // read + write
+  std::printf("kda decode  batch=%ld H=%ld K=V=128 bf16: kernel best %8.3f ms  median %8.3f ms"
+              "  %7.0f GB/s of state (%.0f%% of copy)\n",
+              static_cast<long>(batch), static_cast<long>(heads), kernel.best_ms, kernel.median_ms,
+              state_bytes / (kernel.best_ms * 1e-3) / 1e9,
+              100.0 * state_bytes / (kernel.best_ms * 1e-3) / 1e9 / copy_gb_per_s);
+  if (o.reference) {
+    const Timing reference = time_cuda(
+        [&] { kda::step_reference(q, k, v, g, beta, state, in.scale); }, 1, o.reference_repeats);
+    std::printf("kda decode  batch=%ld H=%ld: reference (kda::step_reference) best %8.3f ms"
+                " -> kernel %.1fx faster\n",
+                static_cast<long>(batch), static_cast<long>(heads), reference.best_ms,
+                reference.best_ms / kernel.best_ms);
+  }
+  std::fflush(stdout);
+  return kernel.best_ms;
+}
+
+}  // namespace
+
+Result<KernelsBenchResult> run_kernels_bench(const KernelsBenchOptions& options) {
+  if (!torch::cuda::is_available()) {
+    return make_status(StatusCode::kFailedPrecondition, "bench kernels: no CUDA device");
+  }
+  try {
+    const c10::NoGradGuard no_grad;
+    at::manual_seed(0);
+    std::printf("bench kernels on %s; warm-up %d, best/median of %d (references: best of %d)\n",
+                at::cuda::getCurrentDeviceProperties()->name, options.warmup, options.repeats,
+                options.reference_repeats);
+    KernelsBenchResult r;
+    r.copy_gb_per_s = measure_copy_gb_per_s(options);
+    const ForwardRow main = bench_forward(options, 2, 16384, 64, r.copy_gb_per_s);
+    r.kda_forward_ms = main.kernel_ms;
+    r.kda_forward_reference_ms = main.reference_ms;
+    r.kda_forward_long_ms = bench_forward(options, 1, 65536, 4, r.copy_gb_per_s).kernel_ms;
+    r.kda_decode_ms = bench_decode(options, 256, 64, r.copy_gb_per_s);
+    std::printf("kda_forward_ms: %.3f\n", r.kda_forward_ms);
+    std::fflush(stdout);
+    return r;
+  } catch (const c10::Error& e) {
+    return make_status(StatusCode::kInternal, "bench kernels: {}", e.what_without_backtrace());
+  }
+}
+
+}  // namespace odyssey::bench
+
+#else  // !ODYSSEY_WITH_CUDA_KERNELS
+
+namespace odyssey::bench {
+
+Result<KernelsBenchResult> run_kernels_bench(const KernelsBenchOptions&) {
+  return make_status(StatusCode::kFailedPrecondition,
+                     "bench kernels needs the CUDA build (cmake -DODYSSEY_CUDA=ON)");
+}
+
+}  // namespace odyssey::bench
+
+#endif  // ODYSSEY_WITH_CUDA_KERNELS

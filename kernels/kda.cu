@@ -1,0 +1,641 @@
+// KDA chunked forward and decode step (contract: kernels/kda.h; math: MODEL.md, "Incremental
+// attention"). Design notes and the performance ladder: kernels/README.md.
+//
+// Chunked forward. One CTA of 4 warps per (sequence, head, 64 value columns). Each warp keeps
+// 16 rows of the transposed state S^T [V, K] in fp32 mma accumulators for the whole sequence
+// (64 registers at K = 128), so that S^T is directly the A operand of the next chunk's
+// products (an m16n8 accumulator pair is an m16k16 A fragment, as in FlashAttention-2).
+// Chunks of 16 tokens are processed in groups of 4:
+//   prepare  (parallel) warp w prepares chunk 4j + w of the group alone: Gamma, Q^, K^, K~, K_,
+//            L and Aqk (mma), M = (I + L)^-1 (fp32 forward substitution), W = M Diag(beta) K^,
+//            U = M Diag(beta) V (mma), written to its slot in shared memory;
+//   walk     (serial)   all warps walk the group's chunks in order, each on its 16 state rows:
+//            V'^T = U^T - S^T W^T,  O^T = S^T Q^^T + V'^T Aqk^T,  S^T = S^T Diag(e^gamma) + V'^T K_.
+// Two CTAs fit on an SM (108.8 KB of shared memory each), so one CTA's global loads in the
+// prepare phase overlap the other's walk.
+#include "kernels/kda.h"
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+#include <type_traits>
+
+namespace odyssey::kernels {
+namespace {
+
+constexpr int kChunk = 16;
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr int kTileV = 16 * kWarps;  // value columns per CTA (16 state rows of S^T per warp)
+
+using bf16 = __nv_bfloat16;
+
+__device__ __forceinline__ int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+// ---------------------------------------------------------------------------------------------
+// Element access for the two input types.
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(bf16 x) { return __bfloat162float(x); }
+template <typename T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ bf16 from_float<bf16>(float x) { return __float2bfloat16_rn(x); }
+
+// N consecutive elements (N in {2, 4, 8}) from global memory, as floats; p aligned to N elements.
+template <int N>
+__device__ __forceinline__ void load_vec(const bf16* p, float (&out)[N]) {
+  static_assert(N == 2 || N == 4 || N == 8);
+  uint32_t raw[N / 2];
+  if constexpr (N == 2) {
+    raw[0] = __ldg(reinterpret_cast<const unsigned int*>(p));
+  } else if constexpr (N == 4) {
+    const uint2 r = __ldg(reinterpret_cast<const uint2*>(p));
+    raw[0] = r.x, raw[1] = r.y;
+  } else {
+    const uint4 r = __ldg(reinterpret_cast<const uint4*>(p));
+    raw[0] = r.x, raw[1] = r.y, raw[2] = r.z, raw[3] = r.w;
+  }
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) {
+    const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw[i]));
+    out[2 * i] = f.x, out[2 * i + 1] = f.y;
+  }
+}
+
+template <int N>
+__device__ __forceinline__ void load_vec(const float* p, float (&out)[N]) {
+  static_assert(N == 2 || N == 4 || N == 8);
+  if constexpr (N == 2) {
+    const float2 r = __ldg(reinterpret_cast<const float2*>(p));
+    out[0] = r.x, out[1] = r.y;
+  } else {
+#pragma unroll
+    for (int i = 0; i < N / 4; ++i) {
+      const float4 r = __ldg(reinterpret_cast<const float4*>(p) + i);
+      out[4 * i] = r.x, out[4 * i + 1] = r.y, out[4 * i + 2] = r.z, out[4 * i + 3] = r.w;
+    }
+  }
+}
+
+// 8 consecutive floats stored as T (p aligned to 8 elements).
+__device__ __forceinline__ void store8(bf16* p, const float* x) {
+  uint4 r;
+  uint32_t* w = reinterpret_cast<uint32_t*>(&r);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(x[2 * i], x[2 * i + 1]);
+    w[i] = *reinterpret_cast<uint32_t*>(&h);
+  }
+  *reinterpret_cast<uint4*>(p) = r;
+}
+__device__ __forceinline__ void store8(float* p, const float* x) {
+  reinterpret_cast<float4*>(p)[0] = make_float4(x[0], x[1], x[2], x[3]);
+  reinterpret_cast<float4*>(p)[1] = make_float4(x[4], x[5], x[6], x[7]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tensor-core fragments (mma.sync m16n8k16, bf16 in, fp32 accumulate). Lane l: g = l / 4,
+// t = l % 4. Accumulator c[0..1] = (row g, cols 2t, 2t+1), c[2..3] = (row g + 8, same cols).
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+
+__device__ __forceinline__ uint32_t shared_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(shared_address(p))
+               : "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(shared_address(p))
+               : "memory");
+}
+
+// d += a * b for one m16n8k16 tile.
+__device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                    uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Per-lane offsets into a row-major 16 x 16 bf16 block for the three ldmatrix uses:
+//   A operand (rows = m, cols = k):                     ldmatrix_x4 at [a_row][k0 + a_col]
+//   B operands of two n-tiles, stored rows = n, cols = k:  ldmatrix_x4 at [b_row][k0 + b_col]
+//     -> {b0, b1} of n-tile rows 0-7, then {b0, b1} of rows 8-15
+//   B operands of two n-tiles, stored rows = k, cols = n:  ldmatrix_x4_trans at [t_row][n0 + t_col]
+//     -> {b0, b1} of n-tile cols n0..n0+7, then of n0+8..n0+15
+struct FragmentOffsets {
+  int a_row, a_col, b_row, b_col, t_row, t_col;
+  __device__ explicit FragmentOffsets(int lane) {
+    const int r = lane & 7, m = lane >> 3;
+    a_row = r + (m & 1) * 8, a_col = (m >> 1) * 8;
+    b_row = r + (m >> 1) * 8, b_col = (m & 1) * 8;
+    t_row = r + (m & 1) * 8, t_col = (m >> 1) * 8;
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Chunked forward.
+
+// One chunk's prepared operands (written by one warp in the prepare phase, read by all warps in
+// the walk) and that warp's scratch. bf16 rows are padded by 8 elements so that the 8 row
+// addresses of an ldmatrix fall in distinct bank groups.
+template <int K>
+struct alignas(16) ChunkSlot {
+  static constexpr int kRow = K + 8;
+  bf16 q_hat[kChunk][kRow];    // scale q e^Gamma
+  bf16 w[kChunk][kRow];        // K^ = k e^Gamma while preparing, then W = M Diag(beta) K^
+  bf16 k_bar[kChunk][kRow];    // k e^(gamma - Gamma)
+  bf16 k_check[kChunk][kRow];  // k e^-Gamma (prepare only); the walk stages this warp's O here
+  bf16 a_qk[kChunk][24];       // lower_incl_diagonal(Q^ K~^T)
+  bf16 m_beta[kChunk][24];     // M Diag(beta)       (prepare only)
+  bf16 v[kChunk][kTileV + 8];  // this CTA's value columns (prepare only)
+  float u[kChunk][kTileV + 4]; // U = M Diag(beta) V
+  float lower[kChunk][kChunk + 1];  // L = Diag(beta) strictly_lower(K^ K~^T)  (prepare only)
+  float decay_last[K];         // e^gamma
+};
+
+template <int K>
+constexpr size_t chunked_shared_bytes() {
+  return sizeof(ChunkSlot<K>) * kWarps;
+}
+
+struct ChunkedArgs {
+  const void *q, *k, *v, *beta;
+  const float *g, *initial_state;
+  void* o;
+  float* final_state;
+  const int32_t* cu_seqlens;
+  int64_t length;
+  int heads, value_dim;
+  float scale;
+};
+
+// The prepare phase for one chunk, by one warp: rows [row0, row0 + valid) of the sequence
+// (valid in 1..16; missing rows are zeros, which leaves the real rows exact).
+template <typename T, int K>
+__device__ void prepare_chunk(const ChunkedArgs& a, ChunkSlot<K>& slot, int64_t row0, int valid,
+                              int h, int v0, int lane) {
+  constexpr int kCols = K / 32;  // key columns per lane
+  const int c0 = lane * kCols;
+  const int H = a.heads, V = a.value_dim;
+  const T* q = static_cast<const T*>(a.q);
+  const T* k = static_cast<const T*>(a.k);
+  auto key_offset = [&](int i) { return ((row0 + i) * H + h) * static_cast<int64_t>(K) + c0; };
+
+  // gamma = Gamma of the last real row.
+  float gamma[kCols] = {};
+#pragma unroll
+  for (int i = 0; i < kChunk; ++i) {
+    if (i < valid) {
+      float gi[kCols];
+      load_vec(a.g + key_offset(i), gi);
+#pragma unroll
+      for (int c = 0; c < kCols; ++c) gamma[c] += gi[c];
+    }
+  }
+  float decay_last[kCols];
+#pragma unroll
+  for (int c = 0; c < kCols; ++c) {
+    decay_last[c] = __expf(gamma[c]);
+    slot.decay_last[c0 + c] = decay_last[c];
+  }
+
+  // Q^, K^, K~, K_ row by row, Gamma accumulated from the chunk start.
+  float cum[kCols] = {};
+#pragma unroll 4
+  for (int i = 0; i < kChunk; ++i) {
+    float gi[kCols] = {}, qi[kCols] = {}, ki[kCols] = {};
+    if (i < valid) {
+      load_vec(a.g + key_offset(i), gi);
+      load_vec(q + key_offset(i), qi);
+      load_vec(k + key_offset(i), ki);
+    }
+    float q_hat[kCols], k_hat[kCols], k_check[kCols], k_bar[kCols];
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) {
+      cum[c] += gi[c];
+      const float up = __expf(cum[c]), down = __expf(-cum[c]);
+      q_hat[c] = a.scale * qi[c] * up;
+      k_hat[c] = ki[c] * up;
+      k_check[c] = ki[c] * down;
+      k_bar[c] = ki[c] * (decay_last[c] * down);
+    }
+#pragma unroll
+    for (int c = 0; c < kCols; c += 2) {
+      *reinterpret_cast<uint32_t*>(&slot.q_hat[i][c0 + c]) = pack_bf16(q_hat[c], q_hat[c + 1]);
+      *reinterpret_cast<uint32_t*>(&slot.w[i][c0 + c]) = pack_bf16(k_hat[c], k_hat[c + 1]);
+      *reinterpret_cast<uint32_t*>(&slot.k_check[i][c0 + c]) =
+          pack_bf16(k_check[c], k_check[c + 1]);
+      *reinterpret_cast<uint32_t*>(&slot.k_bar[i][c0 + c]) = pack_bf16(k_bar[c], k_bar[c + 1]);
+    }
+  }
+
+  // This CTA's value columns, 8 per item, and beta (lane i < 16 holds row i's).
+  const T* v = static_cast<const T*>(a.v);
+#pragma unroll
+  for (int r = 0; r < kChunk * kTileV / 8 / 32; ++r) {
+    const int item = lane + 32 * r;
+    const int i = item / (kTileV / 8), col = (item % (kTileV / 8)) * 8;
+    float x[8] = {};
+    if (i < valid) load_vec(v + ((row0 + i) * H + h) * static_cast<int64_t>(V) + v0 + col, x);
+    uint32_t packed[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) packed[j] = pack_bf16(x[2 * j], x[2 * j + 1]);
+    *reinterpret_cast<uint4*>(&slot.v[i][col]) =
+        make_uint4(packed[0], packed[1], packed[2], packed[3]);
+  }
+  float beta = 0.0f;
+  if (lane < valid) beta = to_float(static_cast<const T*>(a.beta)[(row0 + lane) * H + h]);
+  __syncwarp();
+
+  const FragmentOffsets f(lane);
+  const int g = lane >> 2, t = lane & 3;
+
+  // L and Aqk: [16 x K] x [K x 16], both against K~.
+  float l_acc[2][4] = {}, a_acc[2][4] = {};
+#pragma unroll
+  for (int k0 = 0; k0 < K; k0 += 16) {
+    uint32_t a_k[4], a_q[4], b[4];
+    ldmatrix_x4(a_k, &slot.w[f.a_row][k0 + f.a_col]);
+    ldmatrix_x4(a_q, &slot.q_hat[f.a_row][k0 + f.a_col]);
+    ldmatrix_x4(b, &slot.k_check[f.b_row][k0 + f.b_col]);
+    mma(l_acc[0], a_k, b[0], b[1]);
+    mma(l_acc[1], a_k, b[2], b[3]);
+    mma(a_acc[0], a_q, b[0], b[1]);
+    mma(a_acc[1], a_q, b[2], b[3]);
+  }
+  const float beta_row[2] = {__shfl_sync(0xffffffffu, beta, g),
+                             __shfl_sync(0xffffffffu, beta, g + 8)};
+#pragma unroll
+  for (int n = 0; n < 2; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int i = g + (e >> 1) * 8, j = n * 8 + 2 * t + (e & 1);
+      slot.lower[i][j] = j < i ? beta_row[e >> 1] * l_acc[n][e] : 0.0f;
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int i = g + half * 8, j = n * 8 + 2 * t;
+      const float x0 = j <= i ? a_acc[n][2 * half] : 0.0f;
+      const float x1 = j + 1 <= i ? a_acc[n][2 * half + 1] : 0.0f;
+      *reinterpret_cast<uint32_t*>(&slot.a_qk[i][j]) = pack_bf16(x0, x1);
+    }
+  }
+  __syncwarp();
+
+  // M = (I + L)^-1 by forward substitution in fp32: lane c (mod 16) owns column c of M.
+  {
+    const int c = lane & 15;
+    float m[kChunk];
+#pragma unroll
+    for (int i = 0; i < kChunk; ++i) {
+      float s = i == c ? 1.0f : 0.0f;
+#pragma unroll
+      for (int j = 0; j < i; ++j) s -= slot.lower[i][j] * m[j];
+      m[i] = s;
+    }
+    if (lane < 16) {
+#pragma unroll
+      for (int i = 0; i < kChunk; ++i) slot.m_beta[i][c] = __float2bfloat16_rn(m[i] * beta);
+    }
+  }
+  __syncwarp();
+
+  // W = M Diag(beta) K^ (in place over K^, 16 columns at a time) and U = M Diag(beta) V.
+  uint32_t a_m[4];
+  ldmatrix_x4(a_m, &slot.m_beta[f.a_row][f.a_col]);
+#pragma unroll
+  for (int n0 = 0; n0 < K; n0 += 16) {
+    uint32_t b[4];
+    ldmatrix_x4_trans(b, &slot.w[f.t_row][n0 + f.t_col]);
+    float acc[2][4] = {};
+    mma(acc[0], a_m, b[0], b[1]);
+    mma(acc[1], a_m, b[2], b[3]);
+    __syncwarp();
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+      const int col = n0 + n * 8 + 2 * t;
+      *reinterpret_cast<uint32_t*>(&slot.w[g][col]) = pack_bf16(acc[n][0], acc[n][1]);
+      *reinterpret_cast<uint32_t*>(&slot.w[g + 8][col]) = pack_bf16(acc[n][2], acc[n][3]);
+    }
+  }
+#pragma unroll
+  for (int n0 = 0; n0 < kTileV; n0 += 16) {
+    uint32_t b[4];
+    ldmatrix_x4_trans(b, &slot.v[f.t_row][n0 + f.t_col]);
+    float acc[2][4] = {};
+    mma(acc[0], a_m, b[0], b[1]);
+    mma(acc[1], a_m, b[2], b[3]);
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+      const int col = n0 + n * 8 + 2 * t;
+      *reinterpret_cast<float2*>(&slot.u[g][col]) = make_float2(acc[n][0], acc[n][1]);
+      *reinterpret_cast<float2*>(&slot.u[g + 8][col]) = make_float2(acc[n][2], acc[n][3]);
+    }
+  }
+}
+
+// The walk over one prepared chunk, by one warp on its 16 rows of S^T (state[K / 8][4]: n-tile
+// j holds S^T[v_row + g (+8)][8j + 2t (+1)]). Writes the chunk's O for this warp's 16 value
+// columns through `stage` (this warp's private shared memory).
+template <typename T, int K>
+__device__ void walk_chunk(const ChunkedArgs& a, const ChunkSlot<K>& slot, float (&state)[K / 8][4],
+                           float* stage, int64_t row0, int valid, int h, int v_col, int lane) {
+  const FragmentOffsets f(lane);
+  const int g = lane >> 2, t = lane & 3;
+
+  // X^T = S^T W^T and P^T = S^T Q^^T, with S^T rounded to bf16 as the A operand.
+  float x[2][4] = {}, p[2][4] = {};
+#pragma unroll
+  for (int k0 = 0; k0 < K; k0 += 16) {
+    const int j = k0 / 8;
+    const uint32_t s[4] = {pack_bf16(state[j][0], state[j][1]),
+                           pack_bf16(state[j][2], state[j][3]),
+                           pack_bf16(state[j + 1][0], state[j + 1][1]),
+                           pack_bf16(state[j + 1][2], state[j + 1][3])};
+    uint32_t bw[4], bq[4];
+    ldmatrix_x4(bw, &slot.w[f.b_row][k0 + f.b_col]);
+    ldmatrix_x4(bq, &slot.q_hat[f.b_row][k0 + f.b_col]);
+    mma(x[0], s, bw[0], bw[1]);
+    mma(x[1], s, bw[2], bw[3]);
+    mma(p[0], s, bq[0], bq[1]);
+    mma(p[1], s, bq[2], bq[3]);
+  }
+
+  // V'^T = U^T - X^T, as the A operand of the two products that follow.
+  const int v_local = v_col % kTileV;  // this warp's first value column within the CTA tile
+  float vn[2][4];
+#pragma unroll
+  for (int n = 0; n < 2; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int i = n * 8 + 2 * t + (e & 1), vr = v_local + g + (e >> 1) * 8;
+      vn[n][e] = slot.u[i][vr] - x[n][e];
+    }
+  }
+  const uint32_t va[4] = {pack_bf16(vn[0][0], vn[0][1]), pack_bf16(vn[0][2], vn[0][3]),
+                          pack_bf16(vn[1][0], vn[1][1]), pack_bf16(vn[1][2], vn[1][3])};
+
+  // O^T = P^T + V'^T Aqk^T.
+  {
+    uint32_t b[4];
+    ldmatrix_x4(b, &slot.a_qk[f.b_row][f.b_col]);
+    mma(p[0], va, b[0], b[1]);
+    mma(p[1], va, b[2], b[3]);
+  }
+
+  // O through shared memory: stage[i][v] (stride 20 floats), then 16-byte rows to global.
+#pragma unroll
+  for (int n = 0; n < 2; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      stage[(n * 8 + 2 * t + (e & 1)) * 20 + g + (e >> 1) * 8] = p[n][e];
+    }
+  }
+  __syncwarp();
+  {
+    const int i = lane >> 1, half = lane & 1;
+    if (i < valid) {
+      T* o = static_cast<T*>(a.o) +
+             ((row0 + i) * a.heads + h) * static_cast<int64_t>(a.value_dim) + v_col + half * 8;
+      store8(o, &stage[i * 20 + half * 8]);
+    }
+  }
+  __syncwarp();
+
+  // S^T = S^T Diag(e^gamma) + V'^T K_.
+#pragma unroll
+  for (int n0 = 0; n0 < K; n0 += 16) {
+    uint32_t b[4];
+    ldmatrix_x4_trans(b, &slot.k_bar[f.t_row][n0 + f.t_col]);
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+      const int j = n0 / 8 + n;
+      const float2 d = *reinterpret_cast<const float2*>(&slot.decay_last[8 * j + 2 * t]);
+      state[j][0] *= d.x, state[j][1] *= d.y, state[j][2] *= d.x, state[j][3] *= d.y;
+    }
+    mma(state[n0 / 8], va, b[0], b[1]);
+    mma(state[n0 / 8 + 1], va, b[2], b[3]);
+  }
+}
+
+template <typename T, int K>
+__global__ void __launch_bounds__(kThreads, 2) kda_chunked_kernel(const ChunkedArgs a) {
+  extern __shared__ __align__(16) unsigned char shared_raw[];
+  ChunkSlot<K>* slots = reinterpret_cast<ChunkSlot<K>*>(shared_raw);
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int v0 = blockIdx.x * kTileV, h = blockIdx.y, seq = blockIdx.z;
+  const int H = a.heads, V = a.value_dim;
+  const int64_t row0 = a.cu_seqlens ? a.cu_seqlens[seq] : seq * a.length;
+  const int64_t length = a.cu_seqlens ? a.cu_seqlens[seq + 1] - a.cu_seqlens[seq] : a.length;
+  const int g = lane >> 2, t = lane & 3;
+  const int v_col = v0 + warp * 16;  // this warp's first value column
+
+  // S^T rows v_col + g (+8), columns 8j + 2t (+1); S is [K, V] per (sequence, head).
+  const int64_t state_offset = (static_cast<int64_t>(seq) * H + h) * K * V;
+  float state[K / 8][4];
+#pragma unroll
+  for (int j = 0; j < K / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int c = 8 * j + 2 * t + (e & 1), vr = v_col + g + (e >> 1) * 8;
+      state[j][e] = a.initial_state ? a.initial_state[state_offset + c * V + vr] : 0.0f;
+    }
+  }
+
+  const int64_t num_chunks = (length + kChunk - 1) / kChunk;
+  for (int64_t group = 0; group < num_chunks; group += kWarps) {
+    const int64_t mine = group + warp;
+    if (mine < num_chunks) {
+      const int valid = static_cast<int>(min64(kChunk, length - mine * kChunk));
+      prepare_chunk<T, K>(a, slots[warp], row0 + mine * kChunk, valid, h, v0, lane);
+    }
+    __syncthreads();
+    const int count = static_cast<int>(min64(kWarps, num_chunks - group));
+    float* stage = reinterpret_cast<float*>(&slots[warp].k_check[0][0]);
+    for (int s = 0; s < count; ++s) {
+      const int64_t chunk = group + s;
+      const int valid = static_cast<int>(min64(kChunk, length - chunk * kChunk));
+      walk_chunk<T, K>(a, slots[s], state, stage, row0 + chunk * kChunk, valid, h, v_col,
+                       lane);
+    }
+    __syncthreads();
+  }
+
+#pragma unroll
+  for (int j = 0; j < K / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int c = 8 * j + 2 * t + (e & 1), vr = v_col + g + (e >> 1) * 8;
+      a.final_state[state_offset + c * V + vr] = state[j][e];
+    }
+  }
+}
+
+template <typename T, int K>
+cudaError_t launch_chunked(const ChunkedArgs& a, int64_t sequences, int64_t heads,
+                           int64_t value_dim, cudaStream_t stream) {
+  constexpr size_t shared = chunked_shared_bytes<K>();
+  // Set on every launch: the attribute belongs to the current device, and costs ~1 us.
+  const cudaError_t configured = cudaFuncSetAttribute(
+      kda_chunked_kernel<T, K>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+      static_cast<int>(shared));
+  if (configured != cudaSuccess) return configured;
+  // As much shared memory as the SM has (two CTAs of 108.8 KB must fit).
+  const cudaError_t carveout = cudaFuncSetAttribute(
+      kda_chunked_kernel<T, K>, cudaFuncAttributePreferredSharedMemoryCarveout,
+      cudaSharedmemCarveoutMaxShared);
+  if (carveout != cudaSuccess) return carveout;
+  const dim3 grid(static_cast<unsigned>(value_dim / kTileV), static_cast<unsigned>(heads),
+                  static_cast<unsigned>(sequences));
+  kda_chunked_kernel<T, K><<<grid, kThreads, shared, stream>>>(a);
+  return cudaGetLastError();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Decode step: one CTA per (sequence, head, 32 value columns); lane = value column, warp w holds
+// the state rows w, w + 4, ... in registers between the read and the write-back.
+
+constexpr int kDecodeColumns = 32;
+constexpr int kDecodeWarps = 4;
+
+template <typename T, int K>
+__global__ void __launch_bounds__(kDecodeWarps * 32)
+    kda_decode_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                      const float* __restrict__ g, const T* __restrict__ beta,
+                      float* __restrict__ state, T* __restrict__ o, int heads, int value_dim,
+                      float scale) {
+  __shared__ float key[K], query[K], decay[K];
+  __shared__ float partial_r[kDecodeWarps][kDecodeColumns], partial_o[kDecodeWarps][kDecodeColumns];
+  __shared__ float delta_shared[kDecodeColumns];
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int v0 = blockIdx.x * kDecodeColumns, h = blockIdx.y, seq = blockIdx.z;
+  const int64_t head = static_cast<int64_t>(seq) * heads + h;
+  for (int i = threadIdx.x; i < K; i += blockDim.x) {
+    key[i] = to_float(k[head * K + i]);
+    query[i] = scale * to_float(q[head * K + i]);
+    decay[i] = __expf(g[head * K + i]);
+  }
+  __syncthreads();
+
+  constexpr int kRows = K / kDecodeWarps;
+  float* column = state + head * K * value_dim + v0 + lane;
+  float s[kRows];
+  float r = 0.0f, read = 0.0f;  // partial S~^T k and S~^T q' over this warp's rows
+#pragma unroll
+  for (int j = 0; j < kRows; ++j) s[j] = column[static_cast<int64_t>(warp + kDecodeWarps * j) * value_dim];
+#pragma unroll
+  for (int j = 0; j < kRows; ++j) {
+    const int i = warp + kDecodeWarps * j;
+    s[j] *= decay[i];
+    r += key[i] * s[j];
+    read += query[i] * s[j];
+  }
+  partial_r[warp][lane] = r;
+  partial_o[warp][lane] = read;
+  __syncthreads();
+
+  if (warp == 0) {
+    float kq = 0.0f;
+    for (int i = lane; i < K; i += 32) kq += key[i] * query[i];
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) kq += __shfl_xor_sync(0xffffffffu, kq, offset);
+    float r_all = 0.0f, read_all = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kDecodeWarps; ++w) r_all += partial_r[w][lane], read_all += partial_o[w][lane];
+    const float delta =
+        to_float(beta[head]) * (to_float(v[head * value_dim + v0 + lane]) - r_all);
+    o[head * value_dim + v0 + lane] = from_float<T>(read_all + delta * kq);
+    delta_shared[lane] = delta;
+  }
+  __syncthreads();
+
+  const float delta = delta_shared[lane];
+#pragma unroll
+  for (int j = 0; j < kRows; ++j) {
+    const int i = warp + kDecodeWarps * j;
+    column[static_cast<int64_t>(i) * value_dim] = s[j] + key[i] * delta;
+  }
+}
+
+template <typename T, int K>
+cudaError_t launch_decode(const void* q, const void* k, const void* v, const float* g,
+                          const void* beta, float* state, void* o, int64_t batch, int64_t heads,
+                          int64_t value_dim, float scale, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(value_dim / kDecodeColumns),
+                  static_cast<unsigned>(heads), static_cast<unsigned>(batch));
+  kda_decode_kernel<T, K><<<grid, kDecodeWarps * 32, 0, stream>>>(
+      static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v), g,
+      static_cast<const T*>(beta), state, static_cast<T*>(o), static_cast<int>(heads),
+      static_cast<int>(value_dim), scale);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t kda_chunked_forward(KdaDtype dtype, const void* q, const void* k, const void* v,
+                                const float* g, const void* beta, const float* initial_state,
+                                void* o, float* final_state, const int32_t* cu_seqlens,
+                                int64_t batch, int64_t length, int64_t heads, int64_t key_dim,
+                                int64_t value_dim, float scale, cudaStream_t stream) {
+  if ((key_dim != 64 && key_dim != 128) || (value_dim != 64 && value_dim != 128) || batch < 0 ||
+      length < 0 || heads < 1 || batch > 65535 || heads > 65535) {
+    return cudaErrorInvalidValue;
+  }
+  if (batch == 0) return cudaSuccess;
+  if (q == nullptr || k == nullptr || v == nullptr || g == nullptr || beta == nullptr ||
+      final_state == nullptr || (o == nullptr && length > 0)) {
+    return cudaErrorInvalidValue;
+  }
+  const ChunkedArgs a{q,      k,       v,  beta, g, initial_state, o, final_state, cu_seqlens,
+                      length, static_cast<int>(heads), static_cast<int>(value_dim), scale};
+  const bool bf = dtype == KdaDtype::kBFloat16;
+  if (key_dim == 128) {
+    return bf ? launch_chunked<bf16, 128>(a, batch, heads, value_dim, stream)
+              : launch_chunked<float, 128>(a, batch, heads, value_dim, stream);
+  }
+  return bf ? launch_chunked<bf16, 64>(a, batch, heads, value_dim, stream)
+            : launch_chunked<float, 64>(a, batch, heads, value_dim, stream);
+}
+
+cudaError_t kda_decode_step(KdaDtype dtype, const void* q, const void* k, const void* v,
+                            const float* g, const void* beta, float* state, void* o,
+                            int64_t batch, int64_t heads, int64_t key_dim, int64_t value_dim,
+                            float scale, cudaStream_t stream) {
+  if ((key_dim != 64 && key_dim != 128) || value_dim < kDecodeColumns ||
+      value_dim % kDecodeColumns != 0 || value_dim > 256 || batch < 0 || heads < 1 ||
+      batch > 65535 || heads > 65535) {
+    return cudaErrorInvalidValue;
+  }
+  if (batch == 0) return cudaSuccess;
+  const bool bf = dtype == KdaDtype::kBFloat16;
+  if (key_dim == 128) {
+    return bf ? launch_decode<bf16, 128>(q, k, v, g, beta, state, o, batch, heads, value_dim,
+                                         scale, stream)
+              : launch_decode<float, 128>(q, k, v, g, beta, state, o, batch, heads, value_dim,
+                                          scale, stream);
+  }
+  return bf ? launch_decode<bf16, 64>(q, k, v, g, beta, state, o, batch, heads, value_dim, scale,
+                                      stream)
+            : launch_decode<float, 64>(q, k, v, g, beta, state, o, batch, heads, value_dim, scale,
+                                       stream);
+}
+
+}  // namespace odyssey::kernels
