@@ -94,23 +94,30 @@ struct ForwardRow {
   double kernel_ms = 0, reference_ms = 0;
 };
 
+// segment_length as kernels::kda_chunked takes it: 0 automatic (context parallel where the
+// launcher chooses it), -1 the serial walk. `reference` times kda::chunked_reference as well.
 ForwardRow bench_forward(const KernelsBenchOptions& o, int64_t batch, int64_t length,
-                         int64_t heads, double copy_gb_per_s) {
+                         int64_t heads, double copy_gb_per_s, int64_t segment_length = 0,
+                         bool reference = true) {
   const int64_t key = 128, value = 128;
   const KdaInputs in = make_inputs(batch, length, heads, key, value);
   const Timing kernel = time_cuda(
-      [&] { kernels::kda_chunked(in.q, in.k, in.v, in.g, in.beta, at::Tensor(), in.scale); },
+      [&] {
+        kernels::kda_chunked(in.q, in.k, in.v, in.g, in.beta, at::Tensor(), in.scale,
+                             at::Tensor(), segment_length);
+      },
       o.warmup, o.repeats);
   ForwardRow row{kernel.best_ms, 0};
   const double flops = chunked_flops(batch, length, heads, key, value);
   const double bytes = chunked_bytes(batch, length, heads, key, value);
   const double floor_ms = bytes / (copy_gb_per_s * 1e9) * 1e3;
-  std::printf("kda forward B=%ld T=%ld H=%ld K=V=128 bf16: kernel best %8.3f ms  median %8.3f ms"
+  const char* path = segment_length < 0 ? "serial" : "auto  ";
+  std::printf("kda forward B=%ld T=%ld H=%ld K=V=128 bf16 %s: kernel best %8.3f ms  median %8.3f ms"
               "  %6.1f TFLOP/s  floor %.3f ms (%.2f GB) -> %.0f%% of the floor\n",
-              static_cast<long>(batch), static_cast<long>(length), static_cast<long>(heads),
+              static_cast<long>(batch), static_cast<long>(length), static_cast<long>(heads), path,
               kernel.best_ms, kernel.median_ms, flops / (kernel.best_ms * 1e-3) / 1e12, floor_ms,
               bytes / 1e9, 100.0 * floor_ms / kernel.best_ms);
-  if (o.reference) {
+  if (o.reference && reference) {
     const Timing reference = time_cuda(
         [&] { kda::chunked_reference(in.q, in.k, in.v, in.g, in.beta, at::Tensor(), in.scale); },
         /*warmup=*/1, o.reference_repeats);
@@ -170,7 +177,16 @@ Result<KernelsBenchResult> run_kernels_bench(const KernelsBenchOptions& options)
     const ForwardRow main = bench_forward(options, 2, 16384, 64, r.copy_gb_per_s);
     r.kda_forward_ms = main.kernel_ms;
     r.kda_forward_reference_ms = main.reference_ms;
+    // Few heads, one long sequence: the serial walk (8 CTAs) and the automatic choice, which
+    // is context parallel here (segments, transitions, scan, forward from the segment states).
+    r.kda_forward_long_serial_ms =
+        bench_forward(options, 1, 65536, 4, r.copy_gb_per_s, /*segment_length=*/-1,
+                      /*reference=*/false)
+            .kernel_ms;
     r.kda_forward_long_ms = bench_forward(options, 1, 65536, 4, r.copy_gb_per_s).kernel_ms;
+    std::printf("kda forward B=1 T=65536 H=4: context parallel %.3f ms vs serial %.3f ms -> %.1fx\n",
+                r.kda_forward_long_ms, r.kda_forward_long_serial_ms,
+                r.kda_forward_long_serial_ms / r.kda_forward_long_ms);
     r.kda_decode_ms = bench_decode(options, 256, 64, r.copy_gb_per_s);
     std::printf("kda_forward_ms: %.3f\n", r.kda_forward_ms);
     std::fflush(stdout);

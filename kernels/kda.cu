@@ -13,6 +13,10 @@
 //            V'^T = U^T - S^T W^T,  O^T = S^T Q^^T + V'^T Aqk^T,  S^T = S^T Diag(e^gamma) + V'^T K_.
 // Two CTAs fit on an SM (108.8 KB of shared memory each), so one CTA's global loads in the
 // prepare phase overlap the other's walk.
+//
+// Context parallelism (few long chains; kda.h): the same kernel in Pass::kTransition walks each
+// segment's [A_seg | B_seg] from [I | 0] without outputs, kda_segment_scan_kernel chains the
+// segments in fp32, and Pass::kForward walks every segment from its start state.
 #include "kernels/kda.h"
 
 #include <cuda_bf16.h>
@@ -183,13 +187,26 @@ struct ChunkedArgs {
   int64_t length;
   int heads, value_dim;
   float scale;
+  // Segments (context parallelism; kda.h). segments == 1 and segment_length == length for the
+  // serial walk (and always with cu_seqlens). CTAs along grid z are (sequence, segment) pairs.
+  int64_t segment_length;
+  int segments;
+  const float* segment_states;  // forward pass: [N, P, H, K, V] state entering each segment
+  float* transition_a;          // transition pass: [N, P - 1, H, K, K], A_seg transposed
+  float* transition_b;          // transition pass: [N, P - 1, H, K, V], B_seg
 };
+
+// The two kernels built from the prepare/walk code: the forward (outputs, state from the initial
+// or segment state) and the transition pass of context parallelism (no outputs, no Q^ / Aqk).
+enum class Pass { kForward, kTransition };
 
 // The prepare phase for one chunk, by one warp: rows [row0, row0 + valid) of the sequence
 // (valid in 1..16; missing rows are zeros, which leaves the real rows exact).
-template <typename T, int K>
+// kOutputs: also Q^ and Aqk (the forward). with_values: also V and U (false for the A_seg columns
+// of the transition pass, whose values are zero; U is then left unwritten).
+template <typename T, int K, bool kOutputs>
 __device__ void prepare_chunk(const ChunkedArgs& a, ChunkSlot<K>& slot, int64_t row0, int valid,
-                              int h, int v0, int lane) {
+                              int h, int v0, bool with_values, int lane) {
   constexpr int kCols = K / 32;  // key columns per lane
   const int c0 = lane * kCols;
   const int H = a.heads, V = a.value_dim;
@@ -222,7 +239,7 @@ __device__ void prepare_chunk(const ChunkedArgs& a, ChunkSlot<K>& slot, int64_t 
     float gi[kCols] = {}, qi[kCols] = {}, ki[kCols] = {};
     if (i < valid) {
       load_vec(a.g + key_offset(i), gi);
-      load_vec(q + key_offset(i), qi);
+      if constexpr (kOutputs) load_vec(q + key_offset(i), qi);
       load_vec(k + key_offset(i), ki);
     }
     float q_hat[kCols], k_hat[kCols], k_check[kCols], k_bar[kCols];
@@ -237,7 +254,9 @@ __device__ void prepare_chunk(const ChunkedArgs& a, ChunkSlot<K>& slot, int64_t 
     }
 #pragma unroll
     for (int c = 0; c < kCols; c += 2) {
-      *reinterpret_cast<uint32_t*>(&slot.q_hat[i][c0 + c]) = pack_bf16(q_hat[c], q_hat[c + 1]);
+      if constexpr (kOutputs) {
+        *reinterpret_cast<uint32_t*>(&slot.q_hat[i][c0 + c]) = pack_bf16(q_hat[c], q_hat[c + 1]);
+      }
       *reinterpret_cast<uint32_t*>(&slot.w[i][c0 + c]) = pack_bf16(k_hat[c], k_hat[c + 1]);
       *reinterpret_cast<uint32_t*>(&slot.k_check[i][c0 + c]) =
           pack_bf16(k_check[c], k_check[c + 1]);
@@ -249,6 +268,7 @@ __device__ void prepare_chunk(const ChunkedArgs& a, ChunkSlot<K>& slot, int64_t 
   const T* v = static_cast<const T*>(a.v);
 #pragma unroll
   for (int r = 0; r < kChunk * kTileV / 8 / 32; ++r) {
+    if (!with_values) break;
     const int item = lane + 32 * r;
     const int i = item / (kTileV / 8), col = (item % (kTileV / 8)) * 8;
     float x[8] = {};
@@ -272,12 +292,14 @@ __device__ void prepare_chunk(const ChunkedArgs& a, ChunkSlot<K>& slot, int64_t 
   for (int k0 = 0; k0 < K; k0 += 16) {
     uint32_t a_k[4], a_q[4], b[4];
     ldmatrix_x4(a_k, &slot.w[f.a_row][k0 + f.a_col]);
-    ldmatrix_x4(a_q, &slot.q_hat[f.a_row][k0 + f.a_col]);
     ldmatrix_x4(b, &slot.k_check[f.b_row][k0 + f.b_col]);
     mma(l_acc[0], a_k, b[0], b[1]);
     mma(l_acc[1], a_k, b[2], b[3]);
-    mma(a_acc[0], a_q, b[0], b[1]);
-    mma(a_acc[1], a_q, b[2], b[3]);
+    if constexpr (kOutputs) {
+      ldmatrix_x4(a_q, &slot.q_hat[f.a_row][k0 + f.a_col]);
+      mma(a_acc[0], a_q, b[0], b[1]);
+      mma(a_acc[1], a_q, b[2], b[3]);
+    }
   }
   const float beta_row[2] = {__shfl_sync(0xffffffffu, beta, g),
                              __shfl_sync(0xffffffffu, beta, g + 8)};
@@ -289,7 +311,7 @@ __device__ void prepare_chunk(const ChunkedArgs& a, ChunkSlot<K>& slot, int64_t 
       slot.lower[i][j] = j < i ? beta_row[e >> 1] * l_acc[n][e] : 0.0f;
     }
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
+    for (int half = 0; half < 2 && kOutputs; ++half) {
       const int i = g + half * 8, j = n * 8 + 2 * t;
       const float x0 = j <= i ? a_acc[n][2 * half] : 0.0f;
       const float x1 = j + 1 <= i ? a_acc[n][2 * half + 1] : 0.0f;
@@ -336,6 +358,7 @@ __device__ void prepare_chunk(const ChunkedArgs& a, ChunkSlot<K>& slot, int64_t 
   }
 #pragma unroll
   for (int n0 = 0; n0 < kTileV; n0 += 16) {
+    if (!with_values) break;
     uint32_t b[4];
     ldmatrix_x4_trans(b, &slot.v[f.t_row][n0 + f.t_col]);
     float acc[2][4] = {};
@@ -352,10 +375,12 @@ __device__ void prepare_chunk(const ChunkedArgs& a, ChunkSlot<K>& slot, int64_t 
 
 // The walk over one prepared chunk, by one warp on its 16 rows of S^T (state[K / 8][4]: n-tile
 // j holds S^T[v_row + g (+8)][8j + 2t (+1)]). Writes the chunk's O for this warp's 16 value
-// columns through `stage` (this warp's private shared memory).
-template <typename T, int K>
+// columns through `stage` (this warp's private shared memory). Without kOutputs (transition
+// pass) only the state is updated; without values (A_seg columns) U is taken as zero.
+template <typename T, int K, bool kOutputs>
 __device__ void walk_chunk(const ChunkedArgs& a, const ChunkSlot<K>& slot, float (&state)[K / 8][4],
-                           float* stage, int64_t row0, int valid, int h, int v_col, int lane) {
+                           float* stage, int64_t row0, int valid, int h, int v_col,
+                           bool with_values, int lane) {
   const FragmentOffsets f(lane);
   const int g = lane >> 2, t = lane & 3;
 
@@ -370,11 +395,13 @@ __device__ void walk_chunk(const ChunkedArgs& a, const ChunkSlot<K>& slot, float
                            pack_bf16(state[j + 1][2], state[j + 1][3])};
     uint32_t bw[4], bq[4];
     ldmatrix_x4(bw, &slot.w[f.b_row][k0 + f.b_col]);
-    ldmatrix_x4(bq, &slot.q_hat[f.b_row][k0 + f.b_col]);
     mma(x[0], s, bw[0], bw[1]);
     mma(x[1], s, bw[2], bw[3]);
-    mma(p[0], s, bq[0], bq[1]);
-    mma(p[1], s, bq[2], bq[3]);
+    if constexpr (kOutputs) {
+      ldmatrix_x4(bq, &slot.q_hat[f.b_row][k0 + f.b_col]);
+      mma(p[0], s, bq[0], bq[1]);
+      mma(p[1], s, bq[2], bq[3]);
+    }
   }
 
   // V'^T = U^T - X^T, as the A operand of the two products that follow.
@@ -385,14 +412,14 @@ __device__ void walk_chunk(const ChunkedArgs& a, const ChunkSlot<K>& slot, float
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int i = n * 8 + 2 * t + (e & 1), vr = v_local + g + (e >> 1) * 8;
-      vn[n][e] = slot.u[i][vr] - x[n][e];
+      vn[n][e] = (with_values ? slot.u[i][vr] : 0.0f) - x[n][e];
     }
   }
   const uint32_t va[4] = {pack_bf16(vn[0][0], vn[0][1]), pack_bf16(vn[0][2], vn[0][3]),
                           pack_bf16(vn[1][0], vn[1][1]), pack_bf16(vn[1][2], vn[1][3])};
 
   // O^T = P^T + V'^T Aqk^T.
-  {
+  if constexpr (kOutputs) {
     uint32_t b[4];
     ldmatrix_x4(b, &slot.a_qk[f.b_row][f.b_col]);
     mma(p[0], va, b[0], b[1]);
@@ -400,23 +427,25 @@ __device__ void walk_chunk(const ChunkedArgs& a, const ChunkSlot<K>& slot, float
   }
 
   // O through shared memory: stage[i][v] (stride 20 floats), then 16-byte rows to global.
+  if constexpr (kOutputs) {
 #pragma unroll
-  for (int n = 0; n < 2; ++n) {
+    for (int n = 0; n < 2; ++n) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      stage[(n * 8 + 2 * t + (e & 1)) * 20 + g + (e >> 1) * 8] = p[n][e];
+      for (int e = 0; e < 4; ++e) {
+        stage[(n * 8 + 2 * t + (e & 1)) * 20 + g + (e >> 1) * 8] = p[n][e];
+      }
     }
-  }
-  __syncwarp();
-  {
-    const int i = lane >> 1, half = lane & 1;
-    if (i < valid) {
-      T* o = static_cast<T*>(a.o) +
-             ((row0 + i) * a.heads + h) * static_cast<int64_t>(a.value_dim) + v_col + half * 8;
-      store8(o, &stage[i * 20 + half * 8]);
+    __syncwarp();
+    {
+      const int i = lane >> 1, half = lane & 1;
+      if (i < valid) {
+        T* o = static_cast<T*>(a.o) +
+               ((row0 + i) * a.heads + h) * static_cast<int64_t>(a.value_dim) + v_col + half * 8;
+        store8(o, &stage[i * 20 + half * 8]);
+      }
     }
+    __syncwarp();
   }
-  __syncwarp();
 
   // S^T = S^T Diag(e^gamma) + V'^T K_.
 #pragma unroll
@@ -434,28 +463,56 @@ __device__ void walk_chunk(const ChunkedArgs& a, const ChunkSlot<K>& slot, float
   }
 }
 
-template <typename T, int K>
+// Forward: grid (V / 64, H, N * P); CTA (tile x, h, z = sequence * P + segment) walks its segment
+// from the initial state (P = 1) or the segment's state (P > 1), writing o and, for the last
+// segment, final_state.
+// Transition: grid (K / 64 + V / 64, H, N * (P - 1)); tiles x < K / 64 are 64 columns of A_seg
+// (state starts at I, values zero), the others 64 columns of B_seg (state starts at 0).
+template <typename T, int K, Pass kPass>
 __global__ void __launch_bounds__(kThreads, 2) kda_chunked_kernel(const ChunkedArgs a) {
+  constexpr bool kForward = kPass == Pass::kForward;
   extern __shared__ __align__(16) unsigned char shared_raw[];
   ChunkSlot<K>* slots = reinterpret_cast<ChunkSlot<K>*>(shared_raw);
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int v0 = blockIdx.x * kTileV, h = blockIdx.y, seq = blockIdx.z;
+  const int h = blockIdx.y;
   const int H = a.heads, V = a.value_dim;
-  const int64_t row0 = a.cu_seqlens ? a.cu_seqlens[seq] : seq * a.length;
-  const int64_t length = a.cu_seqlens ? a.cu_seqlens[seq + 1] - a.cu_seqlens[seq] : a.length;
+  const bool a_columns = !kForward && blockIdx.x < K / kTileV;  // A_seg columns (transition)
+  const bool with_values = !a_columns;
+  const int v0 = (kForward || a_columns ? blockIdx.x : blockIdx.x - K / kTileV) * kTileV;
+  const int per_sequence = kForward ? a.segments : a.segments - 1;
+  const int seq = blockIdx.z / per_sequence, segment = blockIdx.z % per_sequence;
+  int64_t row0, length;
+  if (a.cu_seqlens) {
+    row0 = a.cu_seqlens[seq];
+    length = a.cu_seqlens[seq + 1] - a.cu_seqlens[seq];
+  } else {
+    const int64_t begin = segment * a.segment_length;
+    row0 = seq * a.length + begin;
+    length = min64(a.segment_length, a.length - begin);
+  }
   const int g = lane >> 2, t = lane & 3;
-  const int v_col = v0 + warp * 16;  // this warp's first value column
+  const int v_col = v0 + warp * 16;  // this warp's first value column (A_seg column)
 
   // S^T rows v_col + g (+8), columns 8j + 2t (+1); S is [K, V] per (sequence, head).
   const int64_t state_offset = (static_cast<int64_t>(seq) * H + h) * K * V;
+  const float* start = a.initial_state;
+  int64_t start_offset = state_offset;
+  if (kForward && a.segment_states != nullptr) {
+    start = a.segment_states;
+    start_offset = ((static_cast<int64_t>(seq) * a.segments + segment) * H + h) * K * V;
+  }
   float state[K / 8][4];
 #pragma unroll
   for (int j = 0; j < K / 8; ++j) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int c = 8 * j + 2 * t + (e & 1), vr = v_col + g + (e >> 1) * 8;
-      state[j][e] = a.initial_state ? a.initial_state[state_offset + c * V + vr] : 0.0f;
+      if constexpr (kForward) {
+        state[j][e] = start ? start[start_offset + c * V + vr] : 0.0f;
+      } else {
+        state[j][e] = a_columns && c == vr ? 1.0f : 0.0f;
+      }
     }
   }
 
@@ -464,7 +521,8 @@ __global__ void __launch_bounds__(kThreads, 2) kda_chunked_kernel(const ChunkedA
     const int64_t mine = group + warp;
     if (mine < num_chunks) {
       const int valid = static_cast<int>(min64(kChunk, length - mine * kChunk));
-      prepare_chunk<T, K>(a, slots[warp], row0 + mine * kChunk, valid, h, v0, lane);
+      prepare_chunk<T, K, kForward>(a, slots[warp], row0 + mine * kChunk, valid, h, v0,
+                                    with_values, lane);
     }
     __syncthreads();
     const int count = static_cast<int>(min64(kWarps, num_chunks - group));
@@ -472,39 +530,151 @@ __global__ void __launch_bounds__(kThreads, 2) kda_chunked_kernel(const ChunkedA
     for (int s = 0; s < count; ++s) {
       const int64_t chunk = group + s;
       const int valid = static_cast<int>(min64(kChunk, length - chunk * kChunk));
-      walk_chunk<T, K>(a, slots[s], state, stage, row0 + chunk * kChunk, valid, h, v_col,
-                       lane);
+      walk_chunk<T, K, kForward>(a, slots[s], state, stage, row0 + chunk * kChunk, valid, h,
+                                 v_col, with_values, lane);
     }
     __syncthreads();
   }
 
+  if constexpr (kForward) {
+    if (segment != a.segments - 1) return;
 #pragma unroll
-  for (int j = 0; j < K / 8; ++j) {
+    for (int j = 0; j < K / 8; ++j) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int c = 8 * j + 2 * t + (e & 1), vr = v_col + g + (e >> 1) * 8;
-      a.final_state[state_offset + c * V + vr] = state[j][e];
+      for (int e = 0; e < 4; ++e) {
+        const int c = 8 * j + 2 * t + (e & 1), vr = v_col + g + (e >> 1) * 8;
+        a.final_state[state_offset + c * V + vr] = state[j][e];
+      }
+    }
+  } else {
+    const int64_t pair = (static_cast<int64_t>(seq) * (a.segments - 1) + segment) * H + h;
+#pragma unroll
+    for (int j = 0; j < K / 8; ++j) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int c = 8 * j + 2 * t, vr = v_col + g + half * 8;
+        if (a_columns) {
+          // A_seg[c][vr] stored transposed (at vr * K + c): the scan reads columns of A_seg.
+          *reinterpret_cast<float2*>(&a.transition_a[pair * K * K + vr * K + c]) =
+              make_float2(state[j][2 * half], state[j][2 * half + 1]);
+        } else {
+          a.transition_b[pair * K * V + c * V + vr] = state[j][2 * half];
+          a.transition_b[pair * K * V + (c + 1) * V + vr] = state[j][2 * half + 1];
+        }
+      }
     }
   }
 }
 
-template <typename T, int K>
-cudaError_t launch_chunked(const ChunkedArgs& a, int64_t sequences, int64_t heads,
-                           int64_t value_dim, cudaStream_t stream) {
+template <typename T, int K, Pass kPass>
+cudaError_t launch_chunked(const ChunkedArgs& a, dim3 grid, cudaStream_t stream) {
   constexpr size_t shared = chunked_shared_bytes<K>();
   // Set on every launch: the attribute belongs to the current device, and costs ~1 us.
   const cudaError_t configured = cudaFuncSetAttribute(
-      kda_chunked_kernel<T, K>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+      kda_chunked_kernel<T, K, kPass>, cudaFuncAttributeMaxDynamicSharedMemorySize,
       static_cast<int>(shared));
   if (configured != cudaSuccess) return configured;
   // As much shared memory as the SM has (two CTAs of 108.8 KB must fit).
   const cudaError_t carveout = cudaFuncSetAttribute(
-      kda_chunked_kernel<T, K>, cudaFuncAttributePreferredSharedMemoryCarveout,
+      kda_chunked_kernel<T, K, kPass>, cudaFuncAttributePreferredSharedMemoryCarveout,
       cudaSharedmemCarveoutMaxShared);
   if (carveout != cudaSuccess) return carveout;
-  const dim3 grid(static_cast<unsigned>(value_dim / kTileV), static_cast<unsigned>(heads),
-                  static_cast<unsigned>(sequences));
-  kda_chunked_kernel<T, K><<<grid, kThreads, shared, stream>>>(a);
+  kda_chunked_kernel<T, K, kPass><<<grid, kThreads, shared, stream>>>(a);
+  return cudaGetLastError();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Segment scan of context parallelism: S_start[0] = initial state (or 0), S_start[p + 1] =
+// A_p S_start[p] + B_p, in fp32 on CUDA cores. One CTA of K threads per (sequence, head, 4 value
+// columns): thread i owns row i of the 4 columns; the state's 4 columns are shared through
+// shared memory. A_p is stored transposed (A_p^T[j][i] at j * K + i); the next segment's A^T is
+// copied into shared memory (cp.async, double-buffered) while the current one is used, so the
+// serial chain over segments waits on L2 latency once, not once per load.
+constexpr int kScanColumns = 4;
+
+template <int K>
+constexpr size_t scan_shared_bytes() {
+  return (2 * K * K + K * kScanColumns) * sizeof(float);
+}
+
+__device__ __forceinline__ void cp_async16(void* shared, const void* global) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(shared_address(shared)),
+               "l"(global)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
+template <int K>
+__global__ void __launch_bounds__(K) kda_segment_scan_kernel(const float* initial_state,
+                                                            const float* transition_a,
+                                                            const float* transition_b,
+                                                            float* segment_states, int heads,
+                                                            int value_dim, int segments) {
+  extern __shared__ __align__(16) unsigned char scan_raw[];
+  float* a_shared = reinterpret_cast<float*>(scan_raw);  // [2][K * K]: A_p^T, A_{p+1}^T
+  float* column = a_shared + 2 * K * K;                  // [K][4]: S_start[p], this CTA's columns
+  const int i = threadIdx.x, h = blockIdx.y, seq = blockIdx.z;
+  const int v0 = blockIdx.x * kScanColumns;
+  const int H = heads, V = value_dim, P = segments;
+  const int64_t head = static_cast<int64_t>(seq) * H + h;
+  auto pair = [&](int p) { return (static_cast<int64_t>(seq) * (P - 1) + p) * H + h; };
+  auto fetch = [&](int p) {  // A_p^T into buffer p % 2, 16 bytes per copy, coalesced
+    const float* from = transition_a + pair(p) * K * K;
+    float* to = a_shared + (p & 1) * K * K;
+    for (int x = 4 * i; x < K * K; x += 4 * K) cp_async16(to + x, from + x);
+    cp_async_commit();
+  };
+
+  float4 s = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  if (initial_state) s = *reinterpret_cast<const float4*>(&initial_state[head * K * V + i * V + v0]);
+  if (P > 1) fetch(0);
+  for (int p = 0;; ++p) {
+    const int64_t pair_state = ((static_cast<int64_t>(seq) * P + p) * H + h) * K * V;
+    *reinterpret_cast<float4*>(&segment_states[pair_state + i * V + v0]) = s;
+    if (p == P - 1) break;
+    float4 next = *reinterpret_cast<const float4*>(&transition_b[pair(p) * K * V + i * V + v0]);
+    *reinterpret_cast<float4*>(&column[i * kScanColumns]) = s;
+    if (p + 1 < P - 1) {
+      fetch(p + 1);  // its buffer was last read in step p - 1, before that step's final barrier
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();  // A_p^T and the columns of S_start[p] are in shared memory
+    const float* a_t = a_shared + (p & 1) * K * K;
+#pragma unroll 16
+    for (int j = 0; j < K; ++j) {
+      const float a = a_t[j * K + i];  // A_p[i][j]
+      const float4 x = *reinterpret_cast<const float4*>(&column[j * kScanColumns]);
+      next.x = fmaf(a, x.x, next.x);
+      next.y = fmaf(a, x.y, next.y);
+      next.z = fmaf(a, x.z, next.z);
+      next.w = fmaf(a, x.w, next.w);
+    }
+    s = next;
+    __syncthreads();  // everyone is done with A_p^T's buffer and the columns
+  }
+}
+
+template <int K>
+cudaError_t launch_segment_scan(const ChunkedArgs& a, float* segment_states, int64_t batch,
+                                cudaStream_t stream) {
+  constexpr size_t shared = scan_shared_bytes<K>();
+  const cudaError_t configured =
+      cudaFuncSetAttribute(kda_segment_scan_kernel<K>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(shared));
+  if (configured != cudaSuccess) return configured;
+  const dim3 grid(static_cast<unsigned>(a.value_dim / kScanColumns), static_cast<unsigned>(a.heads),
+                  static_cast<unsigned>(batch));
+  kda_segment_scan_kernel<K><<<grid, K, shared, stream>>>(a.initial_state, a.transition_a,
+                                                          a.transition_b, segment_states, a.heads,
+                                                          a.value_dim, a.segments);
   return cudaGetLastError();
 }
 
@@ -588,31 +758,172 @@ cudaError_t launch_decode(const void* q, const void* k, const void* v, const flo
   return cudaGetLastError();
 }
 
+// ---------------------------------------------------------------------------------------------
+// Context parallelism: when and how finely to split (kda.h).
+
+constexpr int64_t kContextParallelMinLength = 4096;  // automatic: shorter sequences walk serially
+constexpr int64_t kContextParallelMinSegment = 256;  // automatic: at least this many tokens each
+constexpr int64_t kContextParallelMinSegments = 4;   // automatic: fewer do not pay for ~3 passes
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+struct SegmentPlan {
+  int64_t segment_length;  // tokens per segment (the last may be shorter)
+  int64_t segments;        // P; 1 = the serial walk
+};
+
+SegmentPlan plan_segments(bool packed, int64_t batch, int64_t length, int64_t heads,
+                          int64_t value_dim, int64_t requested) {
+  const SegmentPlan serial{length, 1};
+  if (packed || requested < 0 || length == 0 || batch < 1 || heads < 1) return serial;
+  int64_t segment = requested;
+  if (requested == 0) {
+    if (length < kContextParallelMinLength) return serial;
+    int device = 0, sms = 0;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return serial;
+    }
+    // Chains walked serially, one CTA each; about 2 forward CTAs per SM is what fills the GPU.
+    const int64_t chains = batch * heads * (value_dim / kTileV);
+    const int64_t wanted = 2 * static_cast<int64_t>(sms) / chains;
+    if (wanted < kContextParallelMinSegments) return serial;
+    const int64_t group = kWarps * kChunk;  // whole groups of 4 chunks per segment
+    segment = ceil_div(ceil_div(length, wanted), group) * group;
+    if (segment < kContextParallelMinSegment) segment = kContextParallelMinSegment;
+  }
+  const int64_t segments = ceil_div(length, segment);
+  if (segments <= 1 || batch * segments > 65535) return serial;
+  return {segment, segments};
+}
+
+// The workspace of the context-parallel path: segment states [N, P, H, K, V], then A_seg^T
+// [N, P - 1, H, K, K], then B_seg [N, P - 1, H, K, V], each 256-byte aligned.
+struct WorkspaceLayout {
+  size_t states = 0, transition_a = 0, transition_b = 0, bytes = 0;
+  WorkspaceLayout(const SegmentPlan& plan, int64_t batch, int64_t heads, int64_t key,
+                  int64_t value) {
+    if (plan.segments <= 1) return;
+    auto aligned = [](size_t n) { return (n + 255) / 256 * 256; };
+    const size_t f = sizeof(float);
+    const size_t pairs = static_cast<size_t>(batch * heads);
+    transition_a = aligned(pairs * plan.segments * key * value * f);
+    transition_b = transition_a + aligned(pairs * (plan.segments - 1) * key * key * f);
+    bytes = transition_b + aligned(pairs * (plan.segments - 1) * key * value * f);
+  }
+};
+
+template <typename T, int K>
+cudaError_t run_chunked(ChunkedArgs a, const SegmentPlan& plan, unsigned char* workspace,
+                        const WorkspaceLayout& layout, int64_t batch, int64_t heads,
+                        int64_t value_dim, cudaStream_t stream) {
+  const unsigned h = static_cast<unsigned>(heads), n = static_cast<unsigned>(batch);
+  const unsigned v_tiles = static_cast<unsigned>(value_dim / kTileV);
+  if (plan.segments == 1) return launch_chunked<T, K, Pass::kForward>(a, dim3(v_tiles, h, n), stream);
+
+  const unsigned p = static_cast<unsigned>(plan.segments);
+  float* states = reinterpret_cast<float*>(workspace + layout.states);
+  a.segment_length = plan.segment_length;
+  a.segments = static_cast<int>(plan.segments);
+  a.transition_a = reinterpret_cast<float*>(workspace + layout.transition_a);
+  a.transition_b = reinterpret_cast<float*>(workspace + layout.transition_b);
+  cudaError_t error = launch_chunked<T, K, Pass::kTransition>(
+      a, dim3(K / kTileV + v_tiles, h, n * (p - 1)), stream);
+  if (error != cudaSuccess) return error;
+  error = launch_segment_scan<K>(a, states, batch, stream);
+  if (error != cudaSuccess) return error;
+  a.segment_states = states;
+  return launch_chunked<T, K, Pass::kForward>(a, dim3(v_tiles, h, n * p), stream);
+}
+
+bool chunked_sizes_supported(int64_t batch, int64_t length, int64_t heads, int64_t key_dim,
+                             int64_t value_dim) {
+  return (key_dim == 64 || key_dim == 128) && (value_dim == 64 || value_dim == 128) &&
+         batch >= 0 && length >= 0 && heads >= 1 && batch <= 65535 && heads <= 65535;
+}
+
 }  // namespace
+
+size_t kda_chunked_forward_workspace_bytes(bool packed, int64_t batch, int64_t length,
+                                           int64_t heads, int64_t key_dim, int64_t value_dim,
+                                           const KdaChunkedOptions& options) {
+  if (!chunked_sizes_supported(batch, length, heads, key_dim, value_dim) ||
+      (options.segment_length > 0 && options.segment_length % kChunk != 0)) {
+    return 0;
+  }
+  const SegmentPlan plan =
+      plan_segments(packed, batch, length, heads, value_dim, options.segment_length);
+  return WorkspaceLayout(plan, batch, heads, key_dim, value_dim).bytes;
+}
 
 cudaError_t kda_chunked_forward(KdaDtype dtype, const void* q, const void* k, const void* v,
                                 const float* g, const void* beta, const float* initial_state,
                                 void* o, float* final_state, const int32_t* cu_seqlens,
                                 int64_t batch, int64_t length, int64_t heads, int64_t key_dim,
                                 int64_t value_dim, float scale, cudaStream_t stream) {
-  if ((key_dim != 64 && key_dim != 128) || (value_dim != 64 && value_dim != 128) || batch < 0 ||
-      length < 0 || heads < 1 || batch > 65535 || heads > 65535) {
+  return kda_chunked_forward(dtype, q, k, v, g, beta, initial_state, o, final_state, cu_seqlens,
+                             batch, length, heads, key_dim, value_dim, scale,
+                             KdaChunkedOptions{}, stream);
+}
+
+cudaError_t kda_chunked_forward(KdaDtype dtype, const void* q, const void* k, const void* v,
+                                const float* g, const void* beta, const float* initial_state,
+                                void* o, float* final_state, const int32_t* cu_seqlens,
+                                int64_t batch, int64_t length, int64_t heads, int64_t key_dim,
+                                int64_t value_dim, float scale, const KdaChunkedOptions& options,
+                                cudaStream_t stream) {
+  if (!chunked_sizes_supported(batch, length, heads, key_dim, value_dim) ||
+      (options.segment_length > 0 && options.segment_length % kChunk != 0)) {
     return cudaErrorInvalidValue;
   }
   if (batch == 0) return cudaSuccess;
-  if (q == nullptr || k == nullptr || v == nullptr || g == nullptr || beta == nullptr ||
-      final_state == nullptr || (o == nullptr && length > 0)) {
+  if (final_state == nullptr) return cudaErrorInvalidValue;
+  if (length == 0) {
+    // No tokens: the state passes through unchanged (empty tensors may have null pointers).
+    const size_t bytes = static_cast<size_t>(batch) * static_cast<size_t>(heads) *
+                         static_cast<size_t>(key_dim) * static_cast<size_t>(value_dim) * sizeof(float);
+    if (initial_state == nullptr) return cudaMemsetAsync(final_state, 0, bytes, stream);
+    if (initial_state == final_state) return cudaSuccess;
+    return cudaMemcpyAsync(final_state, initial_state, bytes, cudaMemcpyDeviceToDevice, stream);
+  }
+  if (q == nullptr || k == nullptr || v == nullptr || g == nullptr || beta == nullptr || o == nullptr) {
     return cudaErrorInvalidValue;
   }
-  const ChunkedArgs a{q,      k,       v,  beta, g, initial_state, o, final_state, cu_seqlens,
-                      length, static_cast<int>(heads), static_cast<int>(value_dim), scale};
-  const bool bf = dtype == KdaDtype::kBFloat16;
-  if (key_dim == 128) {
-    return bf ? launch_chunked<bf16, 128>(a, batch, heads, value_dim, stream)
-              : launch_chunked<float, 128>(a, batch, heads, value_dim, stream);
+  const SegmentPlan plan = plan_segments(cu_seqlens != nullptr, batch, length, heads, value_dim,
+                                         options.segment_length);
+  const WorkspaceLayout layout(plan, batch, heads, key_dim, value_dim);
+  unsigned char* workspace = static_cast<unsigned char*>(options.workspace);
+  bool allocated = false;
+  if (layout.bytes > 0) {
+    if (workspace == nullptr) {
+      const cudaError_t error = cudaMallocAsync(reinterpret_cast<void**>(&workspace), layout.bytes, stream);
+      if (error != cudaSuccess) return error;
+      allocated = true;
+    } else if (options.workspace_bytes < layout.bytes ||
+               reinterpret_cast<uintptr_t>(workspace) % 16 != 0) {
+      return cudaErrorInvalidValue;
+    }
   }
-  return bf ? launch_chunked<bf16, 64>(a, batch, heads, value_dim, stream)
-            : launch_chunked<float, 64>(a, batch, heads, value_dim, stream);
+  ChunkedArgs a{};
+  a.q = q, a.k = k, a.v = v, a.beta = beta, a.g = g, a.initial_state = initial_state;
+  a.o = o, a.final_state = final_state, a.cu_seqlens = cu_seqlens, a.length = length;
+  a.heads = static_cast<int>(heads), a.value_dim = static_cast<int>(value_dim), a.scale = scale;
+  a.segment_length = length, a.segments = 1;
+  const bool bf = dtype == KdaDtype::kBFloat16;
+  cudaError_t error;
+  if (key_dim == 128) {
+    error = bf ? run_chunked<bf16, 128>(a, plan, workspace, layout, batch, heads, value_dim, stream)
+               : run_chunked<float, 128>(a, plan, workspace, layout, batch, heads, value_dim, stream);
+  } else {
+    error = bf ? run_chunked<bf16, 64>(a, plan, workspace, layout, batch, heads, value_dim, stream)
+               : run_chunked<float, 64>(a, plan, workspace, layout, batch, heads, value_dim, stream);
+  }
+  if (allocated) {
+    const cudaError_t freed = cudaFreeAsync(workspace, stream);
+    if (error == cudaSuccess) error = freed;
+  }
+  return error;
 }
 
 cudaError_t kda_decode_step(KdaDtype dtype, const void* q, const void* k, const void* v,

@@ -43,6 +43,47 @@ enum class KdaDtype : int32_t { kBFloat16 = 0, kFloat32 = 1 };
 // [cu_seqlens[n], cu_seqlens[n + 1]); `batch` is then N and `length` is total_tokens.
 // Supported: K in {64, 128}, V in {64, 128}; any length >= 0 (a partly filled last chunk is
 // handled exactly); heads >= 1.
+//
+// Context parallelism (without cu_seqlens only). One CTA walks a (sequence, head, 64 value
+// columns) chain chunk after chunk; with few such chains and long sequences most SMs would idle
+// (B=1, T=64K, H=4: 8 CTAs walking 4096 chunks each). The launcher then splits every sequence
+// into P segments of `segment_length` tokens (a multiple of 16, so the chunks are the serial
+// ones) and runs three passes on the stream:
+//   1. transitions (parallel over segments 0..P-2): each segment from a zero state, giving
+//      S_end = A_seg S_start + B_seg (A_seg = product of the chunks' Diag(e^gamma) - K_^T W,
+//      B_seg = the end state from zero; both walked as one state [A | B] of K + V columns
+//      starting at [I | 0], the A columns with zero values);
+//   2. scan (serial over segments, fp32 CUDA cores): S_start[p + 1] = A_p S_start[p] + B_p;
+//   3. the ordinary forward of every segment from its S_start (outputs; the last segment writes
+//      final_state).
+// About 2-3 forward passes of work, all of it parallel. The numerics are those of the serial
+// walk (bf16 matmul operands, fp32 accumulation; the scan is fp32), not bitwise equal to it.
+struct KdaChunkedOptions {
+  // 0: automatic (context parallel when batch * heads * V/64 CTAs leave the SMs mostly idle
+  // and the sequence is long); < 0: never; > 0: segments of this many tokens (a multiple of 16;
+  // context parallel whenever that makes more than one segment; ignored with cu_seqlens).
+  int64_t segment_length = 0;
+  // Scratch for the context-parallel path, kda_chunked_forward_workspace_bytes() bytes, 16-byte
+  // aligned, used only within the call's stream order. nullptr: taken from the stream-ordered
+  // allocator (cudaMallocAsync / cudaFreeAsync) when the path is taken.
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+};
+
+// Bytes of workspace kda_chunked_forward needs with these options on the current device (0 when
+// it will walk serially). `packed`: cu_seqlens is given.
+size_t kda_chunked_forward_workspace_bytes(bool packed, int64_t batch, int64_t length,
+                                           int64_t heads, int64_t key_dim, int64_t value_dim,
+                                           const KdaChunkedOptions& options);
+
+cudaError_t kda_chunked_forward(KdaDtype dtype, const void* q, const void* k, const void* v,
+                                const float* g, const void* beta, const float* initial_state,
+                                void* o, float* final_state, const int32_t* cu_seqlens,
+                                int64_t batch, int64_t length, int64_t heads, int64_t key_dim,
+                                int64_t value_dim, float scale, const KdaChunkedOptions& options,
+                                cudaStream_t stream);
+
+// The same with default options (automatic context parallelism, workspace from cudaMallocAsync).
 cudaError_t kda_chunked_forward(KdaDtype dtype, const void* q, const void* k, const void* v,
                                 const float* g, const void* beta, const float* initial_state,
                                 void* o, float* final_state, const int32_t* cu_seqlens,

@@ -53,7 +53,7 @@ bool kda_chunked_supported(const at::Tensor& q, const at::Tensor& k, const at::T
 KdaChunkedOutput kda_chunked(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              const at::Tensor& g, const at::Tensor& beta,
                              const at::Tensor& initial_state, double scale,
-                             const at::Tensor& cu_seqlens) {
+                             const at::Tensor& cu_seqlens, int64_t segment_length) {
   constexpr const char* where = "kernels::kda_chunked";
   TORCH_CHECK(q.dim() == 4, where, ": q must be [B, T, H, K], got ", q.sizes());
   const at::Device device = q.device();
@@ -119,13 +119,26 @@ KdaChunkedOutput kda_chunked(const at::Tensor& q, const at::Tensor& k, const at:
   const at::Tensor bc = beta.to(q.scalar_type()).contiguous();
   at::Tensor o = at::empty({batch, length, heads, value}, q.options());
   at::Tensor final_state = at::empty(state_shape, q.options().dtype(at::kFloat));
+  TORCH_CHECK(segment_length <= 0 || segment_length % 16 == 0, where,
+              ": segment_length must be a multiple of 16 (the chunk), got ", segment_length);
+  KdaChunkedOptions options;
+  options.segment_length = segment_length;
+  // The context-parallel path's scratch (none for the serial walk), from the caching allocator.
+  const size_t workspace_bytes = kda_chunked_forward_workspace_bytes(
+      offsets.defined(), sequences, length, heads, key, value, options);
+  at::Tensor workspace;
+  if (workspace_bytes > 0) {
+    workspace = at::empty({static_cast<int64_t>(workspace_bytes)}, q.options().dtype(at::kByte));
+    options.workspace = workspace.data_ptr();
+    options.workspace_bytes = workspace_bytes;
+  }
   check_launch(
       kda_chunked_forward(kernel_dtype(q.scalar_type()), qc.data_ptr(), kc.data_ptr(),
                           vc.data_ptr(), gc.data_ptr<float>(), bc.data_ptr(),
                           state_in.defined() ? state_in.data_ptr<float>() : nullptr,
                           o.data_ptr(), final_state.data_ptr<float>(),
                           offsets.defined() ? offsets.data_ptr<int32_t>() : nullptr, sequences,
-                          length, heads, key, value, static_cast<float>(scale),
+                          length, heads, key, value, static_cast<float>(scale), options,
                           at::cuda::getCurrentCUDAStream(device.index()).stream()),
       where);
   return {o, final_state};

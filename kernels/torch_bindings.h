@@ -26,10 +26,14 @@ bool kda_chunked_supported(const at::Tensor& q, const at::Tensor& k, const at::T
 // kda::chunked on the GPU (forward only; nothing is recorded for autograd). g must lie in
 // [-5, 0]. Non-contiguous inputs are copied. With cu_seqlens (int32 or int64 [N + 1], on any
 // device), q etc. are [1, total, H, *] holding N packed sequences, and the states are [N, ...].
+// segment_length: context parallelism inside the GPU (KdaChunkedOptions in kernels/kda.h):
+// 0 automatic, < 0 never, > 0 segments of this many tokens (a multiple of 16). Its workspace
+// comes from the caching allocator.
 KdaChunkedOutput kda_chunked(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              const at::Tensor& g, const at::Tensor& beta,
                              const at::Tensor& initial_state, double scale,
-                             const at::Tensor& cu_seqlens = at::Tensor());
+                             const at::Tensor& cu_seqlens = at::Tensor(),
+                             int64_t segment_length = 0);
 
 // Whether kda_step can run these: CUDA, q k v of one dtype bf16 / fp32, K in {64, 128}, V a
 // multiple of 32 up to 256, state fp32 and contiguous (it is updated in place).

@@ -1,7 +1,8 @@
 // The KDA CUDA kernels (kernels/kda.h) against the plain LibTorch reference (model/kda.h) in fp64:
 // random inputs in bf16 and fp32, saturated gates (g = -5), alpha = 1 (g = 0), partly filled
 // last chunks, prefix invariance, initial state in / final state out (a continuation equals one
-// long call), packed variable-length batches, decode vs chunked, and the model's dispatch.
+// long call), packed variable-length batches, context parallelism (segments combined by a scan)
+// against the serial walk and the reference, decode vs chunked, and the model's dispatch.
 // Every comparison prints its max abs error. Skipped without a CUDA device.
 #include <algorithm>
 #include <cmath>
@@ -242,6 +243,94 @@ TEST_F(KdaKernel, PackedVariableLengthsEqualSeparateCalls) {
   std::printf("  packed vs separate: max|o| diff %.3e, max|S| diff %.3e\n", o_error, s_error);
   EXPECT_EQ(o_error, 0.0);
   EXPECT_EQ(s_error, 0.0);
+}
+
+// Context parallelism (kda.h, KdaChunkedOptions): segments from a zero state, their transitions
+// (A_seg, B_seg) combined by a scan, then every segment's forward from its true start state.
+// T = 4096 + 37: with 256-token segments P = 17 and the last segment holds 37 tokens (a partly
+// filled last chunk); 400-token segments (25 chunks) end in a partly filled group of 4 chunks;
+// 4128-token segments leave a last segment of 5 tokens (one partial chunk); 0 is the automatic
+// choice (context parallel on an H200 for 8 chains of 4133 tokens). Each result is compared with
+// the serial walk (segment_length = -1) and the fp64 chunked reference.
+TEST_F(KdaKernel, ContextParallelMatchesSerialAndFp64) {
+  const int64_t length = 4096 + 37;
+  const struct {
+    Gates gates;
+    const char* name;
+  } gate_cases[] = {{Gates::kRandom, "random g"}, {Gates::kSaturated, "g = -5"}, {Gates::kOne, "g = 0"}};
+  for (const auto& gc : gate_cases) {
+    const Inputs in = make_inputs(2, length, 2, 128, 128, at::kBFloat16, gc.gates, true, 71);
+    const kda::Output expected = reference(in, /*token_by_token=*/false);
+    const KdaChunkedOutput serial = kda_chunked(in.q, in.k, in.v, in.g, in.beta, in.state,
+                                                in.scale, at::Tensor(), /*segment_length=*/-1);
+    expect_close((std::string(gc.name) + ", serial vs fp64").c_str(), serial, expected,
+                 kBf16Tolerance);
+    for (int64_t segment : {256, 400, 4128, 0}) {
+      const KdaChunkedOutput parallel = kda_chunked(in.q, in.k, in.v, in.g, in.beta, in.state,
+                                                    in.scale, at::Tensor(), segment);
+      const std::string name = std::string(gc.name) + ", segments of " +
+                               (segment ? std::to_string(segment) : std::string("auto"));
+      expect_close((name + " vs fp64").c_str(), parallel, expected, kBf16Tolerance);
+      expect_close((name + " vs serial").c_str(), parallel, {serial.o, serial.final_state},
+                   kBf16Tolerance);
+    }
+  }
+}
+
+TEST_F(KdaKernel, ContextParallelCoversEveryShapeAndDtype) {
+  struct Case {
+    int64_t batch, length, heads, key, value;
+    at::ScalarType dtype;
+    bool with_state;
+    int64_t segment;
+  };
+  const std::vector<Case> cases = {
+      {1, 1000, 2, 64, 64, at::kFloat, true, 160},     {2, 700, 1, 128, 64, at::kBFloat16, true, 64},
+      {1, 555, 3, 64, 128, at::kBFloat16, false, 96},  {1, 300, 2, 128, 128, at::kFloat, false, 16},
+  };
+  for (const Case& c : cases) {
+    const Inputs in = make_inputs(c.batch, c.length, c.heads, c.key, c.value, c.dtype,
+                                  Gates::kRandom, c.with_state, /*seed=*/81 + c.length);
+    const std::string name = "B" + std::to_string(c.batch) + " T" + std::to_string(c.length) +
+                             " H" + std::to_string(c.heads) + " K" + std::to_string(c.key) +
+                             " V" + std::to_string(c.value) +
+                             (c.dtype == at::kBFloat16 ? " bf16" : " fp32") +
+                             (c.with_state ? " +state" : "") + " segments of " +
+                             std::to_string(c.segment);
+    expect_close(name.c_str(),
+                 kda_chunked(in.q, in.k, in.v, in.g, in.beta, in.state, in.scale, at::Tensor(),
+                             c.segment),
+                 reference(in, /*token_by_token=*/false), kBf16Tolerance);
+  }
+}
+
+TEST_F(KdaKernel, ContextParallelLauncherUpdatesTheStateInPlace) {
+  // final_state aliasing initial_state, and the workspace taken from cudaMallocAsync (none
+  // passed): the same result as the binding (which passes a workspace), bit for bit.
+  const Inputs in = make_inputs(1, 1000, 2, 128, 128, at::kBFloat16, Gates::kRandom, true, 91);
+  const KdaChunkedOutput expected = kda_chunked(in.q, in.k, in.v, in.g, in.beta, in.state,
+                                                in.scale, at::Tensor(), /*segment_length=*/128);
+  at::Tensor state = in.state.clone();
+  at::Tensor o = at::empty_like(in.v);
+  KdaChunkedOptions options;
+  options.segment_length = 128;
+  ASSERT_GT(kda_chunked_forward_workspace_bytes(false, 1, 1000, 2, 128, 128, options), 0u);
+  const cudaError_t error = kda_chunked_forward(
+      KdaDtype::kBFloat16, in.q.data_ptr(), in.k.data_ptr(), in.v.data_ptr(),
+      in.g.data_ptr<float>(), in.beta.data_ptr(), state.data_ptr<float>(), o.data_ptr(),
+      state.data_ptr<float>(), nullptr, 1, 1000, 2, 128, 128, static_cast<float>(in.scale),
+      options, nullptr);
+  ASSERT_EQ(error, cudaSuccess) << cudaGetErrorString(error);
+  EXPECT_EQ(max_error(state, expected.final_state), 0.0);
+  EXPECT_EQ(max_error(o, expected.o), 0.0);
+  // A segment length that is not a multiple of the chunk is refused before any launch.
+  options.segment_length = 100;
+  EXPECT_EQ(kda_chunked_forward(KdaDtype::kBFloat16, in.q.data_ptr(), in.k.data_ptr(),
+                                in.v.data_ptr(), in.g.data_ptr<float>(), in.beta.data_ptr(),
+                                state.data_ptr<float>(), o.data_ptr(), state.data_ptr<float>(),
+                                nullptr, 1, 1000, 2, 128, 128, static_cast<float>(in.scale),
+                                options, nullptr),
+            cudaErrorInvalidValue);
 }
 
 TEST_F(KdaKernel, DecodeStepMatchesFp64Step) {
