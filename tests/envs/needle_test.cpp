@@ -328,6 +328,34 @@ TEST(NeedleEnv, CorpusSizeIsWithinTenPercentOfTheTargetAndBuildsInUnderASecond) 
   }
 }
 
+TEST(NeedleEnv, InlineCorpusPutsEveryDocumentInTheFirstObservationBeforeTheQuestion) {
+  auto plain = make_session({{"corpus_tokens", 20000}});
+  auto inlined = make_session({{"corpus_tokens", 20000}, {"inline_corpus", true}});
+  ASSERT_TRUE(plain && inlined);
+  const env::Observation short_obs = reset(*plain, json::object(), 9);
+  const env::Observation long_obs = reset(*inlined, json::object(), 9);
+  const auto documents = long_obs.info["documents"].get<size_t>();
+  const auto bytes = long_obs.info["corpus_bytes"].get<size_t>();
+  ASSERT_LT(short_obs.text.size(), 2000u);
+  // The corpus, then the same instructions and question as the searching form.
+  EXPECT_EQ(long_obs.text.substr(long_obs.text.size() - short_obs.text.size()), short_obs.text);
+  EXPECT_EQ(long_obs.text.rfind("The corpus (" + std::to_string(documents) + " documents):", 0), 0u);
+  EXPECT_GT(long_obs.text.size(), bytes + short_obs.text.size());
+  EXPECT_LT(long_obs.text.size(), bytes + short_obs.text.size() + 40 * documents);
+  size_t headers = 0, at = 0;
+  std::string previous;
+  while ((at = long_obs.text.find("\n\n[d", at)) != std::string::npos) {
+    const std::string id = long_obs.text.substr(at + 3, long_obs.text.find(']', at) - at - 3);
+    EXPECT_LT(previous, id) << "documents are in id order";
+    previous = id;
+    ++headers, ++at;
+  }
+  EXPECT_EQ(headers, documents);
+  // The tools still work on the inlined corpus.
+  const env::Observation found = step(*inlined, call("search", {{"query", "mentor"}}));
+  EXPECT_NE(result(found).find("Results for"), std::string::npos) << result(found);
+}
+
 TEST(NeedleEnv, TheSameTaskAndSeedGiveTheSameEpisode) {
   const json config = {{"corpus_tokens", 100000}};
   auto a = make_session(config), b = make_session(config);
@@ -443,6 +471,7 @@ TEST(NeedleEnv, BadConfigsAndTasksAreRefusedNamingTheField) {
   EXPECT_NE(refused({{"corpus_tokens", -1}}).find("'corpus_tokens'"), std::string::npos);
   EXPECT_NE(refused({{"corpus_tokens", 10000}, {"documents", 2000}}).find("documents"), std::string::npos);
   EXPECT_NE(refused({{"hop_reward", 3}}).find("'hop_reward'"), std::string::npos);
+  EXPECT_NE(refused({{"inline_corpus", "yes"}}).find("'inline_corpus'"), std::string::npos);
 
   auto s = make_session({{"corpus_tokens", 20000}});
   ASSERT_TRUE(s);

@@ -9,6 +9,11 @@
 //   results_per_search  5        documents a search returns, 1..50
 //   page_bytes          4000     bytes an open returns when no length is given, 256..65536
 //   hop_reward          0.1      reward for the first open of each gold-chain document
+//   inline_corpus       false    the long-context form: the first observation holds the whole
+//                                corpus ("[id] title" then the text, document after document,
+//                                in id order) before the question, so a corpus_tokens-byte
+//                                corpus makes a trajectory that long before the model's first
+//                                token; the tools stay available
 // Tasks: {"split": "train"|"eval", "index": N} is task N of that split; {} with seed S is train
 // task S. A task's split is decided by its content: a question is an eval question when
 // splitmix64(FNV-1a-64(question + "\n" + answer)) % 10 == 0, so the splits are disjoint (no
@@ -141,12 +146,14 @@ struct Config {
   uint32_t results_per_search = 5;
   uint32_t page_bytes = 4000;
   double hop_reward = 0.1;
+  bool inline_corpus = false;
 };
 
 Config parse_config(const json& c) {
   const std::string what = "needle config";
   const auto bad = ODY_ENV_ERR_INVALID_CONFIG;
-  check_keys(c, {"corpus_tokens", "documents", "hops", "max_turns", "results_per_search", "page_bytes", "hop_reward"},
+  check_keys(c, {"corpus_tokens", "documents", "hops", "max_turns", "results_per_search", "page_bytes", "hop_reward",
+                 "inline_corpus"},
              what, bad);
   Config config;
   config.hops = static_cast<uint32_t>(integer(c, "hops", 2, 1, 6, what, bad));
@@ -166,6 +173,11 @@ Config parse_config(const json& c) {
     if (!v.is_number() || v.get<double>() < 0.0 || v.get<double>() > 1.0)
       throw EnvError(bad, what + ": 'hop_reward' must be a number in [0, 1], got " + v.dump());
     config.hop_reward = v.get<double>();
+  }
+  if (c.contains("inline_corpus")) {
+    if (!c["inline_corpus"].is_boolean())
+      throw EnvError(bad, what + ": 'inline_corpus' must be true or false, got " + c["inline_corpus"].dump());
+    config.inline_corpus = c["inline_corpus"].get<bool>();
   }
   return config;
 }
@@ -414,6 +426,23 @@ class Needle : public env::Environment {
   }
 
   std::string prompt() const {
+    if (config_.inline_corpus) return inline_corpus() + "\n\n" + instructions();
+    return instructions();
+  }
+
+  // Every document in id order (ids are a random permutation, so the gold pages sit anywhere).
+  std::string inline_corpus() const {
+    std::vector<const Document*> order;
+    order.reserve(corpus_.docs.size());
+    for (const Document& d : corpus_.docs) order.push_back(&d);
+    std::sort(order.begin(), order.end(), [](const Document* a, const Document* b) { return a->id < b->id; });
+    std::string out = "The corpus (" + std::to_string(order.size()) + " documents):";
+    out.reserve(corpus_.bytes + 16 * order.size() + 64);
+    for (const Document* d : order) out += "\n\n[" + d->id + "] " + d->title + "\n" + d->text;
+    return out;
+  }
+
+  std::string instructions() const {
     return "You have a corpus of " + std::to_string(corpus_.docs.size()) + " documents (about " +
            std::to_string(corpus_.bytes) +
            " bytes) and a question. Answer it by searching and reading: the answer is a name, and finding it "
