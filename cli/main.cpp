@@ -8,6 +8,9 @@
 #include "core/log.h"
 
 int main(int argc, char** argv) {
+  // Line-buffered stdout even into a file or pipe: progress lines (pretrain, bench, run) show up
+  // in logs as they are printed, not when the process exits.
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);
   CLI::App app{"odyssey: RL post-training for agentic, long-horizon tool use"};
   app.require_subcommand(1);
   app.fallthrough();  // --log-level may follow the subcommand
