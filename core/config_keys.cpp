@@ -136,6 +136,7 @@ ConfigSchema build_config_schema() {
   s.add_int("pretrain.steps_per_stage", 200, "optimizer steps in each stage", at_least(1));
   s.add_int("pretrain.batch_tokens", 8192, "tokens per optimizer step", at_least(16));
   s.add_double("pretrain.lr", 3e-3, "peak learning rate", at_least(0));
+  s.add_int("pretrain.threads", 0, "LibTorch intra-op threads while pretraining (0: policy.threads)", at_least(0));
   s.add_string("pretrain.data", "demonstrations", "what to train on",
                {"demonstrations", "text", "mixed"});
 

@@ -95,7 +95,8 @@ Result<PretrainOptions> pretrain_options(const Config& config) {
   o.model_config = config.get_string("policy.model");
   o.save_dtype = config.get_string("policy.dtype");
   o.device = config.get_string("policy.device");
-  o.threads = static_cast<int>(config.get_int("policy.threads"));
+  o.threads = static_cast<int>(config.get_int("pretrain.threads"));
+  if (o.threads == 0) o.threads = static_cast<int>(config.get_int("policy.threads"));
   o.chunk_tokens = config.get_int("learner.chunk_tokens");
   o.recompute = config.get_bool("learner.recompute");
   o.eval.env = config.get_string("env.name");
