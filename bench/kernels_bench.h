@@ -5,7 +5,8 @@
 //   kda forward B=2, T=16K, H=64, K=V=128 bf16 and B=1, T=64K, H=4: kernel vs
 //               kda::chunked_reference (ratio), TFLOP/s, fraction of the memory floor (bytes of
 //               q, k, v, g, beta in and o out at the measured copy bandwidth); B=1, T=64K, H=4
-//               twice: the serial walk and the automatic (context-parallel) path
+//               twice: the serial walk and the automatic (context-parallel) path; the main shape
+//               also without the L2 prefetch of the next group's inputs
 //   kda decode  batch 256, H=64, K=V=128: kernel vs kda::step_reference, state GB/s
 // Last line: `kda_forward_ms: X` (the kernel's best time at B=2, T=16K, H=64).
 // On a CPU build the command fails with kFailedPrecondition (it needs the CUDA build).
@@ -28,6 +29,7 @@ struct KernelsBenchResult {
   double copy_gb_per_s = 0;
   double kda_forward_ms = 0;            // B=2, T=16K, H=64, K=V=128, bf16, best
   double kda_forward_reference_ms = 0;  // kda::chunked_reference on the same inputs, best
+  double kda_forward_no_prefetch_ms = 0;  // the kernel without the L2 prefetch, best
   double kda_forward_long_ms = 0;       // B=1, T=64K, H=4 (automatic: context parallel)
   double kda_forward_long_serial_ms = 0;  // the same, serial walk (8 CTAs)
   double kda_decode_ms = 0;             // batch 256, H=64

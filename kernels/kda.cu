@@ -194,6 +194,7 @@ struct ChunkedArgs {
   const float* segment_states;  // forward pass: [N, P, H, K, V] state entering each segment
   float* transition_a;          // transition pass: [N, P - 1, H, K, K], A_seg transposed
   float* transition_b;          // transition pass: [N, P - 1, H, K, V], B_seg
+  bool prefetch;                // L2 prefetch of the next group's inputs during the walk
 };
 
 // The two kernels built from the prepare/walk code: the forward (outputs, state from the initial
@@ -373,6 +374,42 @@ __device__ void prepare_chunk(const ChunkedArgs& a, ChunkSlot<K>& slot, int64_t 
   }
 }
 
+// A hint, no data movement the kernel depends on: bring this CTA's input rows [row0, row0 + rows)
+// (q unless only transitions, k, g, its value columns unless without values, beta) into L2, so
+// that the next prepare phase, which is bound by the latency of its global loads, finds them
+// there. Issued by all threads while the current group is walked; one instruction per 128-byte
+// line (each row's slice of a tensor is a whole number of aligned lines).
+template <typename T, int K, bool kOutputs>
+__device__ void prefetch_rows(const ChunkedArgs& a, int64_t row0, int rows, int h, int v0,
+                              bool with_values) {
+  constexpr int kKeyLines = K * static_cast<int>(sizeof(T)) / 128;  // q, k
+  constexpr int kGateLines = K * static_cast<int>(sizeof(float)) / 128;
+  constexpr int kValueLines = kTileV * static_cast<int>(sizeof(T)) / 128;
+  constexpr int kPerRow = 2 * kKeyLines + kGateLines + kValueLines + 1;
+  static_assert(kKeyLines >= 1 && kValueLines >= 1, "rows must be whole 128-byte lines");
+  const int H = a.heads, V = a.value_dim;
+  for (int item = threadIdx.x; item < rows * kPerRow; item += kThreads) {
+    const int64_t r = row0 + item / kPerRow;
+    int line = item % kPerRow;
+    const char* p;
+    if (line < kKeyLines) {
+      if (!kOutputs) continue;
+      p = reinterpret_cast<const char*>(static_cast<const T*>(a.q) + (r * H + h) * K) + 128 * line;
+    } else if ((line -= kKeyLines) < kKeyLines) {
+      p = reinterpret_cast<const char*>(static_cast<const T*>(a.k) + (r * H + h) * K) + 128 * line;
+    } else if ((line -= kKeyLines) < kGateLines) {
+      p = reinterpret_cast<const char*>(a.g + (r * H + h) * K) + 128 * line;
+    } else if ((line -= kGateLines) < kValueLines) {
+      if (!with_values) continue;
+      p = reinterpret_cast<const char*>(static_cast<const T*>(a.v) + (r * H + h) * V + v0) +
+          128 * line;
+    } else {
+      p = reinterpret_cast<const char*>(static_cast<const T*>(a.beta) + r * H + h);
+    }
+    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
+  }
+}
+
 // The walk over one prepared chunk, by one warp on its 16 rows of S^T (state[K / 8][4]: n-tile
 // j holds S^T[v_row + g (+8)][8j + 2t (+1)]). Writes the chunk's O for this warp's 16 value
 // columns through `stage` (this warp's private shared memory). Without kOutputs (transition
@@ -525,6 +562,12 @@ __global__ void __launch_bounds__(kThreads, 2) kda_chunked_kernel(const ChunkedA
                                     with_values, lane);
     }
     __syncthreads();
+    if (a.prefetch && group + kWarps < num_chunks) {
+      const int64_t next = (group + kWarps) * kChunk;
+      prefetch_rows<T, K, kForward>(a, row0 + next,
+                                    static_cast<int>(min64(kWarps * kChunk, length - next)), h,
+                                    v0, with_values);
+    }
     const int count = static_cast<int>(min64(kWarps, num_chunks - group));
     float* stage = reinterpret_cast<float*>(&slots[warp].k_check[0][0]);
     for (int s = 0; s < count; ++s) {
@@ -910,6 +953,7 @@ cudaError_t kda_chunked_forward(KdaDtype dtype, const void* q, const void* k, co
   a.o = o, a.final_state = final_state, a.cu_seqlens = cu_seqlens, a.length = length;
   a.heads = static_cast<int>(heads), a.value_dim = static_cast<int>(value_dim), a.scale = scale;
   a.segment_length = length, a.segments = 1;
+  a.prefetch = options.prefetch;
   const bool bf = dtype == KdaDtype::kBFloat16;
   cudaError_t error;
   if (key_dim == 128) {

@@ -68,6 +68,9 @@ struct KdaChunkedOptions {
   // allocator (cudaMallocAsync / cudaFreeAsync) when the path is taken.
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
+  // While one group of 4 chunks is walked, prefetch the next group's input rows into L2 (a
+  // hint: the results are bit for bit the same either way).
+  bool prefetch = true;
 };
 
 // Bytes of workspace kda_chunked_forward needs with these options on the current device (0 when

@@ -53,7 +53,8 @@ bool kda_chunked_supported(const at::Tensor& q, const at::Tensor& k, const at::T
 KdaChunkedOutput kda_chunked(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              const at::Tensor& g, const at::Tensor& beta,
                              const at::Tensor& initial_state, double scale,
-                             const at::Tensor& cu_seqlens, int64_t segment_length) {
+                             const at::Tensor& cu_seqlens, int64_t segment_length,
+                             bool prefetch) {
   constexpr const char* where = "kernels::kda_chunked";
   TORCH_CHECK(q.dim() == 4, where, ": q must be [B, T, H, K], got ", q.sizes());
   const at::Device device = q.device();
@@ -123,6 +124,7 @@ KdaChunkedOutput kda_chunked(const at::Tensor& q, const at::Tensor& k, const at:
               ": segment_length must be a multiple of 16 (the chunk), got ", segment_length);
   KdaChunkedOptions options;
   options.segment_length = segment_length;
+  options.prefetch = prefetch;
   // The context-parallel path's scratch (none for the serial walk), from the caching allocator.
   const size_t workspace_bytes = kda_chunked_forward_workspace_bytes(
       offsets.defined(), sequences, length, heads, key, value, options);

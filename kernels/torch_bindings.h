@@ -28,12 +28,12 @@ bool kda_chunked_supported(const at::Tensor& q, const at::Tensor& k, const at::T
 // device), q etc. are [1, total, H, *] holding N packed sequences, and the states are [N, ...].
 // segment_length: context parallelism inside the GPU (KdaChunkedOptions in kernels/kda.h):
 // 0 automatic, < 0 never, > 0 segments of this many tokens (a multiple of 16). Its workspace
-// comes from the caching allocator.
+// comes from the caching allocator. prefetch: KdaChunkedOptions::prefetch (same results).
 KdaChunkedOutput kda_chunked(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              const at::Tensor& g, const at::Tensor& beta,
                              const at::Tensor& initial_state, double scale,
                              const at::Tensor& cu_seqlens = at::Tensor(),
-                             int64_t segment_length = 0);
+                             int64_t segment_length = 0, bool prefetch = true);
 
 // Whether kda_step can run these: CUDA, q k v of one dtype bf16 / fp32, K in {64, 128}, V a
 // multiple of 32 up to 256, state fp32 and contiguous (it is updated in place).
