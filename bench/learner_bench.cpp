@@ -15,6 +15,11 @@
 #include <torch/nn/utils/clip_grad.h>
 #include <torch/optim/adamw.h>
 
+#ifdef ODYSSEY_WITH_CUDA_KERNELS
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
+#endif
+
 #include "learner/batch.h"
 #include "learner/chunked_policy.h"
 #include "learner/optimizer.h"
@@ -37,6 +42,27 @@ double best_seconds(int repeats, const std::function<void()>& fn) {
     best = std::min(best, std::chrono::duration<double>(Clock::now() - t0).count());
   }
   return best;
+}
+
+// LibTorch's CUDA allocator's peak since the last reset, in MB (0 on the CPU build).
+double peak_gpu_mb(const at::Device& device) {
+#ifdef ODYSSEY_WITH_CUDA_KERNELS
+  if (device.is_cuda()) {
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index() < 0 ? 0 : device.index());
+    return static_cast<double>(
+               stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)].peak) /
+           (1024.0 * 1024.0);
+  }
+#endif
+  (void)device;
+  return 0.0;
+}
+
+void synchronize(const at::Device& device) {
+#ifdef ODYSSEY_WITH_CUDA_KERNELS
+  if (device.is_cuda()) c10::cuda::device_synchronize();
+#endif
+  (void)device;
 }
 
 double peak_rss_mb() {
@@ -73,9 +99,15 @@ Result<LearnerBenchResult> run_learner_bench(const LearnerBenchOptions& o) {
     if (length < 2) return invalid_argument("bench learner: --lengths: {} is too short (a length is at least 2 tokens)", length);
   }
   at::set_num_threads(std::max(1, o.threads));
+  if (o.device != "cpu" && o.device.rfind("cuda", 0) != 0)
+    return invalid_argument("bench learner: --device must be cpu or cuda[:N], got '{}'", o.device);
   ODY_ASSIGN_OR_RETURN(auto cfg, model::load_model_config({o.model_config}));
+  const at::Device device(o.device);
+  if (device.is_cuda() && !at::hasCUDA())
+    return invalid_argument("bench learner: --device {} needs the GPU build on a machine with a GPU", o.device);
   at::manual_seed(0);
   model::Policy policy(cfg);
+  policy->to(device);
   policy->train();
   learner::ChunkedPolicy runner(policy);
   std::vector<std::pair<std::string, at::Tensor>> named;
@@ -86,6 +118,7 @@ Result<LearnerBenchResult> run_learner_bench(const LearnerBenchOptions& o) {
   learner::PolicyGradientOptions pgo;
   pgo.chunk_tokens = o.chunk_tokens;
   pgo.recompute = o.recompute;
+  pgo.device = device;
 
   // The learner's step compute on `batch`.
   auto learner_step = [&](const std::vector<learner::TrajectoryTokens>& batch) {
@@ -93,10 +126,12 @@ Result<LearnerBenchResult> run_learner_bench(const LearnerBenchOptions& o) {
     learner::accumulate_policy_gradient(runner, nullptr, batch, {}, pgo);
     learner::clip_grad_norm(params, 1.0);
     adamw.step(1e-5);
+    synchronize(device);
   };
 
-  std::printf("model %s (%s), %d thread(s), chunk_tokens %ld, recompute %s\n", cfg.name.c_str(), o.model_config.c_str(),
-              std::max(1, o.threads), static_cast<long>(o.chunk_tokens), o.recompute ? "on" : "off");
+  std::printf("model %s (%s) on %s, %d thread(s), chunk_tokens %ld, recompute %s\n", cfg.name.c_str(),
+              o.model_config.c_str(), o.device.c_str(), std::max(1, o.threads), static_cast<long>(o.chunk_tokens),
+              o.recompute ? "on" : "off");
   LearnerBenchResult result;
   if (o.long_tokens > 0) {
     const auto batch = synthetic_batch(1, o.long_tokens, cfg.vocab_size);
@@ -108,6 +143,7 @@ Result<LearnerBenchResult> run_learner_bench(const LearnerBenchOptions& o) {
     std::printf("one trajectory of %ld tokens (%ld trained): one learner step in %.1f s, peak RSS %.0f MB (%.0f MB before)\n",
                 static_cast<long>(o.long_tokens), static_cast<long>(batch[0].trained_tokens()), secs, peak_rss_mb(),
                 rss_before);
+    if (device.is_cuda()) std::printf("peak GPU memory (LibTorch allocator): %.0f MB\n", peak_gpu_mb(device));
     std::printf("learner_long_tokens_per_s: %.1f\n", result.learner_tokens_per_s);
     return result;
   }
@@ -129,8 +165,9 @@ Result<LearnerBenchResult> run_learner_bench(const LearnerBenchOptions& o) {
       }
       adv[r][0] = batch[static_cast<size_t>(r)].advantage;
     }
-    const at::Tensor inputs = tok.narrow(1, 0, length - 1), targets = tok.narrow(1, 1, length - 1);
-    const at::Tensor m = mask.narrow(1, 1, length - 1);
+    const at::Tensor inputs = tok.narrow(1, 0, length - 1).to(device), targets = tok.narrow(1, 1, length - 1).to(device);
+    const at::Tensor m = mask.narrow(1, 1, length - 1).to(device);
+    adv = adv.to(device);
     const double reference_s = best_seconds(o.repeats, [&] {
       reference_adamw.zero_grad();
       const at::Tensor logp =
@@ -139,6 +176,7 @@ Result<LearnerBenchResult> run_learner_bench(const LearnerBenchOptions& o) {
       loss.backward();
       torch::nn::utils::clip_grad_norm_(policy->parameters(), 1.0);
       reference_adamw.step();
+      synchronize(device);
     });
     result.learner_tokens_per_s = tokens / learner_s;
     result.reference_tokens_per_s = tokens / reference_s;

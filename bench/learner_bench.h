@@ -8,7 +8,8 @@
 // `learner_tokens_per_s: X` (the learner at the longest length).
 //
 // --long N instead trains one step on a single N-token trajectory through the learner's path
-// (the 64K check: time and the process's peak resident memory), and prints
+// (the 64K check on the CPU, 1M with --device cuda: time, the process's peak resident memory and,
+// on a GPU, the peak of LibTorch's CUDA allocator), and prints
 // `learner_long_tokens_per_s: X` last.
 #pragma once
 
@@ -29,6 +30,7 @@ struct LearnerBenchOptions {
   int repeats = 1;        // best of (after one warm-up run)
   int threads = 1;
   int64_t long_tokens = 0;  // > 0: the long-trajectory check only
+  std::string device = "cpu";  // "cuda" on the GPU build: the long check also reports peak GPU memory
 };
 
 struct LearnerBenchResult {

@@ -127,6 +127,7 @@ void add_bench_commands(CLI::App& app, Action& action) {
   learner->add_option("--threads", learner_options.threads, "LibTorch intra-op threads")->capture_default_str();
   learner->add_option("--repeats", learner_options.repeats, "best of this many runs")->capture_default_str();
   learner->add_option("--long", learner_options.long_tokens, "instead: one step on one trajectory of this many tokens");
+  learner->add_option("--device", learner_options.device, "cpu or cuda (GPU build)")->capture_default_str();
   learner->callback([&action] {
     action = [] {
       auto r = bench::run_learner_bench(learner_options);

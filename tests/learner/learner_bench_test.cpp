@@ -44,6 +44,8 @@ TEST(LearnerBench, RejectsALengthTooShortToTrain) {
   std::string out;
   EXPECT_NE(testing::run_command({ODYSSEY_BINARY, "bench", "learner", "--lengths", "1"}, &out), 0);
   EXPECT_NE(out.find("--lengths: 1 is too short"), std::string::npos) << out;
+  EXPECT_NE(testing::run_command({ODYSSEY_BINARY, "bench", "learner", "--device", "tpu"}, &out), 0);
+  EXPECT_NE(out.find("--device must be cpu or cuda"), std::string::npos) << out;
 }
 
 }  // namespace
