@@ -14,6 +14,7 @@
 #include <cuda_runtime.h>
 #include <torch/cuda.h>
 
+#include "kernels/kda.h"
 #include "kernels/torch_bindings.h"
 #include "model/kda.h"
 
@@ -131,6 +132,72 @@ ForwardRow bench_forward(const KernelsBenchOptions& o, int64_t batch, int64_t le
   return row;
 }
 
+// The backward kernel (kernels/kda.h, kda_chunked_backward: state recompute, reverse state walk,
+// per-chunk gradients) at the forward's main shape with preallocated outputs and workspace,
+// against the forward kernel's time on the same shape (goal: at most 3x) and, with references,
+// a training step (forward + backward) of the kernels against autograd of kda::chunked_reference.
+double bench_backward(const KernelsBenchOptions& o, int64_t batch, int64_t length, int64_t heads,
+                      double forward_ms) {
+  const int64_t key = 128, value = 128;
+  const KdaInputs in = make_inputs(batch, length, heads, key, value);
+  const auto f32 = in.q.options().dtype(at::kFloat);
+  const at::Tensor d_o = at::randn(in.v.sizes(), f32).to(at::kBFloat16);
+  at::Tensor dq = at::empty(in.q.sizes(), f32), dk = at::empty(in.q.sizes(), f32);
+  at::Tensor dg = at::empty(in.q.sizes(), f32), dv = at::empty(in.v.sizes(), f32);
+  at::Tensor dbeta = at::empty(in.beta.sizes(), f32);
+  at::Tensor d_state = at::empty({batch, heads, key, value}, f32);
+  const size_t workspace_bytes =
+      kernels::kda_chunked_backward_workspace_bytes(batch, length, heads, key, value);
+  const at::Tensor workspace =
+      at::empty({static_cast<int64_t>(workspace_bytes)}, in.q.options().dtype(at::kByte));
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
+  cudaError_t error = cudaSuccess;
+  const Timing kernel = time_cuda(
+      [&] {
+        const cudaError_t e = kernels::kda_chunked_backward(
+            kernels::KdaDtype::kBFloat16, in.q.data_ptr(), in.k.data_ptr(), in.v.data_ptr(),
+            in.g.data_ptr<float>(), in.beta.data_ptr(), nullptr, d_o.data_ptr(), nullptr,
+            dq.data_ptr<float>(), dk.data_ptr<float>(), dv.data_ptr<float>(),
+            dg.data_ptr<float>(), dbeta.data_ptr<float>(), d_state.data_ptr<float>(), batch,
+            length, heads, key, value, static_cast<float>(in.scale), workspace.data_ptr(),
+            workspace_bytes, stream);
+        if (e != cudaSuccess) error = e;
+      },
+      o.warmup, o.repeats);
+  TORCH_CHECK(error == cudaSuccess, "kda_chunked_backward: ", cudaGetErrorString(error));
+  std::printf("kda backward B=%ld T=%ld H=%ld K=V=128 bf16: kernel best %8.3f ms  median %8.3f ms"
+              "  -> %.2fx the forward's %.3f ms (goal <= 3x); workspace %.2f GB\n",
+              static_cast<long>(batch), static_cast<long>(length), static_cast<long>(heads),
+              kernel.best_ms, kernel.median_ms, kernel.best_ms / forward_ms, forward_ms,
+              workspace_bytes / 1e9);
+  std::fflush(stdout);
+  if (o.reference) {
+    // A training step each way: forward with autograd recording, then backward of <o, d_o>.
+    auto step = [&](bool use_kernels) {
+      const c10::AutoGradMode grad(true);
+      const at::Tensor q = in.q.detach().requires_grad_(true);
+      const kda::Output out =
+          use_kernels ? kda::chunked(q, in.k, in.v, in.g, in.beta, at::Tensor(), in.scale)
+                      : kda::chunked_reference(q, in.k, in.v, in.g, in.beta, at::Tensor(), in.scale);
+      (out.o.to(at::kFloat) * d_o.to(at::kFloat)).sum().backward();
+    };
+    const Timing kernels_step = time_cuda([&] { step(true); }, 1, o.reference_repeats);
+    try {
+      const Timing reference = time_cuda([&] { step(false); }, 0, o.reference_repeats);
+      std::printf("kda train step (forward + backward) B=%ld T=%ld H=%ld: kernels best %8.3f ms,"
+                  " reference (autograd of kda::chunked_reference) best %9.3f ms -> %.1fx\n",
+                  static_cast<long>(batch), static_cast<long>(length), static_cast<long>(heads),
+                  kernels_step.best_ms, reference.best_ms, reference.best_ms / kernels_step.best_ms);
+    } catch (const c10::Error& e) {
+      std::printf("kda train step B=%ld T=%ld H=%ld: kernels best %8.3f ms; reference failed (%s)\n",
+                  static_cast<long>(batch), static_cast<long>(length), static_cast<long>(heads),
+                  kernels_step.best_ms, e.what_without_backtrace());
+    }
+    std::fflush(stdout);
+  }
+  return kernel.best_ms;
+}
+
 double bench_decode(const KernelsBenchOptions& o, int64_t batch, int64_t heads,
                     double copy_gb_per_s) {
   const int64_t key = 128, value = 128;
@@ -192,8 +259,11 @@ Result<KernelsBenchResult> run_kernels_bench(const KernelsBenchOptions& options)
     std::printf("kda forward B=1 T=65536 H=4: context parallel %.3f ms vs serial %.3f ms -> %.1fx\n",
                 r.kda_forward_long_ms, r.kda_forward_long_serial_ms,
                 r.kda_forward_long_serial_ms / r.kda_forward_long_ms);
+    r.kda_backward_ms = bench_backward(options, 2, 16384, 64, r.kda_forward_ms);
     r.kda_decode_ms = bench_decode(options, 256, 64, r.copy_gb_per_s);
     std::printf("kda_forward_ms: %.3f\n", r.kda_forward_ms);
+    std::printf("kda_backward_ms: %.3f (%.2fx the forward)\n", r.kda_backward_ms,
+                r.kda_backward_ms / r.kda_forward_ms);
     std::fflush(stdout);
     return r;
   } catch (const c10::Error& e) {

@@ -7,8 +7,13 @@
 //               q, k, v, g, beta in and o out at the measured copy bandwidth); B=1, T=64K, H=4
 //               twice: the serial walk and the automatic (context-parallel) path; the main shape
 //               also without the L2 prefetch of the next group's inputs
+//   kda backward B=2, T=16K, H=64, K=V=128 bf16: the backward kernel (preallocated outputs and
+//               workspace) as a multiple of the forward's time (goal <= 3x); with references, a
+//               training step (forward + backward) of the kernels vs autograd of
+//               kda::chunked_reference
 //   kda decode  batch 256, H=64, K=V=128: kernel vs kda::step_reference, state GB/s
-// Last line: `kda_forward_ms: X` (the kernel's best time at B=2, T=16K, H=64).
+// Last lines: `kda_forward_ms: X` (the kernel's best time at B=2, T=16K, H=64) and
+// `kda_backward_ms: Y (Rx the forward)`.
 // On a CPU build the command fails with kFailedPrecondition (it needs the CUDA build).
 #pragma once
 
@@ -32,6 +37,7 @@ struct KernelsBenchResult {
   double kda_forward_no_prefetch_ms = 0;  // the kernel without the L2 prefetch, best
   double kda_forward_long_ms = 0;       // B=1, T=64K, H=4 (automatic: context parallel)
   double kda_forward_long_serial_ms = 0;  // the same, serial walk (8 CTAs)
+  double kda_backward_ms = 0;           // B=2, T=16K, H=64, K=V=128, bf16, best
   double kda_decode_ms = 0;             // batch 256, H=64
 };
 

@@ -16,7 +16,9 @@
 //
 // Context parallelism (few long chains; kda.h): the same kernel in Pass::kTransition walks each
 // segment's [A_seg | B_seg] from [I | 0] without outputs, kda_segment_scan_kernel chains the
-// segments in fp32, and Pass::kForward walks every segment from its start state.
+// segments in fp32, and Pass::kForward walks every segment from its start state. Pass::kStates is
+// the forward's walk without outputs that stores the state entering every chunk (bf16) for the
+// backward (kda_backward.cu).
 #include "kernels/kda.h"
 
 #include <cuda_bf16.h>
@@ -24,355 +26,10 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "kernels/kda_chunk.cuh"
+
 namespace odyssey::kernels {
 namespace {
-
-constexpr int kChunk = 16;
-constexpr int kWarps = 4;
-constexpr int kThreads = kWarps * 32;
-constexpr int kTileV = 16 * kWarps;  // value columns per CTA (16 state rows of S^T per warp)
-
-using bf16 = __nv_bfloat16;
-
-__device__ __forceinline__ int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
-
-// ---------------------------------------------------------------------------------------------
-// Element access for the two input types.
-
-__device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(bf16 x) { return __bfloat162float(x); }
-template <typename T>
-__device__ __forceinline__ T from_float(float x);
-template <>
-__device__ __forceinline__ float from_float<float>(float x) { return x; }
-template <>
-__device__ __forceinline__ bf16 from_float<bf16>(float x) { return __float2bfloat16_rn(x); }
-
-// N consecutive elements (N in {2, 4, 8}) from global memory, as floats; p aligned to N elements.
-template <int N>
-__device__ __forceinline__ void load_vec(const bf16* p, float (&out)[N]) {
-  static_assert(N == 2 || N == 4 || N == 8);
-  uint32_t raw[N / 2];
-  if constexpr (N == 2) {
-    raw[0] = __ldg(reinterpret_cast<const unsigned int*>(p));
-  } else if constexpr (N == 4) {
-    const uint2 r = __ldg(reinterpret_cast<const uint2*>(p));
-    raw[0] = r.x, raw[1] = r.y;
-  } else {
-    const uint4 r = __ldg(reinterpret_cast<const uint4*>(p));
-    raw[0] = r.x, raw[1] = r.y, raw[2] = r.z, raw[3] = r.w;
-  }
-#pragma unroll
-  for (int i = 0; i < N / 2; ++i) {
-    const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw[i]));
-    out[2 * i] = f.x, out[2 * i + 1] = f.y;
-  }
-}
-
-template <int N>
-__device__ __forceinline__ void load_vec(const float* p, float (&out)[N]) {
-  static_assert(N == 2 || N == 4 || N == 8);
-  if constexpr (N == 2) {
-    const float2 r = __ldg(reinterpret_cast<const float2*>(p));
-    out[0] = r.x, out[1] = r.y;
-  } else {
-#pragma unroll
-    for (int i = 0; i < N / 4; ++i) {
-      const float4 r = __ldg(reinterpret_cast<const float4*>(p) + i);
-      out[4 * i] = r.x, out[4 * i + 1] = r.y, out[4 * i + 2] = r.z, out[4 * i + 3] = r.w;
-    }
-  }
-}
-
-// 8 consecutive floats stored as T (p aligned to 8 elements).
-__device__ __forceinline__ void store8(bf16* p, const float* x) {
-  uint4 r;
-  uint32_t* w = reinterpret_cast<uint32_t*>(&r);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    __nv_bfloat162 h = __floats2bfloat162_rn(x[2 * i], x[2 * i + 1]);
-    w[i] = *reinterpret_cast<uint32_t*>(&h);
-  }
-  *reinterpret_cast<uint4*>(p) = r;
-}
-__device__ __forceinline__ void store8(float* p, const float* x) {
-  reinterpret_cast<float4*>(p)[0] = make_float4(x[0], x[1], x[2], x[3]);
-  reinterpret_cast<float4*>(p)[1] = make_float4(x[4], x[5], x[6], x[7]);
-}
-
-// ---------------------------------------------------------------------------------------------
-// Tensor-core fragments (mma.sync m16n8k16, bf16 in, fp32 accumulate). Lane l: g = l / 4,
-// t = l % 4. Accumulator c[0..1] = (row g, cols 2t, 2t+1), c[2..3] = (row g + 8, same cols).
-
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&h);
-}
-
-__device__ __forceinline__ uint32_t shared_address(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(shared_address(p))
-               : "memory");
-}
-
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(shared_address(p))
-               : "memory");
-}
-
-// d += a * b for one m16n8k16 tile.
-__device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                    uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
-      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// Per-lane offsets into a row-major 16 x 16 bf16 block for the three ldmatrix uses:
-//   A operand (rows = m, cols = k):                     ldmatrix_x4 at [a_row][k0 + a_col]
-//   B operands of two n-tiles, stored rows = n, cols = k:  ldmatrix_x4 at [b_row][k0 + b_col]
-//     -> {b0, b1} of n-tile rows 0-7, then {b0, b1} of rows 8-15
-//   B operands of two n-tiles, stored rows = k, cols = n:  ldmatrix_x4_trans at [t_row][n0 + t_col]
-//     -> {b0, b1} of n-tile cols n0..n0+7, then of n0+8..n0+15
-struct FragmentOffsets {
-  int a_row, a_col, b_row, b_col, t_row, t_col;
-  __device__ explicit FragmentOffsets(int lane) {
-    const int r = lane & 7, m = lane >> 3;
-    a_row = r + (m & 1) * 8, a_col = (m >> 1) * 8;
-    b_row = r + (m >> 1) * 8, b_col = (m & 1) * 8;
-    t_row = r + (m & 1) * 8, t_col = (m >> 1) * 8;
-  }
-};
-
-// ---------------------------------------------------------------------------------------------
-// Chunked forward.
-
-// One chunk's prepared operands (written by one warp in the prepare phase, read by all warps in
-// the walk) and that warp's scratch. bf16 rows are padded by 8 elements so that the 8 row
-// addresses of an ldmatrix fall in distinct bank groups.
-template <int K>
-struct alignas(16) ChunkSlot {
-  static constexpr int kRow = K + 8;
-  bf16 q_hat[kChunk][kRow];    // scale q e^Gamma
-  bf16 w[kChunk][kRow];        // K^ = k e^Gamma while preparing, then W = M Diag(beta) K^
-  bf16 k_bar[kChunk][kRow];    // k e^(gamma - Gamma)
-  bf16 k_check[kChunk][kRow];  // k e^-Gamma (prepare only); the walk stages this warp's O here
-  bf16 a_qk[kChunk][24];       // lower_incl_diagonal(Q^ K~^T)
-  bf16 m_beta[kChunk][24];     // M Diag(beta)       (prepare only)
-  bf16 v[kChunk][kTileV + 8];  // this CTA's value columns (prepare only)
-  float u[kChunk][kTileV + 4]; // U = M Diag(beta) V
-  float lower[kChunk][kChunk + 1];  // L = Diag(beta) strictly_lower(K^ K~^T)  (prepare only)
-  float decay_last[K];         // e^gamma
-};
-
-template <int K>
-constexpr size_t chunked_shared_bytes() {
-  return sizeof(ChunkSlot<K>) * kWarps;
-}
-
-struct ChunkedArgs {
-  const void *q, *k, *v, *beta;
-  const float *g, *initial_state;
-  void* o;
-  float* final_state;
-  const int32_t* cu_seqlens;
-  int64_t length;
-  int heads, value_dim;
-  float scale;
-  // Segments (context parallelism; kda.h). segments == 1 and segment_length == length for the
-  // serial walk (and always with cu_seqlens). CTAs along grid z are (sequence, segment) pairs.
-  int64_t segment_length;
-  int segments;
-  const float* segment_states;  // forward pass: [N, P, H, K, V] state entering each segment
-  float* transition_a;          // transition pass: [N, P - 1, H, K, K], A_seg transposed
-  float* transition_b;          // transition pass: [N, P - 1, H, K, V], B_seg
-  bool prefetch;                // L2 prefetch of the next group's inputs during the walk
-};
-
-// The two kernels built from the prepare/walk code: the forward (outputs, state from the initial
-// or segment state) and the transition pass of context parallelism (no outputs, no Q^ / Aqk).
-enum class Pass { kForward, kTransition };
-
-// The prepare phase for one chunk, by one warp: rows [row0, row0 + valid) of the sequence
-// (valid in 1..16; missing rows are zeros, which leaves the real rows exact).
-// kOutputs: also Q^ and Aqk (the forward). with_values: also V and U (false for the A_seg columns
-// of the transition pass, whose values are zero; U is then left unwritten).
-template <typename T, int K, bool kOutputs>
-__device__ void prepare_chunk(const ChunkedArgs& a, ChunkSlot<K>& slot, int64_t row0, int valid,
-                              int h, int v0, bool with_values, int lane) {
-  constexpr int kCols = K / 32;  // key columns per lane
-  const int c0 = lane * kCols;
-  const int H = a.heads, V = a.value_dim;
-  const T* q = static_cast<const T*>(a.q);
-  const T* k = static_cast<const T*>(a.k);
-  auto key_offset = [&](int i) { return ((row0 + i) * H + h) * static_cast<int64_t>(K) + c0; };
-
-  // gamma = Gamma of the last real row.
-  float gamma[kCols] = {};
-#pragma unroll
-  for (int i = 0; i < kChunk; ++i) {
-    if (i < valid) {
-      float gi[kCols];
-      load_vec(a.g + key_offset(i), gi);
-#pragma unroll
-      for (int c = 0; c < kCols; ++c) gamma[c] += gi[c];
-    }
-  }
-  float decay_last[kCols];
-#pragma unroll
-  for (int c = 0; c < kCols; ++c) {
-    decay_last[c] = __expf(gamma[c]);
-    slot.decay_last[c0 + c] = decay_last[c];
-  }
-
-  // Q^, K^, K~, K_ row by row, Gamma accumulated from the chunk start.
-  float cum[kCols] = {};
-#pragma unroll 4
-  for (int i = 0; i < kChunk; ++i) {
-    float gi[kCols] = {}, qi[kCols] = {}, ki[kCols] = {};
-    if (i < valid) {
-      load_vec(a.g + key_offset(i), gi);
-      if constexpr (kOutputs) load_vec(q + key_offset(i), qi);
-      load_vec(k + key_offset(i), ki);
-    }
-    float q_hat[kCols], k_hat[kCols], k_check[kCols], k_bar[kCols];
-#pragma unroll
-    for (int c = 0; c < kCols; ++c) {
-      cum[c] += gi[c];
-      const float up = __expf(cum[c]), down = __expf(-cum[c]);
-      q_hat[c] = a.scale * qi[c] * up;
-      k_hat[c] = ki[c] * up;
-      k_check[c] = ki[c] * down;
-      k_bar[c] = ki[c] * (decay_last[c] * down);
-    }
-#pragma unroll
-    for (int c = 0; c < kCols; c += 2) {
-      if constexpr (kOutputs) {
-        *reinterpret_cast<uint32_t*>(&slot.q_hat[i][c0 + c]) = pack_bf16(q_hat[c], q_hat[c + 1]);
-      }
-      *reinterpret_cast<uint32_t*>(&slot.w[i][c0 + c]) = pack_bf16(k_hat[c], k_hat[c + 1]);
-      *reinterpret_cast<uint32_t*>(&slot.k_check[i][c0 + c]) =
-          pack_bf16(k_check[c], k_check[c + 1]);
-      *reinterpret_cast<uint32_t*>(&slot.k_bar[i][c0 + c]) = pack_bf16(k_bar[c], k_bar[c + 1]);
-    }
-  }
-
-  // This CTA's value columns, 8 per item, and beta (lane i < 16 holds row i's).
-  const T* v = static_cast<const T*>(a.v);
-#pragma unroll
-  for (int r = 0; r < kChunk * kTileV / 8 / 32; ++r) {
-    if (!with_values) break;
-    const int item = lane + 32 * r;
-    const int i = item / (kTileV / 8), col = (item % (kTileV / 8)) * 8;
-    float x[8] = {};
-    if (i < valid) load_vec(v + ((row0 + i) * H + h) * static_cast<int64_t>(V) + v0 + col, x);
-    uint32_t packed[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) packed[j] = pack_bf16(x[2 * j], x[2 * j + 1]);
-    *reinterpret_cast<uint4*>(&slot.v[i][col]) =
-        make_uint4(packed[0], packed[1], packed[2], packed[3]);
-  }
-  float beta = 0.0f;
-  if (lane < valid) beta = to_float(static_cast<const T*>(a.beta)[(row0 + lane) * H + h]);
-  __syncwarp();
-
-  const FragmentOffsets f(lane);
-  const int g = lane >> 2, t = lane & 3;
-
-  // L and Aqk: [16 x K] x [K x 16], both against K~.
-  float l_acc[2][4] = {}, a_acc[2][4] = {};
-#pragma unroll
-  for (int k0 = 0; k0 < K; k0 += 16) {
-    uint32_t a_k[4], a_q[4], b[4];
-    ldmatrix_x4(a_k, &slot.w[f.a_row][k0 + f.a_col]);
-    ldmatrix_x4(b, &slot.k_check[f.b_row][k0 + f.b_col]);
-    mma(l_acc[0], a_k, b[0], b[1]);
-    mma(l_acc[1], a_k, b[2], b[3]);
-    if constexpr (kOutputs) {
-      ldmatrix_x4(a_q, &slot.q_hat[f.a_row][k0 + f.a_col]);
-      mma(a_acc[0], a_q, b[0], b[1]);
-      mma(a_acc[1], a_q, b[2], b[3]);
-    }
-  }
-  const float beta_row[2] = {__shfl_sync(0xffffffffu, beta, g),
-                             __shfl_sync(0xffffffffu, beta, g + 8)};
-#pragma unroll
-  for (int n = 0; n < 2; ++n) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int i = g + (e >> 1) * 8, j = n * 8 + 2 * t + (e & 1);
-      slot.lower[i][j] = j < i ? beta_row[e >> 1] * l_acc[n][e] : 0.0f;
-    }
-#pragma unroll
-    for (int half = 0; half < 2 && kOutputs; ++half) {
-      const int i = g + half * 8, j = n * 8 + 2 * t;
-      const float x0 = j <= i ? a_acc[n][2 * half] : 0.0f;
-      const float x1 = j + 1 <= i ? a_acc[n][2 * half + 1] : 0.0f;
-      *reinterpret_cast<uint32_t*>(&slot.a_qk[i][j]) = pack_bf16(x0, x1);
-    }
-  }
-  __syncwarp();
-
-  // M = (I + L)^-1 by forward substitution in fp32: lane c (mod 16) owns column c of M.
-  {
-    const int c = lane & 15;
-    float m[kChunk];
-#pragma unroll
-    for (int i = 0; i < kChunk; ++i) {
-      float s = i == c ? 1.0f : 0.0f;
-#pragma unroll
-      for (int j = 0; j < i; ++j) s -= slot.lower[i][j] * m[j];
-      m[i] = s;
-    }
-    if (lane < 16) {
-#pragma unroll
-      for (int i = 0; i < kChunk; ++i) slot.m_beta[i][c] = __float2bfloat16_rn(m[i] * beta);
-    }
-  }
-  __syncwarp();
-
-  // W = M Diag(beta) K^ (in place over K^, 16 columns at a time) and U = M Diag(beta) V.
-  uint32_t a_m[4];
-  ldmatrix_x4(a_m, &slot.m_beta[f.a_row][f.a_col]);
-#pragma unroll
-  for (int n0 = 0; n0 < K; n0 += 16) {
-    uint32_t b[4];
-    ldmatrix_x4_trans(b, &slot.w[f.t_row][n0 + f.t_col]);
-    float acc[2][4] = {};
-    mma(acc[0], a_m, b[0], b[1]);
-    mma(acc[1], a_m, b[2], b[3]);
-    __syncwarp();
-#pragma unroll
-    for (int n = 0; n < 2; ++n) {
-      const int col = n0 + n * 8 + 2 * t;
-      *reinterpret_cast<uint32_t*>(&slot.w[g][col]) = pack_bf16(acc[n][0], acc[n][1]);
-      *reinterpret_cast<uint32_t*>(&slot.w[g + 8][col]) = pack_bf16(acc[n][2], acc[n][3]);
-    }
-  }
-#pragma unroll
-  for (int n0 = 0; n0 < kTileV; n0 += 16) {
-    if (!with_values) break;
-    uint32_t b[4];
-    ldmatrix_x4_trans(b, &slot.v[f.t_row][n0 + f.t_col]);
-    float acc[2][4] = {};
-    mma(acc[0], a_m, b[0], b[1]);
-    mma(acc[1], a_m, b[2], b[3]);
-#pragma unroll
-    for (int n = 0; n < 2; ++n) {
-      const int col = n0 + n * 8 + 2 * t;
-      *reinterpret_cast<float2*>(&slot.u[g][col]) = make_float2(acc[n][0], acc[n][1]);
-      *reinterpret_cast<float2*>(&slot.u[g + 8][col]) = make_float2(acc[n][2], acc[n][3]);
-    }
-  }
-}
 
 // A hint, no data movement the kernel depends on: bring this CTA's input rows [row0, row0 + rows)
 // (q unless only transitions, k, g, its value columns unless without values, beta) into L2, so
@@ -500,6 +157,26 @@ __device__ void walk_chunk(const ChunkedArgs& a, const ChunkSlot<K>& slot, float
   }
 }
 
+// The state entering chunk `chunk` of sequence `seq` (this warp's 16 rows of S^T, as bf16) into
+// a.chunk_states [N, H, chunks, V, K] (transposed: row = value column, K contiguous).
+template <int K>
+__device__ __forceinline__ void store_chunk_state(const ChunkedArgs& a, const float (&state)[K / 8][4],
+                                                  int seq, int h, int64_t chunk, int v_col,
+                                                  int lane) {
+  const int g = lane >> 2, t = lane & 3;
+  const int64_t chunks = (a.length + kChunk - 1) / kChunk;
+  bf16* base = static_cast<bf16*>(a.chunk_states) +
+               ((static_cast<int64_t>(seq) * a.heads + h) * chunks + chunk) * a.value_dim * K;
+#pragma unroll
+  for (int j = 0; j < K / 8; ++j) {
+    const int c = 8 * j + 2 * t;
+    *reinterpret_cast<uint32_t*>(base + static_cast<int64_t>(v_col + g) * K + c) =
+        pack_bf16(state[j][0], state[j][1]);
+    *reinterpret_cast<uint32_t*>(base + static_cast<int64_t>(v_col + g + 8) * K + c) =
+        pack_bf16(state[j][2], state[j][3]);
+  }
+}
+
 // Forward: grid (V / 64, H, N * P); CTA (tile x, h, z = sequence * P + segment) walks its segment
 // from the initial state (P = 1) or the segment's state (P > 1), writing o and, for the last
 // segment, final_state.
@@ -507,7 +184,10 @@ __device__ void walk_chunk(const ChunkedArgs& a, const ChunkSlot<K>& slot, float
 // (state starts at I, values zero), the others 64 columns of B_seg (state starts at 0).
 template <typename T, int K, Pass kPass>
 __global__ void __launch_bounds__(kThreads, 2) kda_chunked_kernel(const ChunkedArgs a) {
-  constexpr bool kForward = kPass == Pass::kForward;
+  // kForward: walks from the initial or segment state (the forward and the state recompute);
+  // kOutputs: also Q^, Aqk and o (the forward only).
+  constexpr bool kForward = kPass != Pass::kTransition;
+  constexpr bool kOutputs = kPass == Pass::kForward;
   extern __shared__ __align__(16) unsigned char shared_raw[];
   ChunkSlot<K>* slots = reinterpret_cast<ChunkSlot<K>*>(shared_raw);
 
@@ -554,17 +234,19 @@ __global__ void __launch_bounds__(kThreads, 2) kda_chunked_kernel(const ChunkedA
   }
 
   const int64_t num_chunks = (length + kChunk - 1) / kChunk;
+  // This segment's first chunk within the sequence (segments are whole chunks).
+  const int64_t chunk_base = a.cu_seqlens ? 0 : segment * a.segment_length / kChunk;
   for (int64_t group = 0; group < num_chunks; group += kWarps) {
     const int64_t mine = group + warp;
     if (mine < num_chunks) {
       const int valid = static_cast<int>(min64(kChunk, length - mine * kChunk));
-      prepare_chunk<T, K, kForward>(a, slots[warp], row0 + mine * kChunk, valid, h, v0,
+      prepare_chunk<T, K, kOutputs>(a, slots[warp], row0 + mine * kChunk, valid, h, v0,
                                     with_values, lane);
     }
     __syncthreads();
     if (a.prefetch && group + kWarps < num_chunks) {
       const int64_t next = (group + kWarps) * kChunk;
-      prefetch_rows<T, K, kForward>(a, row0 + next,
+      prefetch_rows<T, K, kOutputs>(a, row0 + next,
                                     static_cast<int>(min64(kWarps * kChunk, length - next)), h,
                                     v0, with_values);
     }
@@ -573,7 +255,10 @@ __global__ void __launch_bounds__(kThreads, 2) kda_chunked_kernel(const ChunkedA
     for (int s = 0; s < count; ++s) {
       const int64_t chunk = group + s;
       const int valid = static_cast<int>(min64(kChunk, length - chunk * kChunk));
-      walk_chunk<T, K, kForward>(a, slots[s], state, stage, row0 + chunk * kChunk, valid, h,
+      if constexpr (kPass == Pass::kStates) {
+        store_chunk_state<K>(a, state, seq, h, chunk_base + chunk, v_col, lane);
+      }
+      walk_chunk<T, K, kOutputs>(a, slots[s], state, stage, row0 + chunk * kChunk, valid, h,
                                  v_col, with_values, lane);
     }
     __syncthreads();
@@ -863,7 +548,12 @@ cudaError_t run_chunked(ChunkedArgs a, const SegmentPlan& plan, unsigned char* w
                         int64_t value_dim, cudaStream_t stream) {
   const unsigned h = static_cast<unsigned>(heads), n = static_cast<unsigned>(batch);
   const unsigned v_tiles = static_cast<unsigned>(value_dim / kTileV);
-  if (plan.segments == 1) return launch_chunked<T, K, Pass::kForward>(a, dim3(v_tiles, h, n), stream);
+  // With chunk_states (the backward's state recompute): the same walk without outputs.
+  const bool keep_states = a.chunk_states != nullptr;
+  if (plan.segments == 1) {
+    return keep_states ? launch_chunked<T, K, Pass::kStates>(a, dim3(v_tiles, h, n), stream)
+                  : launch_chunked<T, K, Pass::kForward>(a, dim3(v_tiles, h, n), stream);
+  }
 
   const unsigned p = static_cast<unsigned>(plan.segments);
   float* states = reinterpret_cast<float*>(workspace + layout.states);
@@ -877,7 +567,8 @@ cudaError_t run_chunked(ChunkedArgs a, const SegmentPlan& plan, unsigned char* w
   error = launch_segment_scan<K>(a, states, batch, stream);
   if (error != cudaSuccess) return error;
   a.segment_states = states;
-  return launch_chunked<T, K, Pass::kForward>(a, dim3(v_tiles, h, n * p), stream);
+  return keep_states ? launch_chunked<T, K, Pass::kStates>(a, dim3(v_tiles, h, n * p), stream)
+                     : launch_chunked<T, K, Pass::kForward>(a, dim3(v_tiles, h, n * p), stream);
 }
 
 bool chunked_sizes_supported(int64_t batch, int64_t length, int64_t heads, int64_t key_dim,
@@ -930,7 +621,9 @@ cudaError_t kda_chunked_forward(KdaDtype dtype, const void* q, const void* k, co
     if (initial_state == final_state) return cudaSuccess;
     return cudaMemcpyAsync(final_state, initial_state, bytes, cudaMemcpyDeviceToDevice, stream);
   }
-  if (q == nullptr || k == nullptr || v == nullptr || g == nullptr || beta == nullptr || o == nullptr) {
+  if (q == nullptr || k == nullptr || v == nullptr || g == nullptr || beta == nullptr ||
+      (o == nullptr && options.chunk_states == nullptr) ||
+      (options.chunk_states != nullptr && cu_seqlens != nullptr)) {
     return cudaErrorInvalidValue;
   }
   const SegmentPlan plan = plan_segments(cu_seqlens != nullptr, batch, length, heads, value_dim,
@@ -954,6 +647,7 @@ cudaError_t kda_chunked_forward(KdaDtype dtype, const void* q, const void* k, co
   a.heads = static_cast<int>(heads), a.value_dim = static_cast<int>(value_dim), a.scale = scale;
   a.segment_length = length, a.segments = 1;
   a.prefetch = options.prefetch;
+  a.chunk_states = options.chunk_states;
   const bool bf = dtype == KdaDtype::kBFloat16;
   cudaError_t error;
   if (key_dim == 128) {

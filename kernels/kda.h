@@ -71,6 +71,11 @@ struct KdaChunkedOptions {
   // While one group of 4 chunks is walked, prefetch the next group's input rows into L2 (a
   // hint: the results are bit for bit the same either way).
   bool prefetch = true;
+  // For the backward (kda_chunked_backward): when set, bf16 [N, H, ceil(length / 16), V, K]
+  // receives the state entering every chunk of 16 tokens, transposed (row = value column), as
+  // the forward rounds it for its matmuls; o may then be nullptr (no outputs written). Not with
+  // cu_seqlens (cudaErrorInvalidValue).
+  void* chunk_states = nullptr;
 };
 
 // Bytes of workspace kda_chunked_forward needs with these options on the current device (0 when
@@ -92,6 +97,37 @@ cudaError_t kda_chunked_forward(KdaDtype dtype, const void* q, const void* k, co
                                 void* o, float* final_state, const int32_t* cu_seqlens,
                                 int64_t batch, int64_t length, int64_t heads, int64_t key_dim,
                                 int64_t value_dim, float scale, cudaStream_t stream);
+
+// Chunked backward (training): the gradients of kda_chunked_forward's outputs o and final_state
+// with respect to every input. Nothing from the forward is needed but its inputs: the state
+// entering every chunk is recomputed (a forward pass with KdaChunkedOptions::chunk_states, no
+// outputs), then a reverse walk carries dS from the last chunk to the first, then every chunk's
+// input gradients are computed independently (design and derivation: kda_backward.cu).
+//   q, k, v, g, beta, initial_state, scale: exactly as given to kda_chunked_forward
+//   d_o            T   [B, L, H, V]   gradient of o
+//   d_final_state  f32 [B, H, K, V]   gradient of final_state, or nullptr (zeros)
+//   dq, dk, dg     f32 [B, L, H, K]   written (every position); dg is per key channel
+//   dv             f32 [B, L, H, V]   written
+//   dbeta          f32 [B, L, H]      written
+//   d_initial_state f32 [B, H, K, V]  written, or nullptr (not wanted); written also when
+//                                     initial_state is nullptr (the gradient of a zero state)
+// Outputs must not alias inputs. Supported: K, V in {64, 128}, any length >= 0, no cu_seqlens
+// (one sequence of `length` tokens per batch entry). Numerics: the forward's (bf16 matmul
+// operands, fp32 accumulation); the chunk states and their gradients are kept in bf16 between
+// passes, which is how the forward's matmuls saw them. g must lie in [-5, 0].
+// Workspace: kda_chunked_backward_workspace_bytes() bytes, 16-byte aligned, used only within
+// the stream order of the call (two bf16 [B, H, ceil(L / 16), K, V] and one fp32 state); nullptr:
+// taken from cudaMallocAsync / cudaFreeAsync on the stream.
+size_t kda_chunked_backward_workspace_bytes(int64_t batch, int64_t length, int64_t heads,
+                                            int64_t key_dim, int64_t value_dim);
+
+cudaError_t kda_chunked_backward(KdaDtype dtype, const void* q, const void* k, const void* v,
+                                 const float* g, const void* beta, const float* initial_state,
+                                 const void* d_o, const float* d_final_state, float* dq,
+                                 float* dk, float* dv, float* dg, float* dbeta,
+                                 float* d_initial_state, int64_t batch, int64_t length,
+                                 int64_t heads, int64_t key_dim, int64_t value_dim, float scale,
+                                 void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
 // One decode token for a batch of sequences; the state is updated in place.
 //   q, k  T [B, H, K]    v T [B, H, V]    g f32 [B, H, K]    beta T [B, H]

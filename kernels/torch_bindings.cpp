@@ -146,6 +146,95 @@ KdaChunkedOutput kda_chunked(const at::Tensor& q, const at::Tensor& k, const at:
   return {o, final_state};
 }
 
+KdaChunkedGradients kda_chunked_backward(const at::Tensor& q, const at::Tensor& k,
+                                         const at::Tensor& v, const at::Tensor& g,
+                                         const at::Tensor& beta, const at::Tensor& initial_state,
+                                         const at::Tensor& d_o, const at::Tensor& d_final_state,
+                                         double scale) {
+  constexpr const char* where = "kernels::kda_chunked_backward";
+  TORCH_CHECK(q.dim() == 4, where, ": q must be [B, T, H, K], got ", q.sizes());
+  const at::Device device = q.device();
+  check_cuda(where, "q", q, device);
+  check_cuda(where, "k", k, device);
+  check_cuda(where, "v", v, device);
+  check_cuda(where, "g", g, device);
+  check_cuda(where, "beta", beta, device);
+  check_cuda(where, "d_o", d_o, device);
+  TORCH_CHECK(is_kernel_dtype(q.scalar_type()), where, ": q must be bf16 or fp32, got ",
+              q.scalar_type());
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), where,
+              ": q, k, v must have one dtype, got ", q.scalar_type(), ", ", k.scalar_type(), ", ",
+              v.scalar_type());
+  TORCH_CHECK(k.sizes() == q.sizes() && g.sizes() == q.sizes(), where,
+              ": k and g must match q ", q.sizes(), ", got ", k.sizes(), " and ", g.sizes());
+  const int64_t batch = q.size(0), length = q.size(1), heads = q.size(2), key = q.size(3);
+  TORCH_CHECK(v.dim() == 4 && v.size(0) == batch && v.size(1) == length && v.size(2) == heads,
+              where, ": v must be [B, T, H, V] with B, T, H of q ", q.sizes(), ", got ",
+              v.sizes());
+  const int64_t value = v.size(3);
+  TORCH_CHECK(d_o.sizes() == v.sizes(), where, ": d_o must match o = v's shape ", v.sizes(),
+              ", got ", d_o.sizes());
+  TORCH_CHECK(beta.dim() == 3 && beta.size(0) == batch && beta.size(1) == length &&
+                  beta.size(2) == heads,
+              where, ": beta must be [B, T, H] of q ", q.sizes(), ", got ", beta.sizes());
+  TORCH_CHECK((key == 64 || key == 128) && (value == 64 || value == 128), where,
+              ": K and V must be 64 or 128, got K = ", key, ", V = ", value,
+              " (use kda::chunked_reference)");
+  const std::vector<int64_t> state_shape = {batch, heads, key, value};
+  at::Tensor state_in, d_state_out;
+  if (initial_state.defined()) {
+    TORCH_CHECK(initial_state.sizes() == at::IntArrayRef(state_shape), where,
+                ": initial_state must be [B, H, K, V] = ", at::IntArrayRef(state_shape), ", got ",
+                initial_state.sizes());
+    check_cuda(where, "initial_state", initial_state, device);
+    state_in = initial_state.to(at::kFloat).contiguous();
+  }
+  if (d_final_state.defined()) {
+    TORCH_CHECK(d_final_state.sizes() == at::IntArrayRef(state_shape), where,
+                ": d_final_state must be [B, H, K, V] = ", at::IntArrayRef(state_shape),
+                ", got ", d_final_state.sizes());
+    check_cuda(where, "d_final_state", d_final_state, device);
+    d_state_out = d_final_state.to(at::kFloat).contiguous();
+  }
+
+  const c10::cuda::CUDAGuard guard(device);
+  const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
+  const at::Tensor gc = g.to(at::kFloat).contiguous();
+  const at::Tensor bc = beta.to(q.scalar_type()).contiguous();
+  const at::Tensor doc = d_o.to(q.scalar_type()).contiguous();
+  const auto f32 = q.options().dtype(at::kFloat);
+  at::Tensor dq = at::empty(q.sizes(), f32), dk = at::empty(q.sizes(), f32);
+  at::Tensor dg = at::empty(q.sizes(), f32), dv = at::empty(v.sizes(), f32);
+  at::Tensor dbeta = at::empty(beta.sizes(), f32);
+  at::Tensor d_initial = at::empty(state_shape, f32);
+  const size_t workspace_bytes =
+      kernels::kda_chunked_backward_workspace_bytes(batch, length, heads, key, value);
+  at::Tensor workspace;
+  if (workspace_bytes > 0) {
+    workspace = at::empty({static_cast<int64_t>(workspace_bytes)}, q.options().dtype(at::kByte));
+  }
+  check_launch(
+      kernels::kda_chunked_backward(
+          kernel_dtype(q.scalar_type()), qc.data_ptr(), kc.data_ptr(), vc.data_ptr(),
+          gc.data_ptr<float>(), bc.data_ptr(),
+          state_in.defined() ? state_in.data_ptr<float>() : nullptr, doc.data_ptr(),
+          d_state_out.defined() ? d_state_out.data_ptr<float>() : nullptr, dq.data_ptr<float>(),
+          dk.data_ptr<float>(), dv.data_ptr<float>(), dg.data_ptr<float>(),
+          dbeta.data_ptr<float>(), d_initial.data_ptr<float>(), batch, length, heads, key, value,
+          static_cast<float>(scale), workspace.defined() ? workspace.data_ptr() : nullptr,
+          workspace_bytes, at::cuda::getCurrentCUDAStream(device.index()).stream()),
+      where);
+  KdaChunkedGradients out;
+  out.dq = dq.to(q.scalar_type());
+  out.dk = dk.to(k.scalar_type());
+  out.dv = dv.to(v.scalar_type());
+  out.dg = dg.to(g.scalar_type());
+  out.dbeta = dbeta.to(beta.scalar_type());
+  out.d_initial_state =
+      initial_state.defined() ? d_initial.to(initial_state.scalar_type()) : d_initial;
+  return out;
+}
+
 bool kda_step_supported(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                         const at::Tensor& g, const at::Tensor& beta, const at::Tensor& state) {
   if (!q.defined() || !q.is_cuda() || state.dim() != 4 || v.dim() != 3) return false;

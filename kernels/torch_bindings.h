@@ -35,6 +35,21 @@ KdaChunkedOutput kda_chunked(const at::Tensor& q, const at::Tensor& k, const at:
                              const at::Tensor& cu_seqlens = at::Tensor(),
                              int64_t segment_length = 0, bool prefetch = true);
 
+// The gradients of kda_chunked (no cu_seqlens, no context-parallel options) with respect to its
+// inputs, from the gradients of its outputs: d_o [B, T, H, V] (any float dtype; converted to q's),
+// d_final_state [B, H, K, V] or undefined (zeros). Computed by kernels/kda.h's
+// kda_chunked_backward (state recompute, reverse state walk, per-chunk gradients) in fp32; each
+// gradient is returned in its input's dtype (d_initial_state: initial_state's, fp32 when that is
+// undefined). g must lie in [-5, 0]. The workspace comes from the caching allocator.
+struct KdaChunkedGradients {
+  at::Tensor dq, dk, dv, dg, dbeta, d_initial_state;
+};
+KdaChunkedGradients kda_chunked_backward(const at::Tensor& q, const at::Tensor& k,
+                                         const at::Tensor& v, const at::Tensor& g,
+                                         const at::Tensor& beta, const at::Tensor& initial_state,
+                                         const at::Tensor& d_o, const at::Tensor& d_final_state,
+                                         double scale);
+
 // Whether kda_step can run these: CUDA, q k v of one dtype bf16 / fp32, K in {64, 128}, V a
 // multiple of 32 up to 256, state fp32 and contiguous (it is updated in place).
 bool kda_step_supported(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

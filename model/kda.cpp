@@ -14,6 +14,7 @@
 #include <torch/utils.h>
 
 #ifdef ODYSSEY_WITH_CUDA_KERNELS
+#include "kernels/kda_autograd.h"
 #include "kernels/torch_bindings.h"
 #endif
 
@@ -93,7 +94,8 @@ at::Tensor to_chunks(const at::Tensor& x, int64_t chunk, int64_t num_chunks,
       .permute({0, 3, 1, 2, 4});
 }
 
-// Whether autograd would record through these (the kernels are forward only).
+// Whether autograd would record through these (then kda::chunked takes the kernels' autograd
+// function, which runs the backward kernel).
 [[maybe_unused]] bool needs_grad(std::initializer_list<const at::Tensor*> tensors) {
   if (!c10::GradMode::is_enabled()) return false;
   for (const at::Tensor* t : tensors) {
@@ -131,10 +133,14 @@ Output chunked(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                double scale, int64_t chunk) {
 #ifdef ODYSSEY_WITH_CUDA_KERNELS
   if (q.defined() && q.is_cuda() &&
-      !needs_grad({&q, &k, &v, &g, &beta, &initial_state}) &&
       kernels::kda_chunked_supported(q, k, v, g, beta, initial_state, chunk)) {
     check_sequence_inputs("kda::chunked", q, k, v, g, beta, initial_state);
-    kernels::KdaChunkedOutput out = kernels::kda_chunked(q, k, v, g, beta, initial_state, scale);
+    // With a gradient wanted: the forward kernel recorded with the backward kernel as its
+    // backward (only the inputs are saved); otherwise the forward kernel alone.
+    kernels::KdaChunkedOutput out =
+        needs_grad({&q, &k, &v, &g, &beta, &initial_state})
+            ? kernels::kda_chunked_autograd(q, k, v, g, beta, initial_state, scale)
+            : kernels::kda_chunked(q, k, v, g, beta, initial_state, scale);
     return {out.o, out.final_state};
   }
 #endif

@@ -22,9 +22,9 @@
 // upcast). The state is kept and returned in that compute dtype (fp32, or fp64 in tests);
 // outputs o are returned in q's dtype. An undefined initial_state means zeros.
 //
-// Differentiability: recurrent and chunked are plain autograd graphs with respect to every
-// input, the initial state included (chunked is what training uses; the test checks its
-// gradients against autograd through recurrent). step updates its state in place and is for
+// Differentiability: recurrent and chunked_reference are plain autograd graphs with respect to
+// every input, the initial state included (the test checks chunked's gradients against autograd
+// through recurrent); chunked is differentiable too, on CUDA through the backward kernel. step updates its state in place and is for
 // decode only: its state must not require grad.
 #pragma once
 
@@ -69,15 +69,18 @@ Output recurrent(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 //
 // Built with the CUDA kernels (-DODYSSEY_CUDA=ON), chunked runs kernels/kda.h's chunked forward
 // when the inputs are CUDA tensors the kernel supports (q, k, v bf16 or fp32, K and V in
-// {64, 128}, chunk 16, fp32/fp64 initial state) and no gradient is needed (grad mode off, or no
-// input requires grad); the kernel assumes g in [-5, 0]. Otherwise, and always on the CPU, it is
-// chunked_reference. The kernel rounds matmul operands to bf16 (kernels/kda.h, "Numerics").
+// {64, 128}, chunk 16, fp32/fp64 initial state); the kernel assumes g in [-5, 0]. When a
+// gradient is needed (grad mode on and an input requires grad) it is recorded for autograd with
+// the backward kernel (kda_chunked_backward) as its backward, saving only the inputs; the
+// gradients of the gate parameters behind g come from autograd through the ops that made g.
+// Otherwise, and always on the CPU, it is chunked_reference. The kernels round matmul operands
+// to bf16 (kernels/kda.h, "Numerics"); the backward is first order only.
 Output chunked(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                const at::Tensor& g, const at::Tensor& beta, const at::Tensor& initial_state,
                double scale, int64_t chunk = 16);
 
 // The plain LibTorch chunked form above, whatever the build and device (what training
-// differentiates through, and what the kernel tests compare against).
+// differentiates through on the CPU, and what the kernel tests compare against).
 Output chunked_reference(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                          const at::Tensor& g, const at::Tensor& beta,
                          const at::Tensor& initial_state, double scale, int64_t chunk = 16);

@@ -3,6 +3,9 @@
 // last chunks, prefix invariance, initial state in / final state out (a continuation equals one
 // long call), packed variable-length batches, context parallelism (segments combined by a scan)
 // against the serial walk and the reference, decode vs chunked, and the model's dispatch.
+// The backward kernel: the gradients of every input (q, k, v, g, beta, initial state) against
+// autograd through the fp64 chunked reference, and a layer's parameter gradients through the
+// kernels against the fp64 reference layer.
 // Every comparison prints its max abs error. Skipped without a CUDA device.
 #include <algorithm>
 #include <cmath>
@@ -16,6 +19,7 @@
 #include <torch/cuda.h>
 
 #include "kernels/kda.h"
+#include "kernels/kda_autograd.h"
 #include "kernels/torch_bindings.h"
 #include "model/kda.h"
 
@@ -390,7 +394,7 @@ TEST_F(KdaKernel, DecodeContinuesAChunkedPrefill) {
   expect_close("prefill 20 + decode 5 vs chunked 25", got, expected, kBf16Tolerance);
 }
 
-TEST_F(KdaKernel, ModelDispatchesToTheKernelOnlyWithoutGradients) {
+TEST_F(KdaKernel, ModelDispatchesToTheKernelWithAndWithoutGradients) {
   const Inputs in = make_inputs(1, 40, 2, 128, 128, at::kFloat, Gates::kRandom, true, 61);
   const KdaChunkedOutput kernel = kda_chunked(in.q, in.k, in.v, in.g, in.beta, in.state, in.scale);
   {
@@ -398,14 +402,220 @@ TEST_F(KdaKernel, ModelDispatchesToTheKernelOnlyWithoutGradients) {
     EXPECT_EQ(max_error(out.o, kernel.o), 0.0) << "kda::chunked on CUDA without grad";
   }
   {
+    // With a gradient wanted: the forward kernel (bit for bit), recorded with the backward
+    // kernel as its backward.
     const at::Tensor q = in.q.clone().requires_grad_(true);
     const kda::Output out = kda::chunked(q, in.k, in.v, in.g, in.beta, in.state, in.scale);
-    ASSERT_TRUE(out.o.requires_grad()) << "with grad, kda::chunked must be the reference";
+    ASSERT_TRUE(out.o.requires_grad()) << "with grad, kda::chunked must record for autograd";
+    EXPECT_EQ(max_error(out.o.detach(), kernel.o), 0.0) << "kda::chunked on CUDA with grad";
+    EXPECT_EQ(max_error(out.final_state.detach(), kernel.final_state), 0.0);
     out.o.sum().backward();
-    EXPECT_TRUE(q.grad().defined());
-    const kda::Output ref =
-        kda::chunked_reference(in.q, in.k, in.v, in.g, in.beta, in.state, in.scale);
-    EXPECT_LE(max_error(out.o.detach(), ref.o), 1e-6);
+    ASSERT_TRUE(q.grad().defined());
+    const at::Tensor expected =
+        kda_chunked_backward(in.q, in.k, in.v, in.g, in.beta, in.state,
+                             at::ones_like(kernel.o), at::Tensor(), in.scale)
+            .dq;
+    EXPECT_EQ(max_error(q.grad(), expected), 0.0) << "q.grad is the backward kernel's dq";
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward kernel (kda_chunked_backward) against autograd through the fp64 chunked reference.
+
+struct Gradients {
+  at::Tensor dq, dk, dv, dg, dbeta, d_state;
+};
+
+// Autograd of <o, d_o> + <final_state, d_final> through kda::chunked_reference in fp64 on exactly
+// the values the kernel sees.
+Gradients reference_gradients(const Inputs& in, const at::Tensor& d_o, const at::Tensor& d_final) {
+  auto leaf = [](const at::Tensor& t) {
+    return t.defined() ? t.to(at::kDouble).detach().requires_grad_(true) : t;
+  };
+  const at::Tensor q = leaf(in.q), k = leaf(in.k), v = leaf(in.v), g = leaf(in.g),
+                   beta = leaf(in.beta), state = leaf(in.state);
+  const kda::Output out = kda::chunked_reference(q, k, v, g, beta, state, in.scale);
+  at::Tensor loss = (out.o * d_o.to(at::kDouble)).sum();
+  if (d_final.defined()) loss = loss + (out.final_state * d_final.to(at::kDouble)).sum();
+  loss.backward();
+  return {q.grad(), k.grad(), v.grad(), g.grad(), beta.grad(),
+          state.defined() ? state.grad() : at::Tensor()};
+}
+
+// Each gradient within `tolerance` times the reference's largest magnitude (floor 1e-3); the
+// kernel's matmul operands are bf16, and the states and their gradients are kept in bf16
+// between its passes.
+constexpr double kGradientTolerance = 5e-2;
+
+void expect_gradients(const std::string& what, const Gradients& got, const Gradients& expected) {
+  const std::pair<const char*, std::pair<at::Tensor, at::Tensor>> pairs[] = {
+      {"dq", {got.dq, expected.dq}},       {"dk", {got.dk, expected.dk}},
+      {"dv", {got.dv, expected.dv}},       {"dg", {got.dg, expected.dg}},
+      {"dbeta", {got.dbeta, expected.dbeta}}, {"dS0", {got.d_state, expected.d_state}},
+  };
+  std::printf("  %s\n", what.c_str());
+  for (const auto& [name, tensors] : pairs) {
+    const auto& [g, e] = tensors;
+    if (!e.defined()) continue;
+    ASSERT_TRUE(g.defined()) << what << ": " << name << " missing";
+    ASSERT_EQ(g.sizes(), e.sizes()) << what << ": " << name;
+    ASSERT_TRUE(at::isfinite(g.to(at::kFloat)).all().item<bool>()) << what << ": " << name
+                                                                   << " not finite";
+    const double error = max_error(g, e), magnitude = max_abs(e);
+    std::printf("    %-6s max|d - ref| %.3e (|ref| <= %.3e, relative %.2e)\n", name, error,
+                magnitude, error / std::max(1e-3, magnitude));
+    EXPECT_LE(error, kGradientTolerance * std::max(1e-3, magnitude)) << what << ": " << name;
+  }
+}
+
+Gradients kernel_gradients(const Inputs& in, const at::Tensor& d_o, const at::Tensor& d_final) {
+  const KdaChunkedGradients d =
+      kda_chunked_backward(in.q, in.k, in.v, in.g, in.beta, in.state, d_o, d_final, in.scale);
+  return {d.dq, d.dk, d.dv, d.dg, d.dbeta, in.state.defined() ? d.d_initial_state : at::Tensor()};
+}
+
+// Random output gradients: d_o like o, d_final like the state (or none).
+std::pair<at::Tensor, at::Tensor> output_gradients(const Inputs& in, bool with_final,
+                                                   uint64_t seed) {
+  at::manual_seed(seed);
+  const at::Tensor d_o = at::randn(in.v.sizes(), in.v.options().dtype(at::kFloat)).to(in.q.scalar_type());
+  at::Tensor d_final;
+  if (with_final) {
+    d_final = at::randn({in.q.size(0), in.q.size(2), in.q.size(3), in.v.size(3)},
+                        in.v.options().dtype(at::kFloat)) * 0.5;
+  }
+  return {d_o, d_final};
+}
+
+TEST_F(KdaKernel, BackwardMatchesAutogradOfTheFp64Reference) {
+  struct Case {
+    int64_t batch, length, heads, key, value;
+    at::ScalarType dtype;
+    Gates gates;
+    bool with_state, with_final;
+  };
+  const std::vector<Case> cases = {
+      {2, 100, 2, 128, 128, at::kBFloat16, Gates::kRandom, true, true},
+      {2, 100, 2, 128, 128, at::kFloat, Gates::kRandom, true, true},
+      {1, 90, 2, 128, 128, at::kFloat, Gates::kSaturated, true, true},
+      {1, 90, 2, 128, 128, at::kBFloat16, Gates::kOne, true, true},
+      {2, 37, 2, 128, 128, at::kFloat, Gates::kRandom, true, true},
+      {1, 50, 3, 64, 64, at::kFloat, Gates::kRandom, true, true},
+      {1, 50, 2, 128, 64, at::kBFloat16, Gates::kRandom, false, true},
+      {1, 64, 2, 64, 128, at::kFloat, Gates::kRandom, true, false},
+      {2, 48, 2, 128, 128, at::kFloat, Gates::kRandom, false, false},
+  };
+  const char* gate_names[] = {"random g", "g = -5", "g = 0"};
+  for (const Case& c : cases) {
+    const Inputs in = make_inputs(c.batch, c.length, c.heads, c.key, c.value, c.dtype, c.gates,
+                                  c.with_state, /*seed=*/200 + c.length + c.key);
+    const auto [d_o, d_final] = output_gradients(in, c.with_final, 300 + c.length);
+    const std::string name = "B" + std::to_string(c.batch) + " T" + std::to_string(c.length) +
+                             " H" + std::to_string(c.heads) + " K" + std::to_string(c.key) +
+                             " V" + std::to_string(c.value) +
+                             (c.dtype == at::kBFloat16 ? " bf16 " : " fp32 ") +
+                             gate_names[static_cast<int>(c.gates)] +
+                             (c.with_state ? " +state" : "") + (c.with_final ? " +dS_final" : "");
+    expect_gradients(name, kernel_gradients(in, d_o, d_final),
+                     reference_gradients(in, d_o, d_final));
+  }
+}
+
+TEST_F(KdaKernel, BackwardOfPartlyFilledLastChunksMatches) {
+  for (int64_t length : {1, 5, 15, 16, 17, 33, 37, 50, 63, 65}) {
+    const Inputs in = make_inputs(1, length, 2, 128, 128, at::kFloat, Gates::kRandom, true,
+                                  400 + length);
+    const auto [d_o, d_final] = output_gradients(in, /*with_final=*/true, 500 + length);
+    expect_gradients("T = " + std::to_string(length), kernel_gradients(in, d_o, d_final),
+                     reference_gradients(in, d_o, d_final));
+  }
+}
+
+TEST_F(KdaKernel, BackwardOfALongSequenceMatches) {
+  // 125 chunks: 31 full groups of 4 and a partly filled one in the reverse walk.
+  const Inputs in = make_inputs(1, 2000, 2, 128, 128, at::kBFloat16, Gates::kRandom, true, 13);
+  const auto [d_o, d_final] = output_gradients(in, /*with_final=*/true, 14);
+  expect_gradients("T = 2000 bf16", kernel_gradients(in, d_o, d_final),
+                   reference_gradients(in, d_o, d_final));
+}
+
+TEST_F(KdaKernel, BackwardOfAnEmptySequencePassesTheStateGradientThrough) {
+  const Inputs in = make_inputs(2, 0, 2, 64, 64, at::kBFloat16, Gates::kRandom, true, 1);
+  const auto [d_o, d_final] = output_gradients(in, /*with_final=*/true, 2);
+  const KdaChunkedGradients d =
+      kda_chunked_backward(in.q, in.k, in.v, in.g, in.beta, in.state, d_o, d_final, in.scale);
+  EXPECT_EQ(d.dq.size(1), 0);
+  EXPECT_EQ(max_error(d.d_initial_state, d_final), 0.0);
+}
+
+TEST_F(KdaKernel, BackwardLauncherRejectsUnsupportedSizes) {
+  EXPECT_EQ(kda_chunked_backward(KdaDtype::kBFloat16, nullptr, nullptr, nullptr, nullptr, nullptr,
+                                 nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
+                                 nullptr, nullptr, /*batch=*/1, /*length=*/16, /*heads=*/1,
+                                 /*key_dim=*/96, /*value_dim=*/128, 1.0f, nullptr, 0, nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(kda_chunked_backward(KdaDtype::kBFloat16, nullptr, nullptr, nullptr, nullptr, nullptr,
+                                 nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
+                                 nullptr, nullptr, /*batch=*/1, /*length=*/16, /*heads=*/1,
+                                 /*key_dim=*/128, /*value_dim=*/128, 1.0f, nullptr, 0, nullptr),
+            cudaErrorInvalidValue)
+      << "null inputs";
+}
+
+TEST_F(KdaKernel, AutogradFunctionMatchesTheReferenceThroughAnInitialState) {
+  // kda_chunked_autograd in a graph: the initial state itself comes from ops that require grad,
+  // and only final_state reaches the loss through one path, o through another.
+  const Inputs in = make_inputs(2, 45, 2, 128, 128, at::kFloat, Gates::kRandom, true, 77);
+  auto run = [&](bool kernel) {
+    const auto dtype = kernel ? at::kFloat : at::kDouble;
+    auto leaf = [&](const at::Tensor& t) { return t.to(dtype).detach().requires_grad_(true); };
+    const at::Tensor q = leaf(in.q), k = leaf(in.k), v = leaf(in.v), g = leaf(in.g),
+                     beta = leaf(in.beta), s0 = leaf(in.state);
+    const at::Tensor state = s0 * 2.0;
+    const kda::Output out = kernel ? [&] {
+      const KdaChunkedOutput r = kda_chunked_autograd(q, k, v, g, beta, state, in.scale);
+      return kda::Output{r.o, r.final_state};
+    }()
+                                   : kda::chunked_reference(q, k, v, g, beta, state, in.scale);
+    const at::Tensor loss = out.o.pow(2).sum() + out.final_state.sin().sum();
+    loss.backward();
+    return Gradients{q.grad(), k.grad(), v.grad(), g.grad(), beta.grad(), s0.grad()};
+  };
+  expect_gradients("autograd function vs fp64 reference", run(true), run(false));
+}
+
+TEST_F(KdaKernel, LayerParametersGetTheReferenceGradientsThroughTheKernels) {
+  model::IncrementalAttentionOptions options;
+  options.hidden = 96;
+  options.heads = 2;
+  options.head_k_dim = 64;
+  options.head_v_dim = 64;
+  options.decay_rank = 16;
+  at::manual_seed(81);
+  model::IncrementalAttention layer(options);
+  layer->to(at::kCUDA);
+  const at::Tensor x = at::randn({2, 70, options.hidden}, at::TensorOptions().device(at::kCUDA));
+  const at::Tensor weight = at::randn({2, 70, options.hidden}, x.options());
+
+  // fp32 on CUDA: kda::chunked takes the kernels (forward + backward kernel).
+  (layer->forward(x) * weight).sum().backward();
+  std::vector<std::pair<std::string, at::Tensor>> kernel_grads;
+  for (const auto& p : layer->named_parameters()) {
+    ASSERT_TRUE(p.value().grad().defined()) << p.key();
+    kernel_grads.emplace_back(p.key(), p.value().grad().to(at::kDouble));
+  }
+  // fp64 on CUDA: kda::chunked is the reference (the kernels take bf16 / fp32 only).
+  layer->zero_grad();
+  layer->to(at::kDouble);
+  (layer->forward(x.to(at::kDouble)) * weight.to(at::kDouble)).sum().backward();
+  size_t i = 0;
+  for (const auto& p : layer->named_parameters()) {
+    const auto& [name, got] = kernel_grads[i++];
+    ASSERT_EQ(name, p.key());
+    const at::Tensor expected = p.value().grad();
+    const double error = max_error(got, expected), magnitude = max_abs(expected);
+    std::printf("  %-16s max|grad - ref| %.3e (|ref| <= %.3e)\n", name.c_str(), error, magnitude);
+    EXPECT_LE(error, kGradientTolerance * std::max(1e-6, magnitude)) << name;
   }
 }
 

@@ -1,0 +1,46 @@
+#include "kernels/kda_autograd.h"
+
+#include <torch/autograd.h>
+
+namespace odyssey::kernels {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+class KdaChunkedFunction : public torch::autograd::Function<KdaChunkedFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
+                               const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta,
+                               const at::Tensor& initial_state, double scale) {
+    KdaChunkedOutput out = kda_chunked(q, k, v, g, beta, initial_state, scale);
+    ctx->save_for_backward({q, k, v, g, beta, initial_state});
+    ctx->saved_data["scale"] = scale;
+    return {out.o, out.final_state};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &g = saved[3],
+                     &beta = saved[4], &initial_state = saved[5];
+    const double scale = ctx->saved_data["scale"].toDouble();
+    // An output that did not reach the loss has an undefined gradient.
+    const at::Tensor d_o = grads[0].defined() ? grads[0] : at::zeros_like(v, q.scalar_type());
+    const KdaChunkedGradients d =
+        kda_chunked_backward(q, k, v, g, beta, initial_state, d_o, grads[1], scale);
+    return {d.dq, d.dk, d.dv, d.dg, d.dbeta,
+            initial_state.defined() ? d.d_initial_state : at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+KdaChunkedOutput kda_chunked_autograd(const at::Tensor& q, const at::Tensor& k,
+                                      const at::Tensor& v, const at::Tensor& g,
+                                      const at::Tensor& beta, const at::Tensor& initial_state,
+                                      double scale) {
+  const variable_list out = KdaChunkedFunction::apply(q, k, v, g, beta, initial_state, scale);
+  return {out[0], out[1]};
+}
+
+}  // namespace odyssey::kernels

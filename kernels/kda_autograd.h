@@ -1,0 +1,23 @@
+// KDA chunked attention as an autograd function on the GPU: the forward kernel
+// (kernels/kda.h, kda_chunked_forward) in the forward, the backward kernel (kda_chunked_backward)
+// in the backward. Only the inputs (and the initial state) are saved: the backward recomputes
+// everything else. Built only with -DODYSSEY_CUDA=ON; model/kda.cpp's kda::chunked uses it for
+// CUDA inputs the kernels support when a gradient is needed.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include "kernels/torch_bindings.h"
+
+namespace odyssey::kernels {
+
+// kda_chunked (torch_bindings.h) recorded for autograd: o and final_state carry a grad_fn when
+// any of q, k, v, g, beta, initial_state requires grad (initial_state may be undefined: zeros).
+// Shapes and requirements as kda_chunked without cu_seqlens; g must lie in [-5, 0]. The backward
+// is first order only (its own ops are not recorded: no double backward).
+KdaChunkedOutput kda_chunked_autograd(const at::Tensor& q, const at::Tensor& k,
+                                      const at::Tensor& v, const at::Tensor& g,
+                                      const at::Tensor& beta, const at::Tensor& initial_state,
+                                      double scale);
+
+}  // namespace odyssey::kernels
