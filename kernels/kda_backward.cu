@@ -63,7 +63,7 @@
 //      first: store dS' (bf16, transposed, [N, H, chunks, V, K]), then
 //        dV'^T = dS'^T K_^T + dO^T Aqk,   dS^T = dS'^T Diag(e^gamma) + dO^T Q^ - dV'^T W
 //      (mma.sync m16n8k16, bf16 operands, fp32 accumulators). The last dS is d initial_state.
-//   3. chunk gradients (kda_chunk_gradient_kernel): every chunk independent, one CTA of 8 warps
+//   3. chunk gradients (kda_chunk_gradient_kernel): every chunk independent, one CTA of 16 warps
 //      per (chunk, head, sequence) with S and dS' of that chunk in shared memory: recompute the
 //      chunk in fp32, the five products with the K x V matrices (W S, K_ dS', dO S^T, V' dS'^T,
 //      dV' S^T) as mma.sync with bf16 operands, everything 16 x 16 x {16, K, V} in fp32 on CUDA
@@ -234,8 +234,8 @@ __global__ void __launch_bounds__(kThreads, 2) kda_state_gradient_kernel(const S
 // ---------------------------------------------------------------------------------------------
 // Pass 3: the gradients of every chunk's inputs, chunks independent.
 
-constexpr int kGradientWarps = 8;
-constexpr int kGradientThreads = kGradientWarps * 32;  // = 16 x 16: one C x C entry per thread
+constexpr int kGradientWarps = 16;
+constexpr int kGradientThreads = kGradientWarps * 32;  // = 2 x 16 x 16: two threads per C x C entry
 
 struct ChunkGradientArgs {
   const void *q, *k, *v, *beta, *d_o;
@@ -318,7 +318,8 @@ __device__ __forceinline__ void mma_rows16(const bf16* a, int lda, const bf16* b
   }
 }
 
-// Grid (chunks, H, N); 256 threads.
+// Grid (chunks, H, N); 512 threads (the tensor-core phases use 8 warps at most; the fp32 phases
+// all of them, to hide shared-memory latency with one CTA per SM).
 template <typename T, int K, int V>
 __global__ void __launch_bounds__(kGradientThreads, 1)
     kda_chunk_gradient_kernel(const ChunkGradientArgs a) {
@@ -383,17 +384,22 @@ __global__ void __launch_bounds__(kGradientThreads, 1)
   }
   __syncthreads();
 
-  // Phase 1: P and Aqk, one entry per thread.
-  const int ri = tid / kChunk, rj = tid % kChunk;  // this thread's C x C entry
+  // Phase 1: P and Aqk. C x C entries: two neighbouring lanes per entry (ri, rj), each summing
+  // half of a long dot product; `both` adds the pair's halves (every lane gets the sum).
+  const int half = tid & 1, ri = (tid >> 1) / kChunk, rj = (tid >> 1) % kChunk;
+  auto both = [](float x) { return x + __shfl_xor_sync(0xffffffffu, x, 1); };
   {
     float pp = 0.0f, aq = 0.0f;
 #pragma unroll 8
-    for (int c = 0; c < K; ++c) {
+    for (int c = half * (K / 2); c < (half + 1) * (K / 2); ++c) {
       pp += sh.k_hat[ri][c] * sh.k_check[rj][c];
       aq += sh.q_hat[ri][c] * sh.k_check[rj][c];
     }
-    sh.p[ri][rj] = rj < ri ? pp : 0.0f;
-    sh.a_qk[ri][rj] = rj <= ri ? aq : 0.0f;
+    pp = both(pp), aq = both(aq);
+    if (half == 0) {
+      sh.p[ri][rj] = rj < ri ? pp : 0.0f;
+      sh.a_qk[ri][rj] = rj <= ri ? aq : 0.0f;
+    }
   }
   __syncthreads();
 
@@ -448,9 +454,10 @@ __global__ void __launch_bounds__(kGradientThreads, 1)
     float acc = 0.0f;
     if (rj <= ri) {
 #pragma unroll 8
-      for (int c = 0; c < V; ++c) acc += sh.d_o[ri][c] * sh.vn[rj][c];
+      for (int c = half * (V / 2); c < (half + 1) * (V / 2); ++c) acc += sh.d_o[ri][c] * sh.vn[rj][c];
     }
-    sh.d_aqk[ri][rj] = acc;
+    acc = both(acc);
+    if (half == 0) sh.d_aqk[ri][rj] = acc;
   }
   for (int c = tid; c < K; c += kGradientThreads) {
     float acc = 0.0f;
@@ -478,8 +485,9 @@ __global__ void __launch_bounds__(kGradientThreads, 1)
   {
     float acc = 0.0f;
 #pragma unroll 8
-    for (int c = 0; c < V; ++c) acc += sh.dvn[ri][c] * sh.v[rj][c];
-    sh.d_m[ri][rj] = acc;  // G[t = ri][i = rj]
+    for (int c = half * (V / 2); c < (half + 1) * (V / 2); ++c) acc += sh.dvn[ri][c] * sh.v[rj][c];
+    acc = both(acc);
+    if (half == 0) sh.d_m[ri][rj] = acc;  // G[t = ri][i = rj]
   }
   __syncthreads();
 
@@ -487,25 +495,30 @@ __global__ void __launch_bounds__(kGradientThreads, 1)
   {
     float hh = 0.0f;
 #pragma unroll 8
-    for (int c = 0; c < K; ++c) hh += sh.d_w[ri][c] * sh.k_hat[rj][c];
-    const float gh = sh.d_m[ri][rj] + hh;
-    sh.d_m[ri][rj] = sh.beta[rj] * gh;
-    sh.x_beta[ri][rj] = sh.m[ri][rj] * gh;
+    for (int c = half * (K / 2); c < (half + 1) * (K / 2); ++c) hh += sh.d_w[ri][c] * sh.k_hat[rj][c];
+    hh = both(hh);
+    if (half == 0) {
+      const float gh = sh.d_m[ri][rj] + hh;
+      sh.d_m[ri][rj] = sh.beta[rj] * gh;
+      sh.x_beta[ri][rj] = sh.m[ri][rj] * gh;
+    }
   }
   __syncthreads();
   // Phase 8: dL = -M^T dM M^T, strictly lower.
   {
     float acc = 0.0f;
 #pragma unroll
-    for (int c = 0; c < kChunk; ++c) acc += sh.d_m[ri][c] * sh.m[rj][c];
-    sh.t1[ri][rj] = acc;
+    for (int c = half * 8; c < half * 8 + 8; ++c) acc += sh.d_m[ri][c] * sh.m[rj][c];
+    acc = both(acc);
+    if (half == 0) sh.t1[ri][rj] = acc;
   }
   __syncthreads();
   {
     float acc = 0.0f;
 #pragma unroll
-    for (int c = 0; c < kChunk; ++c) acc -= sh.m[c][ri] * sh.t1[c][rj];
-    sh.d_l[ri][rj] = rj < ri ? acc : 0.0f;
+    for (int c = half * 8; c < half * 8 + 8; ++c) acc -= sh.m[c][ri] * sh.t1[c][rj];
+    acc = both(acc);
+    if (half == 0) sh.d_l[ri][rj] = rj < ri ? acc : 0.0f;
   }
   __syncthreads();
 
