@@ -226,7 +226,10 @@ Status TrajectoryStore::rebuild_in_memory() {
         break;
       case TrajectoryStatus::CONSUMED: ++counters_.consumed; break;
       case TrajectoryStatus::WITHHELD: ++counters_.withheld; break;
-      case TrajectoryStatus::FAILED: ++counters_.failed; break;
+      case TrajectoryStatus::FAILED:
+        ++counters_.failed;
+        selector_->note_failed(item_of(t));
+        break;
     }
     if (t.getReadySeq() > 0) ready_order_[t.getReadySeq()] = t.getId();
   }
@@ -547,7 +550,10 @@ Result<WriteOutcome> TrajectoryStore::end(schema::End::Reader end) {
       limiter_.on_insert(1);
       ++counters_.complete;
       break;
-    case TrajectoryStatus::FAILED: ++counters_.failed; break;
+    case TrajectoryStatus::FAILED:
+      ++counters_.failed;
+      selector_->note_failed(item_of(e.asReader()));  // its group is served without it
+      break;
     default: ++counters_.withheld; break;
   }
   --counters_.in_flight;

@@ -4,6 +4,23 @@
 
 namespace odyssey::replay {
 
+bool GroupCompleteSelector::complete(const GroupKey& key, const Group& group) const {
+  if (group.members.empty()) return false;
+  auto f = failed_.find(key);
+  return group.members.size() + (f == failed_.end() ? 0u : f->second) >= group.size;
+}
+
+void GroupCompleteSelector::note_failed(const SampleItem& item) {
+  const uint32_t size = std::max<uint32_t>(item.group_size, 1);
+  if (size == 1) return;  // a group of one by itself: nothing waits for it
+  const GroupKey gk{false, item.group_id};
+  uint32_t& failed = failed_[gk];
+  if (failed >= size) return;
+  ++failed;
+  auto it = groups_.find(gk);
+  if (it != groups_.end() && complete(gk, it->second)) complete_.emplace(it->second.completed_at(), gk);
+}
+
 Status GroupCompleteSelector::insert(const SampleItem& item) {
   if (group_of_.count(item.key)) {
     return make_status(StatusCode::kAlreadyExists, "sampler already holds trajectory {:016x}",
@@ -20,7 +37,7 @@ Status GroupCompleteSelector::insert(const SampleItem& item) {
           "trajectory {:016x} says group {:016x} has {} members, but its other members say {}",
           item.key, item.group_id, size, group.size);
     }
-    if (group.complete()) {
+    if (complete(it->first, group)) {
       return invalid_argument(
           "group {:016x} already holds its {} members; trajectory {:016x} would be one more",
           item.group_id, size, item.key);
@@ -31,7 +48,7 @@ Status GroupCompleteSelector::insert(const SampleItem& item) {
   Group& group = it->second;
   group.members.emplace(item.ready_seq, item.key);
   group_of_[item.key] = gk;
-  if (group.complete()) complete_.emplace(group.completed_at(), gk);
+  if (complete(gk, group)) complete_.emplace(group.completed_at(), gk);
   return Status::Ok();
 }
 
@@ -40,7 +57,7 @@ bool GroupCompleteSelector::remove(uint64_t key) {
   if (held == group_of_.end()) return false;
   auto it = groups_.find(held->second);
   Group& group = it->second;
-  if (group.complete()) complete_.erase({group.completed_at(), it->first});
+  if (complete(it->first, group)) complete_.erase({group.completed_at(), it->first});
   for (auto m = group.members.begin(); m != group.members.end(); ++m) {
     if (m->second == key) {
       group.members.erase(m);

@@ -11,8 +11,12 @@
 //
 // insert() errors, besides selector.h's: kInvalidArgument when the item's group_size
 // differs from that of members already held, or when its group already holds group_size
-// members. Members of a group that never completes stay held (num_items() counts them,
-// size() does not) until the store removes them. Contract: selector.h.
+// members. A member that ended FAILED (note_failed) is no longer waited for: the group is
+// complete once its other members are held, and is served without it (a group whose members
+// all failed is never served). The count of failed members is kept per group for the
+// selector's life, so members released back after a sample complete their group again.
+// Members of a group that never completes stay held (num_items() counts them, size() does
+// not) until the store removes them. Contract: selector.h.
 #pragma once
 
 #include <map>
@@ -30,6 +34,7 @@ class GroupCompleteSelector final : public Selector {
   bool remove(uint64_t key) override;
   Status update_priority(uint64_t key, double priority) override;
   std::vector<SampledUnit> sample(uint32_t count, Rng& rng) override;
+  void note_failed(const SampleItem& item) override;
 
   size_t size() const override { return complete_.size(); }
   size_t num_items() const override { return group_of_.size(); }
@@ -42,13 +47,14 @@ class GroupCompleteSelector final : public Selector {
   struct Group {
     uint32_t size = 1;
     std::set<std::pair<uint64_t, uint64_t>> members;  // (ready_seq, key)
-    bool complete() const { return members.size() == size; }
     uint64_t completed_at() const { return members.rbegin()->first; }
   };
+  bool complete(const GroupKey& key, const Group& group) const;
 
   std::map<GroupKey, Group> groups_;
   std::unordered_map<uint64_t, GroupKey> group_of_;        // key -> its group
   std::set<std::pair<uint64_t, GroupKey>> complete_;       // (completed_at, group), serving order
+  std::map<GroupKey, uint32_t> failed_;                    // members that ended FAILED, per group
 };
 
 }  // namespace odyssey::replay

@@ -51,6 +51,10 @@ class Selector {
   // Whether `key` was held (an incomplete group's member counts).
   virtual bool remove(uint64_t key) = 0;
   virtual Status update_priority(uint64_t key, double priority) = 0;
+  // A trajectory that ended FAILED (`item` describes it; it is never inserted). Selectors that
+  // serve whole groups stop waiting for it: its group is served with the members that finished.
+  // Called once per failed trajectory, also when the store reloads; the default ignores it.
+  virtual void note_failed(const SampleItem& item) { (void)item; }
   // Up to `count` units; fewer (maybe none) when fewer are sampleable.
   virtual std::vector<SampledUnit> sample(uint32_t count, Rng& rng) = 0;
 

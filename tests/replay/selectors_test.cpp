@@ -379,6 +379,36 @@ TEST(GroupComplete, NeverReturnsPartialGroups) {
   EXPECT_EQ(groups.num_items(), 0u);
 }
 
+TEST(GroupComplete, AFailedMemberIsNotWaitedForAndTheGroupIsServedWithoutIt) {
+  GroupCompleteSelector groups;
+  Rng rng(/*seed=*/1);
+  ASSERT_TRUE(groups.insert(member(/*key=*/1, /*ready_seq=*/1, /*group_id=*/100, /*group_size=*/3)).ok());
+  groups.note_failed(member(/*key=*/2, /*ready_seq=*/0, /*group_id=*/100, /*group_size=*/3));
+  EXPECT_EQ(groups.size(), 0u) << "member 3 is still running";
+  ASSERT_TRUE(groups.insert(member(3, 3, 100, 3)).ok());
+  EXPECT_EQ(groups.size(), 1u);
+  auto units = groups.sample(/*count=*/5, rng);
+  ASSERT_EQ(units.size(), 1u);
+  EXPECT_EQ(units[0], (SampledUnit{1, 3}));
+  // Released back after the sample (a learner restart): complete again without the failed one.
+  ASSERT_TRUE(groups.insert(member(1, 1, 100, 3)).ok());
+  ASSERT_TRUE(groups.insert(member(3, 3, 100, 3)).ok());
+  EXPECT_EQ(groups.sample(/*count=*/5, rng), (std::vector<SampledUnit>{{1, 3}}));
+  // A failure noted after the others arrived completes the group then; all failed: never served.
+  ASSERT_TRUE(groups.insert(member(4, 4, 200, 2)).ok());
+  EXPECT_EQ(groups.size(), 0u);
+  groups.note_failed(member(5, 0, 200, 2));
+  EXPECT_EQ(groups.sample(/*count=*/5, rng), (std::vector<SampledUnit>{{4}}));
+  groups.note_failed(member(6, 0, 300, 2));
+  groups.note_failed(member(7, 0, 300, 2));
+  EXPECT_EQ(groups.size(), 0u);
+  EXPECT_EQ(groups.num_items(), 0u);
+  // Groups of one ignore failures of other groups of one.
+  groups.note_failed(member(8, 0, 0, 1));
+  ASSERT_TRUE(groups.insert(member(9, 9, 0, 1)).ok());
+  EXPECT_EQ(groups.sample(/*count=*/5, rng), (std::vector<SampledUnit>{{9}}));
+}
+
 TEST(GroupComplete, ServesGroupsInTheOrderTheyCompleted) {
   GroupCompleteSelector groups;
   // Group 100 starts first but completes last (readySeq 5); group 200 completes at 4.

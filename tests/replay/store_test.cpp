@@ -229,6 +229,29 @@ TEST_F(StoreTest, GroupCompleteServesOnlyWholeGroups) {
   EXPECT_EQ(r->group_starts, (std::vector<uint32_t>{0, 2}));
 }
 
+TEST_F(StoreTest, GroupCompleteServesAGroupWithoutItsFailedMemberAlsoAfterReopening) {
+  auto o = options("group_complete");
+  {
+    auto s = open(o);
+    write(*s, {1, 2, 1, 7, 3});
+    TrajSpec failed{2, 2, 1, 7, 3};
+    failed.failed = true;
+    write(*s, failed);
+    EXPECT_TRUE(s->sample(1)->records.empty()) << "member 3 has not ended";
+    write(*s, {3, 2, 1, 7, 3});
+    write(*s, {4, 2, 1, 9, 2});
+    TrajSpec also_failed{5, 2, 1, 9, 2};
+    also_failed.failed = true;
+    write(*s, also_failed);
+  }
+  auto s = open(o);  // the failures are remembered from the stored records
+  auto r = s->sample(2);
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(ids(*r), (std::vector<uint64_t>{1, 3, 4}));
+  EXPECT_EQ(r->group_starts, (std::vector<uint32_t>{0, 2}));
+  EXPECT_EQ(s->counters().failed, 2u);
+}
+
 TEST_F(StoreTest, PolicyLagWithholdsOldTrajectoriesButKeepsThem) {
   auto o = options("fifo");
   o.rate_limiter.max_policy_lag = 2;
