@@ -66,9 +66,16 @@ case "${1:-}" in
     shift
     install_packages
     build
-    # The default job. Until the RL job lands (issue 5) this is the replay ingest benchmark:
-    # real writers, real ZeroMQ, a durable RocksDB store.
-    exec "$BUILD_DIR/cli/odyssey" bench replay "$@"
+    # The default job: RL on arith with the tiny model (configs/tiny.toml), pretraining its
+    # stage checkpoint first when out/pretrain-tiny/stage-4K is missing. Each run gets its own
+    # folder (odyssey run never overwrites one); extra arguments go to `odyssey run`.
+    out="${ODYSSEY_OUT:-out/tiny-$(date +%Y%m%d-%H%M%S)}"
+    if "$BUILD_DIR/cli/odyssey" run configs/tiny.toml --out "$out" "$@"; then
+      "$BUILD_DIR/cli/odyssey" plot "$out"
+      echo "run folder: $out (metrics.jsonl, curves.png, checkpoints, replay store)"
+    else
+      exit $?
+    fi
     ;;
   test)
     shift
