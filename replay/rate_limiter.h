@@ -18,6 +18,8 @@
 //   samples_per_insert = 0 turns the ratio off (Reverb's MinSize limiter).
 //   A trajectory whose oldest token came from policy version m is stale when
 //   max_policy_lag > 0 and policy_version - m > max_policy_lag.
+//   A stale trajectory that comes up for sampling is withheld: the store counts it as a sample
+//   and a delete (it was spent), so withholding never drifts the ratio against inserts.
 //
 // The limiter never waits: can_insert/can_sample answer now, and the service waits (or
 // withholds credits from actors) and asks again after on_sample/on_insert/on_delete.

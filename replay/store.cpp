@@ -734,6 +734,9 @@ Result<SampleResult> TrajectoryStore::sample(uint32_t count) {
                                           limiter_.state().policy_version, options_.rate_limiter.max_policy_lag);
       for (uint64_t id : unit) {
         if (with_replacement) selector_->remove(id);
+        // Spent like a sample: counted as one, or with a samples_per_insert ratio the withheld
+        // trajectories would hold new inserts back for good.
+        limiter_.on_sample(1);
         limiter_.on_delete(1);
         ODY_RETURN_IF_ERROR(set_status(id, TrajectoryStatus::WITHHELD, why));
       }

@@ -270,6 +270,24 @@ TEST_F(StoreTest, PolicyLagWithholdsOldTrajectoriesButKeepsThem) {
   EXPECT_EQ(s->counters().withheld, 2u);
 }
 
+TEST_F(StoreTest, TrajectoriesWithheldForLagCountAsSamplesSoTheRatioKeepsAdmittingInserts) {
+  auto o = options("fifo");
+  o.rate_limiter.samples_per_insert = 1.0;
+  o.rate_limiter.error_buffer = 2.0;
+  o.rate_limiter.max_policy_lag = 1;
+  auto s = open(o);
+  for (uint64_t id = 1; id <= 3; ++id) write(*s, {id, 2, /*version=*/1});
+  ASSERT_TRUE(s->set_policy_version(5).ok());
+  auto r = s->sample(3);
+  ASSERT_TRUE(r.ok());
+  ASSERT_TRUE(s->commit().ok());
+  EXPECT_TRUE(r->records.empty());
+  EXPECT_EQ(s->counters().withheld, 3u);
+  EXPECT_EQ(s->rate_limiter().state().samples, 3u);
+  write(*s, {4, 2, /*version=*/5});
+  EXPECT_TRUE(s->can_insert()) << s->insert_blocked_reason();
+}
+
 TEST_F(StoreTest, RateLimiterHoldsSamplesUntilMinSizeAndInsertsWhenSamplesLag) {
   auto o = options("fifo");
   o.rate_limiter.min_size_to_sample = 3;
