@@ -9,6 +9,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")"
 PACKAGES=(
   build-essential cmake ninja-build ccache pkg-config git
   libtorch-dev libgloo-dev
+  libopenblas0-openmp  # OpenBLAS behind libblas.so.3: LibTorch's CPU matmuls ~4x faster than the reference BLAS
   librocksdb-dev libzmq3-dev cppzmq-dev libcapnp-dev capnproto
   libspdlog-dev libfmt-dev libgtest-dev libgmock-dev nlohmann-json3-dev
   libtomlplusplus-dev libcli11-dev libxxhash-dev zlib1g-dev python3

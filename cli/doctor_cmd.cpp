@@ -1,10 +1,11 @@
 // odyssey doctor: what this machine has, and whether each piece works, checked for real:
-// LibTorch (a matmul), CUDA (a matmul on every device), c10d (a 2-rank all-reduce over
+// LibTorch (a matmul), the BLAS behind LibTorch's CPU matmuls (fast enough?), CUDA (a matmul on every device), c10d (a 2-rank all-reduce over
 // Gloo on CPUs, NCCL on GPUs), RocksDB (a durable write), ZeroMQ (a loopback round trip).
 // Exits non-zero naming what failed. The first thing to run on a new machine.
 // This file alone includes LibTorch, and nothing of odyssey's own (whose fmt may differ from
 // the one PyTorch's wheel bundles), so it builds as its own object library.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/types.h>
 #include <torch/version.h>
@@ -18,9 +19,12 @@
 #include <capnp/common.h>
 #include <rocksdb/db.h>
 #include <rocksdb/version.h>
+#include <dlfcn.h>
 #include <unistd.h>
 #include <zmq.hpp>
 
+#include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <functional>
@@ -105,6 +109,45 @@ std::string check_rocksdb() {
   return s.ok() ? error : s.ToString();
 }
 
+// The library behind the BLAS symbols LibTorch's CPU matmuls call (libblas.so.3 is a Debian
+// alternative: the reference BLAS that libtorch-dev pulls in, or OpenBLAS once installed).
+std::string blas_library() {
+  Dl_info info{};
+  void* sgemm = dlsym(RTLD_DEFAULT, "sgemm_");
+  if (sgemm == nullptr || dladdr(sgemm, &info) == 0 || info.dli_fname == nullptr) return "BLAS: unknown library";
+  std::error_code ec;
+  const fs::path real = fs::canonical(info.dli_fname, ec);
+  return "BLAS " + (ec ? std::string(info.dli_fname) : real.string());
+}
+
+// One thread, a 512^3 fp32 matmul, best of 5: an optimized BLAS does tens of GFLOP/s, the
+// reference BLAS a few, which makes every CPU training and decoding step several times slower.
+double blas_gflops() {
+  const int threads = at::get_num_threads();
+  at::set_num_threads(1);
+  const at::Tensor a = at::randn({512, 512}), b = at::randn({512, 512});
+  double best = 1e9;
+  for (int i = 0; i < 5; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const at::Tensor c = at::mm(a, b);
+    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  at::set_num_threads(threads);
+  return 2.0 * 512 * 512 * 512 / best / 1e9;
+}
+
+std::string check_blas(double gflops) {
+  // The reference BLAS measured 5.9 GFLOP/s here, OpenBLAS over ten times that.
+  constexpr double kMinGflops = 12.0;
+  if (gflops >= kMinGflops) return "";
+  char line[320];
+  std::snprintf(line, sizeof line,
+                "%.1f GFLOP/s on one thread for a 512^3 fp32 matmul (< %.0f): a reference BLAS; install "
+                "libopenblas0-openmp (./dev.sh does) for several times faster CPU steps",
+                gflops, kMinGflops);
+  return line;
+}
+
 std::string check_zmq() {
   zmq::context_t ctx(1);
   zmq::socket_t a(ctx, zmq::socket_type::pair), b(ctx, zmq::socket_type::pair);
@@ -141,6 +184,10 @@ int run_doctor() {
            float v = at::matmul(a, a)[0][0].item<float>();
            return v == 64.0f ? std::string() : "matmul gave " + std::to_string(v);
          });
+  const double gflops = blas_gflops();
+  char blas_detail[160];
+  std::snprintf(blas_detail, sizeof blas_detail, "%s, %.0f GFLOP/s", blas_library().c_str(), gflops);
+  report("blas", blas_detail, [gflops] { return check_blas(gflops); });
 #ifdef ODYSSEY_WITH_CUDA
   const int devices = cuda_devices();
   report("cuda", std::to_string(devices) + " device(s)", [devices] {
