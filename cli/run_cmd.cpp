@@ -32,6 +32,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -155,6 +156,11 @@ class Supervisor {
     }
     if (!write_config()) return 1;
     if (!ensure_init_checkpoint()) return 1;
+    // The roles share the machine's cores. An OpenMP thread that spin-waits between parallel
+    // regions (libgomp's default) burns a core another role needs: a 2-thread pretrain sharing
+    // two cores spent three quarters of its cycles spinning. Children inherit this; a value the
+    // user set wins.
+    ::setenv("OMP_WAIT_POLICY", "PASSIVE", /*overwrite=*/0);
     plan_roles();
     start_ = Clock::now();
     std::signal(SIGINT, on_stop_signal);
