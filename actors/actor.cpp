@@ -515,7 +515,13 @@ Status Actor::Impl::drive(EpisodeSource& source, const TokenSampler& sampler, co
     const auto wait = any_model_work() ? std::chrono::milliseconds(0) : std::chrono::milliseconds(20);
     for (size_t i : workers_.completed(wait)) {
       switch (slots_[i].phase) {
-        case Phase::kStarting: ODY_RETURN_IF_ERROR(on_started(i)); break;
+        case Phase::kStarting: {
+          const Status started = on_started(i);
+          // Stopped while the rate limiter held the episode's trajectory back: a clean stop.
+          if (!started.ok() && stop.load()) return abort_all(source);
+          ODY_RETURN_IF_ERROR(started);
+          break;
+        }
         case Phase::kEnv: ODY_RETURN_IF_ERROR(on_env_answered(i)); break;
         case Phase::kFinishing: ODY_RETURN_IF_ERROR(on_finished(i, source)); break;
         default: break;
@@ -925,6 +931,7 @@ Status Actor::Impl::run(const std::atomic<bool>& stop) {
   client.endpoint = o_.replay_endpoint;
   client.name = fmt::format("actor-{}", o_.index);
   client.give_up_after_ms = o_.replay_give_up_ms;
+  client.stop = &stop;  // a stop request ends a wait for the rate limiter
   ODY_ASSIGN_OR_RETURN(writer_, replay::TrajectoryWriter::connect(client));
   RolloutSource source(o_, fs::path(o_.out_dir) / "actors" / fmt::format("actor-{}.json", o_.index));
   ODY_RETURN_IF_ERROR(source.load());

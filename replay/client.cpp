@@ -208,6 +208,12 @@ Result<uint64_t> TrajectoryWriter::begin(const TrajectoryMeta& meta) {
     if (rate_limited_begin_ == req_id) {
       // Back-pressure: the service does not admit new trajectories yet.
       rate_limited_begin_ = 0;
+      if (conn_.options().stop != nullptr && conn_.options().stop->load()) {
+        // Refused, not admitted: nothing of it is stored, so nothing is left open.
+        unacked_.erase(req_id);
+        return Status(StatusCode::kTimeout,
+                      "begin: stopped while the replay service's rate limiter held new trajectories back");
+      }
       std::this_thread::sleep_for(std::chrono::milliseconds(backoff_ms));
       backoff_ms = std::min(backoff_ms * 2, 200);
       last_progress_ = Clock::now();

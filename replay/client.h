@@ -18,6 +18,7 @@
 // Neither class is thread-safe; use one per thread. Both own their ZeroMQ context.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <deque>
@@ -43,6 +44,9 @@ struct ClientOptions {
   std::string name = "client";
   int ack_timeout_ms = 2000;        // silence after which the client reconnects and resends
   int give_up_after_ms = 120000;    // no progress for this long: kUnavailable
+  // When set and true, TrajectoryWriter::begin() stops waiting for the rate limiter and returns
+  // kTimeout ("stopped ..."), so a process asked to stop is not held up by back-pressure.
+  const std::atomic<bool>* stop = nullptr;
 };
 
 // Who and what a trajectory is; the service fills in everything else.

@@ -250,6 +250,42 @@ TEST(ReplayService, WriterBlocksWhenItsCreditsAreUsedUpAndResumesWithoutLoss) {
   EXPECT_EQ(stats->segments, 10u);
 }
 
+// A writer held back by the rate limiter (nobody samples) leaves begin() as soon as its stop flag
+// is set, instead of waiting out give_up_after_ms: an actor asked to stop exits promptly.
+TEST(ReplayService, AStopFlagEndsABeginHeldBackByTheRateLimiter) {
+  TempDir tmp;
+  ServiceProcess service(tmp, testing::free_port(),
+                         {"--set", "replay.rate_limiter.samples_per_insert=1.0", "--set",
+                          "replay.rate_limiter.error_buffer=2.0"});
+  ASSERT_TRUE(service.start());
+  std::atomic<bool> stop{false};
+  ClientOptions options = client(service.endpoint());
+  options.stop = &stop;
+  auto writer = TrajectoryWriter::connect(options);
+  ASSERT_TRUE(writer.ok());
+  std::atomic<int> admitted{0};
+  auto done = std::async(std::launch::async, [&]() -> Status {
+    for (int i = 0; i < 50; ++i) {
+      TrajectoryMeta meta;
+      meta.job = "j";
+      Result<uint64_t> id = (*writer)->begin(meta);
+      if (!id.ok()) return id.status();
+      ++admitted;
+      ODY_RETURN_IF_ERROR((*writer)->end(*id, Reward{}));
+    }
+    return Status::Ok();
+  });
+  EXPECT_EQ(done.wait_for(1500ms), std::future_status::timeout) << "nothing samples, so inserts must be held back";
+  EXPECT_LT(admitted.load(), 50);
+  const int before = admitted.load();
+  stop = true;
+  ASSERT_EQ(done.wait_for(5s), std::future_status::ready) << "begin() kept waiting after the stop flag was set";
+  const Status st = done.get();
+  EXPECT_EQ(st.code(), StatusCode::kTimeout) << st.to_string();
+  EXPECT_NE(st.message().find("stopped"), std::string::npos) << st.to_string();
+  EXPECT_EQ(admitted.load(), before);
+}
+
 TEST(ReplayService, CheckpointsWhileWritersKeepWritingAndTheCheckpointServes) {
   TempDir tmp;
   ServiceProcess service(tmp, testing::free_port());
