@@ -85,8 +85,17 @@ int run(const PretrainArgs& a) {
     spdlog::error("{}", summary.status().to_string());
     return 1;
   }
-  for (const auto& s : summary->stages)
-    if (s.resumed) std::printf("stage %s: resumed from %s\n", s.stage.name.c_str(), s.dir.c_str());
+  for (const auto& s : summary->stages) {
+    if (!s.resumed) continue;
+    if (s.eval) {
+      for (const std::string& t : s.eval->transcripts) std::printf("  eval transcript: %s\n", t.c_str());
+      std::printf("stage %s: resumed from %s, eval success %lld/%lld = %.3f\n", s.stage.name.c_str(), s.dir.c_str(),
+                  static_cast<long long>(s.eval->successes), static_cast<long long>(s.eval->episodes),
+                  s.eval->success_rate);
+    } else {
+      std::printf("stage %s: resumed from %s\n", s.stage.name.c_str(), s.dir.c_str());
+    }
+  }
   const learner::StageSummary& last = summary->stages.back();
   std::string line = fmt::format("pretrain done: {} stages, {} tokens in {:.1f}s ({} tokens/s), final loss {:.4f}, {}",
                                  summary->stages.size(), count(static_cast<double>(summary->tokens)), summary->seconds,

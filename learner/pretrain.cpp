@@ -384,6 +384,12 @@ Result<PretrainSummary> pretrain_impl(const PretrainOptions& o) {
           st.tokens = meta->provenance.value("tokens", int64_t{0});
           st.final_loss = meta->provenance.value("final_loss", 0.0);
         }
+        // The last stage, already complete, is still evaluated when asked: `--resume --eval-tasks N`
+        // evaluates existing stage checkpoints without training.
+        if (o.eval.episodes > 0 && &stage == &o.stages.back()) {
+          ODY_ASSIGN_OR_RETURN(EvalResult eval, evaluate_greedy(policy, tokenizer, o.eval));
+          st.eval = std::move(eval);
+        }
         summary.stages.push_back(st);
         parent = stage.name;
         continue;

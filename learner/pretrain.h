@@ -23,7 +23,8 @@
 // evaluation ran. Weights are stored in policy.dtype; training runs in fp32 on policy.device.
 //
 // An existing stage folder is an error (kAlreadyExists, naming it) unless `resume` (a complete
-// stage is loaded and skipped; training continues with the next one) or `overwrite`.
+// stage is loaded and skipped; training continues with the next one) or `overwrite`. A resumed
+// last stage is still evaluated when eval.episodes > 0 (evaluating existing checkpoints).
 //
 // Errors: pretrain_options names the key and where it was set (file:line, --set, default) for a
 // bad stage string, stages not strictly increasing, and the like. run_pretrain returns a Status

@@ -137,6 +137,18 @@ TEST(Pretrain, TwoShortStagesWriteCheckpointsAndTheSecondContinuesTheFirst) {
   ASSERT_EQ(resumed->stages.size(), 2u);
   EXPECT_TRUE(resumed->stages[0].resumed && resumed->stages[1].resumed);
   EXPECT_DOUBLE_EQ(resumed->stages[1].final_loss, summary->stages[1].final_loss);
+  EXPECT_FALSE(resumed->stages[1].eval.has_value()) << "no evaluation was asked for";
+
+  // --resume --eval-tasks N: the complete last stage is evaluated without training.
+  again.eval.episodes = 3;
+  again.eval.max_tokens = 120;  // short: an untrained-looking policy may never end a turn
+  again.eval.max_turn_tokens = 40;
+  auto evaluated = run_pretrain(again);
+  ASSERT_TRUE(evaluated.ok()) << evaluated.status().to_string();
+  EXPECT_EQ(trained, 0);
+  EXPECT_FALSE(evaluated->stages[0].eval.has_value()) << "only the last stage";
+  ASSERT_TRUE(evaluated->stages[1].eval.has_value());
+  EXPECT_EQ(evaluated->stages[1].eval->episodes, 3);
 }
 
 TEST(Pretrain, ChunkedStepAgreesWithTheWholeSequenceStep) {
