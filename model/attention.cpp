@@ -228,7 +228,14 @@ at::Tensor blockwise_attention(const at::Tensor& q, const at::Tensor& k, const a
     return fused_attention(q, k, v, scale, causal_offset, keep_compute_dtype);
   }
 #endif
-  return BlockwiseAttentionFunction::apply(q, k, v, scale, causal_offset, block,
+  // `block` is the CPU's tile (rows of queries, and keys per step: about block² scores, which
+  // stay in cache). CUDA tensors use tiles of at least kCudaAttentionBlock: with 256-wide tiles
+  // a 16K-token chunk against a 1M-token cache is a quarter of a million tile steps of ~10 small
+  // kernels each, per layer; 4096-wide tiles (64 MB of fp32 scores per batch-head) make it 256
+  // steps that each fill the GPU. The tile changes only the order of fp32 sums.
+  constexpr int64_t kCudaAttentionBlock = 4096;
+  const int64_t tile = q.is_cuda() ? std::max(block, kCudaAttentionBlock) : block;
+  return BlockwiseAttentionFunction::apply(q, k, v, scale, causal_offset, tile,
                                            keep_compute_dtype);
 }
 

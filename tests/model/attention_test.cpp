@@ -190,5 +190,31 @@ TEST(BlockwiseAttention, FusedKernelOnTheGpuAgreesWithTheBlockwisePath) {
   }
 }
 
+// On CUDA tensors the blockwise path takes GPU-sized tiles; a chunk continuing a long cache (the
+// learner's case) must still match the naive form, forward and gradients.
+TEST(BlockwiseAttention, GpuTilesOfAChunkContinuingACacheMatchNaive) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  at::manual_seed(5);
+  const auto opts = at::TensorOptions().device(at::kCUDA).dtype(at::kFloat);
+  const int64_t B = 1, H = 2, Tk = 9000, Tq = 5000, D = 48, Dv = 32, offset = Tk - Tq;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+  const at::Tensor q = at::randn({B, H, Tq, D}, opts).requires_grad_(true);
+  const at::Tensor k = at::randn({B, H, Tk, D}, opts).requires_grad_(true);
+  const at::Tensor v = at::randn({B, H, Tk, Dv}, opts).requires_grad_(true);
+  ASSERT_FALSE(fused_attention_applies(q, k, v, offset));
+  const at::Tensor tiled = blockwise_attention(q, k, v, scale, offset, kAttentionBlock, /*keep_compute_dtype=*/true);
+  const at::Tensor naive = naive_attention(q, k, v, scale, offset, /*keep_compute_dtype=*/true);
+  const double fwd = max_abs_diff(tiled, naive);
+  const at::Tensor dout = at::randn_like(naive);
+  const auto g_tiled = torch::autograd::grad({tiled}, {q, k, v}, {dout});
+  const auto g_naive = torch::autograd::grad({naive}, {q, k, v}, {dout});
+  double bwd = 0;
+  for (size_t i = 0; i < 3; ++i) bwd = std::max(bwd, max_abs_diff(g_tiled[i], g_naive[i]));
+  std::printf("GPU tiles, Tq=%ld Tk=%ld offset %ld: max |fwd diff| %.3e, max |grad diff| %.3e\n",
+              static_cast<long>(Tq), static_cast<long>(Tk), static_cast<long>(offset), fwd, bwd);
+  EXPECT_LT(fwd, 1e-4);
+  EXPECT_LT(bwd, 1e-3);
+}
+
 }  // namespace
 }  // namespace odyssey::model
