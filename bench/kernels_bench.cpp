@@ -15,13 +15,17 @@
 #include <torch/cuda.h>
 
 #include "kernels/kda.h"
+#include "kernels/moe_autograd.h"
 #include "kernels/torch_bindings.h"
+#include "model/balancing.h"
 #include "model/kda.h"
+#include "model/moe.h"
 
 namespace odyssey::bench {
 namespace {
 
 namespace kda = odyssey::model::kda;
+namespace model = odyssey::model;
 
 struct Timing {
   double best_ms = 0, median_ms = 0;
@@ -227,19 +231,168 @@ double bench_decode(const KernelsBenchOptions& o, int64_t batch, int64_t heads,
   return kernel.best_ms;
 }
 
+
+// ---- MoE ------------------------------------------------------------------------------------------
+
+// The layer at configs/model/small.toml's expert shapes.
+model::MoeOptions small_moe_options() {
+  model::MoeOptions o;
+  o.hidden = 1024;
+  o.latent = 384;
+  o.expert_ffn = 192;
+  o.num_experts = 896;
+  o.top_k = 16;
+  o.num_shared = 2;
+  o.shared_ffn = 512;
+  return o;
+}
+
+// FLOPs of one forward, the matmuls only (see kernels_bench.h).
+double moe_forward_flops(const model::MoeOptions& o, int64_t tokens) {
+  const double d = o.hidden, e = o.num_experts, l = o.latent, f = o.expert_ffn, k = o.top_k,
+               s = o.num_shared, fs = o.shared_ffn;
+  return 2.0 * tokens * (d * e + d * l + k * 3 * l * f + l * d + s * 3 * d * fs);
+}
+
+// A bf16 [tokens, 1024] x [1024, N] matmul with about `flops` FLOPs: its TFLOP/s.
+double dense_tflops(const KernelsBenchOptions& o, int64_t tokens, double flops) {
+  const int64_t inner = 1024;
+  const int64_t columns = std::max<int64_t>(
+      64, static_cast<int64_t>(std::llround(flops / (2.0 * tokens * inner) / 64.0)) * 64);
+  const auto bf16 = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
+  const at::Tensor a = at::randn({tokens, inner}, bf16), b = at::randn({inner, columns}, bf16);
+  at::Tensor c = at::empty({tokens, columns}, bf16);
+  const Timing t = time_cuda([&] { at::matmul_out(c, a, b); }, o.warmup, o.repeats);
+  const double done = 2.0 * tokens * inner * columns;
+  const double tflops = done / (t.best_ms * 1e-3) / 1e12;
+  std::printf("moe dense   bf16 matmul [%ld, %ld] x [%ld, %ld] (%.1f GFLOP): best %8.3f ms  %6.1f TFLOP/s\n",
+              static_cast<long>(tokens), static_cast<long>(inner), static_cast<long>(inner),
+              static_cast<long>(columns), done / 1e9, t.best_ms, tflops);
+  return tflops;
+}
+
+// The routing kernels alone on the layer's shapes, each against its LibTorch reference.
+void bench_moe_routing(const KernelsBenchOptions& o, const model::MoeOptions& mo, int64_t tokens) {
+  const auto f32 = at::TensorOptions().device(at::kCUDA).dtype(at::kFloat);
+  const at::Tensor scores = at::sigmoid(at::randn({tokens, mo.num_experts}, f32));
+  const at::Tensor bias = at::randn({mo.num_experts}, f32) * 0.05;
+  const Timing topk = time_cuda([&] { kernels::moe_router_topk(scores, bias, mo.top_k); }, o.warmup, o.repeats);
+  const at::Tensor selected = kernels::moe_router_topk(scores, bias, mo.top_k).ids;
+  const Timing permutation =
+      time_cuda([&] { kernels::moe_permutation(selected, mo.num_experts); }, o.warmup, o.repeats);
+  model::QuantileBalancerOptions bo;
+  bo.num_experts = mo.num_experts;
+  bo.top_k = mo.top_k;
+  model::QuantileBalancer balancer(bo);
+  const auto [lo, hi] = balancer.histogram_range();
+  const Timing histogram = time_cuda(
+      [&] { kernels::moe_quantile_histogram(scores, bias, mo.top_k, bo.histogram_bins, lo, hi, false); },
+      o.warmup, o.repeats);
+  std::printf("moe routing m=%ld n=%ld k=%ld: top-k + p %.3f ms, permutation %.3f ms, quantile histogram "
+              "(%ld bins) %.3f ms\n",
+              static_cast<long>(tokens), static_cast<long>(mo.num_experts), static_cast<long>(mo.top_k),
+              topk.best_ms, permutation.best_ms, static_cast<long>(bo.histogram_bins), histogram.best_ms);
+  if (o.reference) {
+    const Timing ref_topk = time_cuda(
+        [&] {
+          const at::Tensor ids = model::select_experts(scores, bias, mo.top_k);
+          const at::Tensor chosen = scores.gather(1, ids);
+          (void)(chosen / chosen.sum(-1, true));
+        },
+        1, o.reference_repeats);
+    const Timing ref_permutation =
+        time_cuda([&] { model::permute_tokens(selected, mo.num_experts); }, 1, o.reference_repeats);
+    std::printf("moe routing references: select_experts + p %.3f ms (%.1fx), permute_tokens %.3f ms (%.1fx)\n",
+                ref_topk.best_ms, ref_topk.best_ms / topk.best_ms, ref_permutation.best_ms,
+                ref_permutation.best_ms / permutation.best_ms);
+  }
+  std::fflush(stdout);
+}
+
+void bench_moe(const KernelsBenchOptions& o, KernelsBenchResult& r) {
+  const model::MoeOptions mo = small_moe_options();
+  const int64_t tokens = o.moe_tokens;
+  const auto bf16 = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
+  model::Moe layer(mo);
+  layer->to(at::kCUDA, at::kBFloat16);
+  layer->router->to(at::kFloat);  // W_r and b in fp32 (model/moe.h)
+  layer->set_expert_bias(at::randn({mo.num_experts}) * 0.05);
+  const at::Tensor x = at::randn({tokens, mo.hidden}, bf16);
+  const at::Tensor dy = at::randn({tokens, mo.hidden}, bf16);
+  const bool grouped = kernels::moe_grouped_mm_applies(
+      x.new_empty({tokens * mo.top_k, mo.latent}), layer->experts->gate_proj, layer->experts->up_proj,
+      layer->experts->down_proj);
+  std::printf("moe layer   m=%ld d=%ld E=%ld k=%ld L=%ld F=%ld shared %ldx%ld bf16; expert GEMMs: %s\n",
+              static_cast<long>(tokens), static_cast<long>(mo.hidden), static_cast<long>(mo.num_experts),
+              static_cast<long>(mo.top_k), static_cast<long>(mo.latent), static_cast<long>(mo.expert_ffn),
+              static_cast<long>(mo.num_shared), static_cast<long>(mo.shared_ffn),
+              grouped ? "at::_grouped_mm" : "per-expert loop (at::_grouped_mm not available here)");
+  std::fflush(stdout);
+  bench_moe_routing(o, mo, tokens);
+
+  // One training step's layer work: forward recorded, backward of <y, dy>; every gradient
+  // (x and the parameters) reset to none first so nothing accumulates.
+  auto step = [&](bool kernels, bool backward) {
+    const c10::AutoGradMode grad(backward);
+    const at::Tensor input = backward ? x.detach().requires_grad_(true) : x;
+    for (auto& p : layer->parameters()) p.mutable_grad() = at::Tensor();
+    const model::MoeOutput out = kernels ? layer->forward(input) : layer->forward_reference(input);
+    if (backward) out.y.backward(dy);
+  };
+  const double flops = moe_forward_flops(mo, tokens);
+  const Timing forward = time_cuda([&] { step(true, false); }, o.warmup, o.repeats);
+  const Timing train = time_cuda([&] { step(true, true); }, o.warmup, o.repeats);
+  r.moe_forward_ms = forward.best_ms;
+  r.moe_train_ms = train.best_ms;
+  r.moe_forward_tflops = flops / (forward.best_ms * 1e-3) / 1e12;
+  r.moe_train_tflops = 3 * flops / (train.best_ms * 1e-3) / 1e12;
+  std::printf("moe layer   forward            best %8.3f ms  median %8.3f ms  %6.1f TFLOP/s (%.1f GFLOP)\n",
+              forward.best_ms, forward.median_ms, r.moe_forward_tflops, flops / 1e9);
+  std::printf("moe layer   forward + backward best %8.3f ms  median %8.3f ms  %6.1f TFLOP/s (%.1f GFLOP)\n",
+              train.best_ms, train.median_ms, r.moe_train_tflops, 3 * flops / 1e9);
+  std::fflush(stdout);
+  const double dense_forward = dense_tflops(o, tokens, flops);
+  r.moe_dense_tflops = dense_tflops(o, tokens, 3 * flops);
+  r.moe_vs_dense = r.moe_train_tflops / r.moe_dense_tflops;
+  std::printf("moe layer   vs dense matmul of the same FLOPs: forward %.2f, forward + backward %.2f (goal >= 0.7)\n",
+              r.moe_forward_tflops / dense_forward, r.moe_vs_dense);
+  if (o.reference) {
+    const Timing ref_forward = time_cuda([&] { step(false, false); }, 1, o.reference_repeats);
+    const Timing ref_train = time_cuda([&] { step(false, true); }, 1, o.reference_repeats);
+    r.moe_reference_forward_ms = ref_forward.best_ms;
+    r.moe_reference_train_ms = ref_train.best_ms;
+    std::printf("moe layer   reference (MoeImpl::forward_reference: loop over experts): forward %.3f ms "
+                "(kernels %.1fx faster), forward + backward %.3f ms (%.1fx)\n",
+                ref_forward.best_ms, ref_forward.best_ms / forward.best_ms, ref_train.best_ms,
+                ref_train.best_ms / train.best_ms);
+  }
+  std::printf("moe_forward_ms: %.3f\n", r.moe_forward_ms);
+  std::printf("moe_train_ms: %.3f\n", r.moe_train_ms);
+  std::printf("moe_vs_dense: %.3f\n", r.moe_vs_dense);
+  std::fflush(stdout);
+}
 }  // namespace
 
 Result<KernelsBenchResult> run_kernels_bench(const KernelsBenchOptions& options) {
   if (!torch::cuda::is_available()) {
     return make_status(StatusCode::kFailedPrecondition, "bench kernels: no CUDA device");
   }
+  const bool kda = options.suite == "kda" || options.suite == "all";
+  const bool moe = options.suite == "moe" || options.suite == "all";
+  if (!kda && !moe) {
+    return make_status(StatusCode::kInvalidArgument, "bench kernels: --suite must be kda, moe or all, got '{}'",
+                       options.suite);
+  }
   try {
     const c10::NoGradGuard no_grad;
     at::manual_seed(0);
-    std::printf("bench kernels on %s; warm-up %d, best/median of %d (references: best of %d)\n",
-                at::cuda::getCurrentDeviceProperties()->name, options.warmup, options.repeats,
-                options.reference_repeats);
+    std::printf("bench kernels (suite %s) on %s; warm-up %d, best/median of %d (references: best of %d)\n",
+                options.suite.c_str(), at::cuda::getCurrentDeviceProperties()->name, options.warmup,
+                options.repeats, options.reference_repeats);
     KernelsBenchResult r;
+    // moe first: with `all`, kda's `kda_forward_ms` stays the very last line.
+    if (moe) bench_moe(options, r);
+    if (!kda) return r;
     r.copy_gb_per_s = measure_copy_gb_per_s(options);
     // The same without the L2 prefetch of the next group's inputs (KdaChunkedOptions::prefetch).
     r.kda_forward_no_prefetch_ms =
@@ -261,9 +414,9 @@ Result<KernelsBenchResult> run_kernels_bench(const KernelsBenchOptions& options)
                 r.kda_forward_long_serial_ms / r.kda_forward_long_ms);
     r.kda_backward_ms = bench_backward(options, 2, 16384, 64, r.kda_forward_ms);
     r.kda_decode_ms = bench_decode(options, 256, 64, r.copy_gb_per_s);
-    std::printf("kda_forward_ms: %.3f\n", r.kda_forward_ms);
     std::printf("kda_backward_ms: %.3f (%.2fx the forward)\n", r.kda_backward_ms,
                 r.kda_backward_ms / r.kda_forward_ms);
+    std::printf("kda_forward_ms: %.3f\n", r.kda_forward_ms);
     std::fflush(stdout);
     return r;
   } catch (const c10::Error& e) {

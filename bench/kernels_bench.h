@@ -12,12 +12,27 @@
 //               training step (forward + backward) of the kernels vs autograd of
 //               kda::chunked_reference
 //   kda decode  batch 256, H=64, K=V=128: kernel vs kda::step_reference, state GB/s
-// Last lines: `kda_forward_ms: X` (the kernel's best time at B=2, T=16K, H=64) and
-// `kda_backward_ms: Y (Rx the forward)`.
+//   moe         (suite moe) the MoE layer at configs/model/small.toml's expert shapes (hidden
+//               1024, 896 routed experts, top-16, latent 384, expert_ffn 192, 2 shared experts
+//               of width 512), 8K tokens, bf16: forward and forward + backward through the
+//               kernels (fused top-k, permutation, grouped GEMMs with fused SiTU-GLU) in ms and
+//               TFLOP/s, against a dense bf16 at::matmul of the same FLOPs measured in the same
+//               run (the ratio; goal >= 0.7) and against MoeImpl::forward_reference; plus the
+//               routing kernels alone (top-k, quantile histogram, permutation) vs their
+//               references. FLOPs counted: the matmuls only, 2 * m * (d E [router] + d L
+//               [latent down] + k 3 L F [routed experts] + L d [latent up] + S 3 d Fs [shared]);
+//               forward + backward = 3x the forward; the elementwise work, top-k and
+//               permutation are not counted.
+// Suites (--suite): kda, moe or all (default). Each suite ends with `name: value` lines: kda
+// with `kda_backward_ms: Y (Rx the forward)` then `kda_forward_ms: X` (the kernel's best time at
+// B=2, T=16K, H=64); moe with `moe_forward_ms`, `moe_train_ms` and `moe_vs_dense: X` (the
+// forward + backward TFLOP/s over the dense matmul's). With all, moe runs first, so
+// `kda_forward_ms: X` stays the very last line.
 // On a CPU build the command fails with kFailedPrecondition (it needs the CUDA build).
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "core/status.h"
 
@@ -28,6 +43,8 @@ struct KernelsBenchOptions {
   int repeats = 20;           // kernel timings: best and median of this many
   int reference_repeats = 3;  // LibTorch reference timings (slow): best of this many
   bool reference = true;      // time the references (the ratio column)
+  std::string suite = "all";  // kda, moe or all
+  int64_t moe_tokens = 8192;  // tokens of the MoE layer rows
 };
 
 struct KernelsBenchResult {
@@ -39,6 +56,15 @@ struct KernelsBenchResult {
   double kda_forward_long_serial_ms = 0;  // the same, serial walk (8 CTAs)
   double kda_backward_ms = 0;           // B=2, T=16K, H=64, K=V=128, bf16, best
   double kda_decode_ms = 0;             // batch 256, H=64
+  // MoE layer, small config's expert shapes, moe_tokens tokens, bf16 (0 when not run).
+  double moe_forward_ms = 0;            // forward through the kernels, best
+  double moe_train_ms = 0;              // forward + backward, best
+  double moe_forward_tflops = 0;
+  double moe_train_tflops = 0;
+  double moe_dense_tflops = 0;          // bf16 at::matmul of the forward + backward's FLOPs
+  double moe_vs_dense = 0;              // moe_train_tflops / moe_dense_tflops
+  double moe_reference_forward_ms = 0;  // MoeImpl::forward_reference, best
+  double moe_reference_train_ms = 0;
 };
 
 Result<KernelsBenchResult> run_kernels_bench(const KernelsBenchOptions& options);

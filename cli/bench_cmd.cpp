@@ -72,8 +72,14 @@ void add_bench_commands(CLI::App& app, Action& action) {
 
   static bench::KernelsBenchOptions kernels_options;
   auto* kernels = bench->add_subcommand(
-      "kernels", "CUDA kernels vs their LibTorch references: chunked KDA forward (B=2 T=16K H=64, B=1 T=64K H=4) "
-                 "and decode (batch 256), ms, TFLOP/s, fraction of the memory floor (GPU build only)");
+      "kernels", "CUDA kernels vs their LibTorch references: chunked KDA forward (B=2 T=16K H=64, B=1 T=64K H=4), "
+                 "backward and decode (batch 256), ms, TFLOP/s, fraction of the memory floor; the MoE layer at the "
+                 "small config's expert shapes (8K tokens, bf16) vs a dense matmul of the same FLOPs (GPU build only)");
+  kernels->add_option("--suite", kernels_options.suite, "kda, moe or all")
+      ->check(CLI::IsMember({"kda", "moe", "all"}))
+      ->capture_default_str();
+  kernels->add_option("--moe-tokens", kernels_options.moe_tokens, "tokens of the MoE layer rows")
+      ->capture_default_str();
   kernels->add_option("--repeats", kernels_options.repeats, "kernel timings: best/median of this many")
       ->capture_default_str();
   kernels->add_option("--warmup", kernels_options.warmup, "untimed runs first")->capture_default_str();

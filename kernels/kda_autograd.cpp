@@ -8,13 +8,18 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
+// A custom Function's inputs must all be defined tensors (LibTorch records each input's device),
+// so "no initial state" travels as an empty tensor and becomes undefined again inside.
+at::Tensor state_or_undefined(const at::Tensor& state) { return state.numel() == 0 ? at::Tensor() : state; }
+
 class KdaChunkedFunction : public torch::autograd::Function<KdaChunkedFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
                                const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta,
-                               const at::Tensor& initial_state, double scale) {
+                               const at::Tensor& initial_state_or_empty, double scale) {
+    const at::Tensor initial_state = state_or_undefined(initial_state_or_empty);
     KdaChunkedOutput out = kda_chunked(q, k, v, g, beta, initial_state, scale);
-    ctx->save_for_backward({q, k, v, g, beta, initial_state});
+    ctx->save_for_backward({q, k, v, g, beta, initial_state_or_empty});
     ctx->saved_data["scale"] = scale;
     return {out.o, out.final_state};
   }
@@ -22,7 +27,8 @@ class KdaChunkedFunction : public torch::autograd::Function<KdaChunkedFunction> 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const variable_list saved = ctx->get_saved_variables();
     const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &g = saved[3],
-                     &beta = saved[4], &initial_state = saved[5];
+                     &beta = saved[4];
+    const at::Tensor initial_state = state_or_undefined(saved[5]);
     const double scale = ctx->saved_data["scale"].toDouble();
     // An output that did not reach the loss has an undefined gradient.
     const at::Tensor d_o = grads[0].defined() ? grads[0] : at::zeros_like(v, q.scalar_type());
@@ -39,7 +45,9 @@ KdaChunkedOutput kda_chunked_autograd(const at::Tensor& q, const at::Tensor& k,
                                       const at::Tensor& v, const at::Tensor& g,
                                       const at::Tensor& beta, const at::Tensor& initial_state,
                                       double scale) {
-  const variable_list out = KdaChunkedFunction::apply(q, k, v, g, beta, initial_state, scale);
+  const at::Tensor state =
+      initial_state.defined() ? initial_state : at::empty({0}, q.options().dtype(at::kFloat));
+  const variable_list out = KdaChunkedFunction::apply(q, k, v, g, beta, state, scale);
   return {out[0], out[1]};
 }
 

@@ -6,6 +6,7 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include "kernels/kda.h"
+#include "kernels/moe.h"
 
 namespace odyssey::kernels {
 namespace {
@@ -297,6 +298,292 @@ at::Tensor kda_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
                                at::cuda::getCurrentCUDAStream(device.index()).stream()),
                where);
   return o;
+}
+
+
+// ---- MoE ------------------------------------------------------------------------------------------
+
+namespace {
+
+MoeDtype moe_dtype(at::ScalarType t) {
+  return t == at::kBFloat16 ? MoeDtype::kBFloat16 : MoeDtype::kFloat32;
+}
+
+cudaStream_t current_stream(const at::Tensor& t) {
+  return at::cuda::getCurrentCUDAStream(t.device().index()).stream();
+}
+
+}  // namespace
+
+bool moe_router_topk_supported(const at::Tensor& scores, int64_t top_k) {
+  return scores.defined() && scores.is_cuda() && scores.dim() == 2 &&
+         scores.scalar_type() == at::kFloat && scores.size(1) >= 1 &&
+         scores.size(1) <= kMoeTopkMaxExperts && top_k >= 1 && top_k <= kMoeTopkMaxK &&
+         top_k <= scores.size(1);
+}
+
+MoeRouterTopk moe_router_topk(const at::Tensor& scores, const at::Tensor& bias, int64_t top_k) {
+  constexpr const char* where = "kernels::moe_router_topk";
+  TORCH_CHECK(scores.defined() && scores.dim() == 2, where, ": scores must be [tokens, experts], got ",
+              scores.defined() ? scores.sizes() : at::IntArrayRef{});
+  check_cuda(where, "scores", scores, scores.device());
+  TORCH_CHECK(scores.scalar_type() == at::kFloat, where, ": scores must be fp32, got ",
+              scores.scalar_type());
+  const int64_t m = scores.size(0), n = scores.size(1);
+  TORCH_CHECK(bias.defined() && bias.dim() == 1 && bias.size(0) == n, where, ": bias must be [", n,
+              "], got ", bias.defined() ? bias.sizes() : at::IntArrayRef{});
+  TORCH_CHECK(n >= 1 && n <= kMoeTopkMaxExperts, where, ": at most ", kMoeTopkMaxExperts,
+              " experts, got ", n, " (use model::select_experts)");
+  TORCH_CHECK(top_k >= 1 && top_k <= kMoeTopkMaxK && top_k <= n, where, ": top_k must be in [1, min(",
+              kMoeTopkMaxK, ", experts = ", n, ")], got ", top_k);
+  const c10::cuda::CUDAGuard guard(scores.device());
+  const at::Tensor s = scores.detach().contiguous();
+  const at::Tensor b = bias.detach().to(scores.device(), at::kFloat).contiguous();
+  MoeRouterTopk out;
+  out.ids = at::empty({m, top_k}, scores.options().dtype(at::kLong));
+  out.weights = at::empty({m, top_k}, scores.options().dtype(at::kFloat));
+  check_launch(moe_router_topk(s.data_ptr<float>(), b.data_ptr<float>(), out.ids.data_ptr<int64_t>(),
+                               out.weights.data_ptr<float>(), m, n, top_k, current_stream(s)),
+               where);
+  return out;
+}
+
+bool moe_quantile_histogram_supported(const at::Tensor& scores, int64_t top_k) {
+  return scores.defined() && scores.is_cuda() && scores.dim() == 2 &&
+         at::isFloatingType(scores.scalar_type()) && scores.scalar_type() != at::kDouble &&
+         scores.size(1) <= kMoeTopkMaxExperts && top_k >= 1 && top_k + 1 <= kMoeTopkMaxK &&
+         top_k + 1 <= scores.size(1);
+}
+
+at::Tensor moe_quantile_histogram(const at::Tensor& scores, const at::Tensor& bias, int64_t top_k,
+                                  int64_t bins, double lo, double hi, bool literal_alpha) {
+  constexpr const char* where = "kernels::moe_quantile_histogram";
+  TORCH_CHECK(scores.defined() && scores.dim() == 2, where, ": scores must be [tokens, experts], got ",
+              scores.defined() ? scores.sizes() : at::IntArrayRef{});
+  check_cuda(where, "scores", scores, scores.device());
+  TORCH_CHECK(at::isFloatingType(scores.scalar_type()) && scores.scalar_type() != at::kDouble, where,
+              ": scores must be a floating dtype other than fp64 (fp64 balancing stays on the "
+              "reference), got ", scores.scalar_type());
+  const int64_t m = scores.size(0), n = scores.size(1);
+  TORCH_CHECK(bias.defined() && bias.dim() == 1 && bias.size(0) == n, where, ": bias must be [", n,
+              "], got ", bias.defined() ? bias.sizes() : at::IntArrayRef{});
+  TORCH_CHECK(top_k >= 1 && top_k + 1 <= kMoeTopkMaxK && top_k + 1 <= n && n <= kMoeTopkMaxExperts,
+              where, ": needs top_k + 1 <= min(", kMoeTopkMaxK, ", experts) and experts <= ",
+              kMoeTopkMaxExperts, ", got top_k = ", top_k, ", experts = ", n);
+  TORCH_CHECK(bins >= 1, where, ": bins must be positive, got ", bins);
+  TORCH_CHECK(hi > lo, where, ": the range must have hi > lo, got [", lo, ", ", hi, "]");
+  const c10::cuda::CUDAGuard guard(scores.device());
+  const at::Tensor s = scores.detach().to(at::kFloat).contiguous();
+  const at::Tensor b = bias.detach().to(scores.device(), at::kFloat).contiguous();
+  at::Tensor counts = at::zeros({n, bins}, scores.options().dtype(at::kLong));
+  // The scale exactly as the reference computes it (fp64).
+  const double scale = static_cast<double>(bins) / (hi - lo);
+  check_launch(moe_quantile_histogram(s.data_ptr<float>(), b.data_ptr<float>(),
+                                      counts.data_ptr<int64_t>(), m, n, top_k, bins, lo, scale,
+                                      literal_alpha, current_stream(s)),
+               where);
+  return counts;
+}
+
+MoePermutation moe_permutation(const at::Tensor& selected, int64_t num_experts) {
+  constexpr const char* where = "kernels::moe_permutation";
+  TORCH_CHECK(selected.defined() && selected.dim() == 2 && selected.scalar_type() == at::kLong, where,
+              ": selected must be int64 [tokens, k], got ",
+              selected.defined() ? c10::str(selected.scalar_type(), selected.sizes()) : "undefined");
+  check_cuda(where, "selected", selected, selected.device());
+  TORCH_CHECK(num_experts >= 1 && num_experts <= kMoePermutationMaxExperts, where,
+              ": num_experts must be in [1, ", kMoePermutationMaxExperts, "], got ", num_experts);
+  const int64_t m = selected.size(0), k = selected.size(1);
+  TORCH_CHECK(k >= 1, where, ": k must be positive");
+  const int64_t copies = m * k;
+  TORCH_CHECK(copies < (int64_t{1} << 31), where, ": ", copies, " token copies exceed int32 rows");
+  const c10::cuda::CUDAGuard guard(selected.device());
+  const at::Tensor ids = selected.contiguous();
+  const auto i64 = selected.options().dtype(at::kLong);
+  MoePermutation p;
+  p.tokens = m;
+  p.top_k = k;
+  p.source = at::empty({copies}, i64);
+  p.token = at::empty({copies}, i64);
+  p.inverse = at::empty({copies}, i64);
+  p.tokens_per_expert = at::empty({num_experts}, i64);
+  p.offsets = at::empty({num_experts + 1}, i64);
+  p.group_ends = at::empty({num_experts}, selected.options().dtype(at::kInt));
+  const size_t workspace_bytes = moe_permutation_workspace_bytes(copies, num_experts);
+  const at::Tensor workspace =
+      at::empty({static_cast<int64_t>(workspace_bytes)}, selected.options().dtype(at::kByte));
+  check_launch(moe_permutation(ids.data_ptr<int64_t>(), copies, num_experts, k,
+                               p.tokens_per_expert.data_ptr<int64_t>(), p.offsets.data_ptr<int64_t>(),
+                               p.group_ends.data_ptr<int32_t>(), p.source.data_ptr<int64_t>(),
+                               p.token.data_ptr<int64_t>(), p.inverse.data_ptr<int64_t>(),
+                               workspace.data_ptr(), workspace_bytes, current_stream(ids)),
+               where);
+  return p;
+}
+
+at::Tensor moe_gather_rows(const at::Tensor& rows, const at::Tensor& index) {
+  constexpr const char* where = "kernels::moe_gather_rows";
+  TORCH_CHECK(rows.defined() && rows.dim() >= 1, where, ": rows must have a leading row dimension");
+  check_cuda(where, "rows", rows, rows.device());
+  check_cuda(where, "index", index, rows.device());
+  TORCH_CHECK(index.dim() == 1 && index.scalar_type() == at::kLong, where,
+              ": index must be int64 [rows], got ", index.scalar_type(), index.sizes());
+  const int64_t element = static_cast<int64_t>(rows.element_size());
+  TORCH_CHECK(element == 2 || element == 4, where, ": rows must have 2- or 4-byte elements, got ",
+              rows.scalar_type());
+  const c10::cuda::CUDAGuard guard(rows.device());
+  const at::Tensor in = rows.contiguous(), idx = index.contiguous();
+  std::vector<int64_t> shape = rows.sizes().vec();
+  shape[0] = index.size(0);
+  at::Tensor out = at::empty(shape, rows.options());
+  const int64_t width = rows.size(0) > 0 ? in.numel() / rows.size(0) : 0;
+  check_launch(moe_gather_rows(in.data_ptr(), idx.data_ptr<int64_t>(), out.data_ptr(), index.size(0),
+                               width, element, current_stream(in)),
+               where);
+  return out;
+}
+
+at::Tensor moe_unpermute(const at::Tensor& copies, const MoePermutation& permutation,
+                         const at::Tensor& weights, at::ScalarType out_dtype) {
+  constexpr const char* where = "kernels::moe_unpermute";
+  const int64_t m = permutation.tokens, k = permutation.top_k;
+  TORCH_CHECK(copies.defined() && copies.dim() == 2 && copies.size(0) == m * k, where,
+              ": copies must be [tokens * k = ", m * k, ", width], got ",
+              copies.defined() ? copies.sizes() : at::IntArrayRef{});
+  check_cuda(where, "copies", copies, copies.device());
+  TORCH_CHECK(is_kernel_dtype(copies.scalar_type()), where, ": copies must be bf16 or fp32, got ",
+              copies.scalar_type());
+  TORCH_CHECK(is_kernel_dtype(out_dtype), where, ": out_dtype must be bf16 or fp32, got ", out_dtype);
+  at::Tensor w;
+  if (weights.defined()) {
+    TORCH_CHECK(weights.dim() == 2 && weights.size(0) == m && weights.size(1) == k, where,
+                ": weights must be [", m, ", ", k, "], got ", weights.sizes());
+    check_cuda(where, "weights", weights, copies.device());
+    w = weights.detach().to(at::kFloat).contiguous();
+  }
+  const c10::cuda::CUDAGuard guard(copies.device());
+  const at::Tensor c = copies.contiguous();
+  at::Tensor out = at::empty({m, copies.size(1)}, copies.options().dtype(out_dtype));
+  check_launch(moe_unpermute(moe_dtype(c.scalar_type()), c.data_ptr(),
+                             w.defined() ? w.data_ptr<float>() : nullptr,
+                             permutation.inverse.data_ptr<int64_t>(), moe_dtype(out_dtype),
+                             out.data_ptr(), m, k, copies.size(1), current_stream(c)),
+               where);
+  return out;
+}
+
+MoeUnpermuteGradients moe_unpermute_backward(const at::Tensor& copies,
+                                             const MoePermutation& permutation,
+                                             const at::Tensor& weights, const at::Tensor& d_out,
+                                             bool want_weights) {
+  constexpr const char* where = "kernels::moe_unpermute_backward";
+  const int64_t m = permutation.tokens, k = permutation.top_k;
+  TORCH_CHECK(copies.defined() && copies.dim() == 2 && copies.size(0) == m * k, where,
+              ": copies must be [tokens * k = ", m * k, ", width], got ",
+              copies.defined() ? copies.sizes() : at::IntArrayRef{});
+  check_cuda(where, "copies", copies, copies.device());
+  TORCH_CHECK(is_kernel_dtype(copies.scalar_type()), where, ": copies must be bf16 or fp32, got ",
+              copies.scalar_type());
+  const int64_t width = copies.size(1);
+  TORCH_CHECK(d_out.defined() && d_out.dim() == 2 && d_out.size(0) == m && d_out.size(1) == width,
+              where, ": d_out must be [", m, ", ", width, "], got ",
+              d_out.defined() ? d_out.sizes() : at::IntArrayRef{});
+  check_cuda(where, "d_out", d_out, copies.device());
+  TORCH_CHECK(weights.defined() && weights.dim() == 2 && weights.size(0) == m && weights.size(1) == k,
+              where, ": weights must be [", m, ", ", k, "]");
+  check_cuda(where, "weights", weights, copies.device());
+  const c10::cuda::CUDAGuard guard(copies.device());
+  const at::Tensor c = copies.contiguous();
+  const at::Tensor w = weights.detach().to(at::kFloat).contiguous();
+  const at::Tensor d = d_out.to(at::kFloat).contiguous();
+  MoeUnpermuteGradients g;
+  g.d_copies = at::empty_like(c);
+  if (want_weights) g.d_weights = at::empty({m, k}, c.options().dtype(at::kFloat));
+  check_launch(moe_unpermute_backward(moe_dtype(c.scalar_type()), c.data_ptr(), w.data_ptr<float>(),
+                                      permutation.source.data_ptr<int64_t>(),
+                                      permutation.inverse.data_ptr<int64_t>(), d.data_ptr<float>(),
+                                      g.d_copies.data_ptr(),
+                                      want_weights ? g.d_weights.data_ptr<float>() : nullptr, m, k,
+                                      width, current_stream(c)),
+               where);
+  return g;
+}
+
+bool situ_glu_supported(const at::Tensor& gate, const at::Tensor& up) {
+  return gate.defined() && up.defined() && gate.is_cuda() && up.device() == gate.device() &&
+         is_kernel_dtype(gate.scalar_type()) && up.scalar_type() == gate.scalar_type() &&
+         gate.sizes() == up.sizes();
+}
+
+namespace {
+
+void check_situ(const char* where, const at::Tensor& gate, const at::Tensor& up, double beta1,
+                double beta2) {
+  TORCH_CHECK(gate.defined() && up.defined() && gate.sizes() == up.sizes(), where, ": gate ",
+              gate.defined() ? gate.sizes() : at::IntArrayRef{}, " and up ",
+              up.defined() ? up.sizes() : at::IntArrayRef{}, " must have one shape");
+  check_cuda(where, "gate", gate, gate.device());
+  check_cuda(where, "up", up, gate.device());
+  TORCH_CHECK(is_kernel_dtype(gate.scalar_type()) && up.scalar_type() == gate.scalar_type(), where,
+              ": gate and up must be one dtype of bf16 / fp32, got ", gate.scalar_type(), " and ",
+              up.scalar_type());
+  TORCH_CHECK(beta1 > 0 && beta2 > 0, where, ": caps must be positive, got ", beta1, " and ", beta2);
+}
+
+}  // namespace
+
+at::Tensor situ_glu(const at::Tensor& gate, const at::Tensor& up, double beta1, double beta2) {
+  constexpr const char* where = "kernels::situ_glu";
+  check_situ(where, gate, up, beta1, beta2);
+  const c10::cuda::CUDAGuard guard(gate.device());
+  const at::Tensor g = gate.contiguous(), u = up.contiguous();
+  at::Tensor h = at::empty(g.sizes(), g.options());
+  check_launch(situ_glu_forward(moe_dtype(g.scalar_type()), g.data_ptr(), u.data_ptr(), h.data_ptr(),
+                                g.numel(), static_cast<float>(beta1), static_cast<float>(beta2),
+                                current_stream(g)),
+               where);
+  return h;
+}
+
+SituGluGradients situ_glu_backward(const at::Tensor& gate, const at::Tensor& up,
+                                   const at::Tensor& dh, double beta1, double beta2) {
+  constexpr const char* where = "kernels::situ_glu_backward";
+  check_situ(where, gate, up, beta1, beta2);
+  TORCH_CHECK(dh.defined() && dh.sizes() == gate.sizes(), where, ": dh must match gate ",
+              gate.sizes());
+  check_cuda(where, "dh", dh, gate.device());
+  const c10::cuda::CUDAGuard guard(gate.device());
+  const at::Tensor g = gate.contiguous(), u = up.contiguous();
+  const at::Tensor d = dh.to(g.scalar_type()).contiguous();
+  SituGluGradients out{at::empty(g.sizes(), g.options()), at::empty(g.sizes(), g.options())};
+  check_launch(situ_glu_backward(moe_dtype(g.scalar_type()), g.data_ptr(), u.data_ptr(), d.data_ptr(),
+                                 out.d_gate.data_ptr(), out.d_up.data_ptr(), g.numel(),
+                                 static_cast<float>(beta1), static_cast<float>(beta2),
+                                 current_stream(g)),
+               where);
+  return out;
+}
+
+void moe_zero_empty_groups(at::Tensor& stacked, const at::Tensor& counts) {
+  constexpr const char* where = "kernels::moe_zero_empty_groups";
+  TORCH_CHECK(stacked.defined() && stacked.dim() >= 1 && stacked.is_contiguous(), where,
+              ": stacked must be a contiguous [E, ...] tensor");
+  check_cuda(where, "stacked", stacked, stacked.device());
+  check_cuda(where, "counts", counts, stacked.device());
+  TORCH_CHECK(is_kernel_dtype(stacked.scalar_type()), where, ": stacked must be bf16 or fp32, got ",
+              stacked.scalar_type());
+  TORCH_CHECK(counts.dim() == 1 && counts.size(0) == stacked.size(0) &&
+                  counts.scalar_type() == at::kLong,
+              where, ": counts must be int64 [", stacked.size(0), "], got ", counts.scalar_type(),
+              counts.sizes());
+  const c10::cuda::CUDAGuard guard(stacked.device());
+  const at::Tensor c = counts.contiguous();
+  const int64_t groups = stacked.size(0);
+  check_launch(moe_zero_empty_groups(moe_dtype(stacked.scalar_type()), stacked.data_ptr(),
+                                     c.data_ptr<int64_t>(), groups,
+                                     groups > 0 ? stacked.numel() / groups : 0,
+                                     current_stream(stacked)),
+               where);
 }
 
 }  // namespace odyssey::kernels

@@ -60,4 +60,84 @@ bool kda_step_supported(const at::Tensor& q, const at::Tensor& k, const at::Tens
 at::Tensor kda_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                     const at::Tensor& g, const at::Tensor& beta, at::Tensor& state, double scale);
 
+
+// ---- MoE (kernels/moe.h) -------------------------------------------------------------------------
+
+// Whether moe_router_topk can run: scores a CUDA fp32 [m, n] tensor with n <= 1024 and
+// 1 <= top_k <= min(32, n).
+bool moe_router_topk_supported(const at::Tensor& scores, int64_t top_k);
+
+struct MoeRouterTopk {
+  at::Tensor ids;      // int64 [m, top_k], best first (descending scores + bias; ties: lower id)
+  at::Tensor weights;  // fp32 [m, top_k]: the selected unbiased scores over their sum
+};
+// select_experts (model/balancing.h) fused with the mixing weights: the top_k of scores + bias
+// per row and p = s_sel / sum(s_sel) from the unbiased scores. scores: CUDA fp32 [m, n], already
+// sigmoid'ed (read detached: nothing is recorded for autograd); bias: [n], any floating dtype and
+// device (converted to fp32 on scores' device, as select_experts does).
+MoeRouterTopk moe_router_topk(const at::Tensor& scores, const at::Tensor& bias, int64_t top_k);
+
+// Whether moe_quantile_histogram can run: CUDA floating (not fp64) scores [m, n] with
+// top_k + 1 <= min(32, n) and n <= 1024.
+bool moe_quantile_histogram_supported(const at::Tensor& scores, int64_t top_k);
+
+// QuantileBalancer::local_histogram on the GPU: int64 [n, bins] counts of r_ij over [lo, hi]
+// (the balancer's histogram_range()), equal to the reference bit for bit. scores [m, n] (any
+// non-fp64 floating dtype: converted to fp32 as the reference does), bias [n] (converted to
+// fp32). literal_alpha: QuantileBalancerOptions::literal_alpha.
+at::Tensor moe_quantile_histogram(const at::Tensor& scores, const at::Tensor& bias, int64_t top_k,
+                                  int64_t bins, double lo, double hi, bool literal_alpha);
+
+// model::permute_tokens on the GPU, plus what the kernels need to go back (all on selected's
+// device).
+struct MoePermutation {
+  at::Tensor source;             // int64 [m k]: the copy (token k + slot) at each permuted row
+  at::Tensor token;              // int64 [m k]: source / k
+  at::Tensor tokens_per_expert;  // int64 [n]
+  at::Tensor offsets;            // int64 [n + 1]: exclusive prefix sums of tokens_per_expert
+  at::Tensor group_ends;         // int32 [n]: inclusive prefix sums (at::_grouped_mm's offs)
+  at::Tensor inverse;            // int64 [m k]: the permuted row of each copy
+  int64_t tokens = 0;            // m
+  int64_t top_k = 0;             // k
+};
+// selected: CUDA int64 [m, k] with ids in [0, num_experts) (not checked on the host: that would
+// synchronise; an id outside gets no row), num_experts <= 8192, m k < 2^31.
+MoePermutation moe_permutation(const at::Tensor& selected, int64_t num_experts);
+
+// rows[index[r]] for every r: [index.size(0), *rows.shape[1:]] in rows' dtype (bf16 or fp32, or
+// any 2- or 4-byte type), rows CUDA; index CUDA int64 within range (not checked).
+at::Tensor moe_gather_rows(const at::Tensor& rows, const at::Tensor& index);
+
+// model::unpermute on the GPU without atomics: out[t] = sum over slots s of
+// weights[t, s] copies[inverse[t k + s]] in fp32. copies [m k, width] bf16 / fp32; weights fp32
+// [m, k] or undefined (all 1); out_dtype: the result's dtype (fp32 as model::unpermute returns,
+// or copies' dtype for the backward of a permute).
+at::Tensor moe_unpermute(const at::Tensor& copies, const MoePermutation& permutation,
+                         const at::Tensor& weights, at::ScalarType out_dtype);
+
+struct MoeUnpermuteGradients {
+  at::Tensor d_copies;   // [m k, width], copies' dtype
+  at::Tensor d_weights;  // fp32 [m, k]; undefined unless wanted
+};
+// The backward of moe_unpermute (weights defined) from d_out [m, width] (converted to fp32).
+MoeUnpermuteGradients moe_unpermute_backward(const at::Tensor& copies,
+                                             const MoePermutation& permutation,
+                                             const at::Tensor& weights, const at::Tensor& d_out,
+                                             bool want_weights);
+
+// Whether the SiTU-GLU kernels can run: CUDA gate and up of one shape and one dtype bf16 / fp32.
+bool situ_glu_supported(const at::Tensor& gate, const at::Tensor& up);
+// model::situ_glu fused (fp32 math, one rounding to the inputs' dtype); no autograd.
+at::Tensor situ_glu(const at::Tensor& gate, const at::Tensor& up, double beta1, double beta2);
+struct SituGluGradients {
+  at::Tensor d_gate, d_up;
+};
+// Its backward from dh (converted to gate's dtype).
+SituGluGradients situ_glu_backward(const at::Tensor& gate, const at::Tensor& up,
+                                   const at::Tensor& dh, double beta1, double beta2);
+
+// Zeroes stacked[e] (a contiguous bf16 / fp32 [E, ...] CUDA tensor) for every expert e with
+// counts[e] == 0 (counts: CUDA int64 [E]); no host synchronisation.
+void moe_zero_empty_groups(at::Tensor& stacked, const at::Tensor& counts);
+
 }  // namespace odyssey::kernels

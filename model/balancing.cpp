@@ -7,6 +7,10 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#ifdef ODYSSEY_WITH_CUDA_KERNELS
+#include "kernels/torch_bindings.h"
+#endif
+
 namespace odyssey::model {
 namespace {
 
@@ -127,6 +131,12 @@ torch::Tensor QuantileBalancer::local_histogram(const torch::Tensor& scores) con
               "QuantileBalancer: scores must be [tokens > 0, ", num_experts_, "], got ", scores.sizes());
   const auto [lo, hi] = histogram_range();
   const int64_t bins = options_.histogram_bins;
+#ifdef ODYSSEY_WITH_CUDA_KERNELS
+  // The same counts, bit for bit, from one warp per token (kernels/moe.h).
+  if (kernels::moe_quantile_histogram_supported(scores, top_k_)) {
+    return kernels::moe_quantile_histogram(scores, bias_, top_k_, bins, lo, hi, options_.literal_alpha);
+  }
+#endif
   const torch::Tensor r = residuals(scores).to(at::kDouble);
   const torch::Tensor bin =
       at::clamp(at::floor((r - lo) * (static_cast<double>(bins) / (hi - lo))), 0, bins - 1).to(at::kLong);

@@ -127,6 +127,8 @@ class QuantileBalancer : public ExpertBalancer {
 
   // The distributed form: this rank's int64 [n, histogram_bins] counts of r; sum over ranks,
   // then update_from_histogram(). The bias must not change in between (the range follows it).
+  // In the GPU build, CUDA scores (not fp64) are counted by a kernel with the same result bit
+  // for bit (kernels::moe_quantile_histogram).
   torch::Tensor local_histogram(const torch::Tensor& scores) const;
   torch::Tensor update_from_histogram(const torch::Tensor& histogram);
   // [lo, hi] of the histogram: [min b − 1, max b + 1].

@@ -10,6 +10,12 @@
 
 #include "model/balancing.h"
 
+#ifdef ODYSSEY_WITH_CUDA_KERNELS
+#include "kernels/moe.h"
+#include "kernels/moe_autograd.h"
+#include "kernels/torch_bindings.h"
+#endif
+
 namespace odyssey::model {
 namespace {
 
@@ -21,6 +27,16 @@ torch::Tensor stacked_weight(int64_t count, int64_t out, int64_t in) {
 
 at::ScalarType accumulate_dtype(const torch::Tensor& a, const torch::Tensor& b) {
   return a.scalar_type() == at::kDouble || b.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+// p = s_sel / Σ s_sel, differentiable in the scores (the selection is not).
+torch::Tensor mixing_weights(const torch::Tensor& scores, const torch::Tensor& selected) {
+  const torch::Tensor chosen = scores.gather(/*dim=*/1, selected);
+  return chosen / chosen.sum(/*dim=*/{-1}, /*keepdim=*/true);
+}
+
+void check_input(const torch::Tensor& x, int64_t hidden) {
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == hidden, "Moe: x must be [..., ", hidden, "], got ", x.sizes());
 }
 
 }  // namespace
@@ -131,20 +147,91 @@ MoeImpl::MoeImpl(const MoeOptions& options) : options_(options) {
   }
 }
 
-MoeRouting MoeImpl::route(const torch::Tensor& x) {
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == options_.hidden, "Moe: x must be [..., ", options_.hidden, "], got ",
-              x.sizes());
+MoeRouting MoeImpl::route_reference(const torch::Tensor& x) {
+  check_input(x, options_.hidden);
   MoeRouting routing;
   routing.scores = router(x.reshape({-1, options_.hidden}));
   routing.selected = select_experts(routing.scores, router->bias, options_.top_k);
-  const torch::Tensor chosen = routing.scores.gather(/*dim=*/1, routing.selected);
-  routing.weights = chosen / chosen.sum(/*dim=*/{-1}, /*keepdim=*/true);
+  routing.weights = mixing_weights(routing.scores, routing.selected);
   return routing;
 }
 
+MoeRouting MoeImpl::route(const torch::Tensor& x) {
+#ifdef ODYSSEY_WITH_CUDA_KERNELS
+  if (x.defined() && x.is_cuda() && x.scalar_type() != at::kDouble) {
+    check_input(x, options_.hidden);
+    MoeRouting routing;
+    routing.scores = router(x.reshape({-1, options_.hidden}));
+    if (kernels::moe_router_topk_supported(routing.scores, options_.top_k)) {
+      kernels::MoeRouterTopk topk = kernels::moe_router_topk(routing.scores, router->bias, options_.top_k);
+      routing.selected = topk.ids;
+      // With a gradient wanted, p is recomputed from the selection on the autograd tape (exactly
+      // the reference's formula, so the router learns through p); otherwise the kernel's p.
+      routing.weights = at::GradMode::is_enabled() && routing.scores.requires_grad()
+                            ? mixing_weights(routing.scores, routing.selected)
+                            : topk.weights;
+    } else {
+      routing.selected = select_experts(routing.scores, router->bias, options_.top_k);
+      routing.weights = mixing_weights(routing.scores, routing.selected);
+    }
+    return routing;
+  }
+#endif
+  return route_reference(x);
+}
+
+bool MoeImpl::uses_kernels(const torch::Tensor& x) const {
+#ifdef ODYSSEY_WITH_CUDA_KERNELS
+  if (!x.defined() || !x.is_cuda() || x.numel() == 0) return false;
+  if (x.scalar_type() != at::kBFloat16 && x.scalar_type() != at::kFloat) return false;
+  for (const torch::Tensor* w : {&experts->gate_proj, &experts->up_proj, &experts->down_proj}) {
+    if (w->scalar_type() != x.scalar_type() || w->device() != x.device()) return false;
+  }
+  return options_.num_experts <= kernels::kMoeTopkMaxExperts && options_.top_k <= kernels::kMoeTopkMaxK;
+#else
+  (void)x;
+  return false;
+#endif
+}
+
 MoeOutput MoeImpl::forward(const torch::Tensor& x) {
+#ifdef ODYSSEY_WITH_CUDA_KERNELS
+  if (uses_kernels(x)) {
+    check_input(x, options_.hidden);
+    MoeOutput out;
+    out.routing = route(x);
+    const torch::Tensor tokens = x.reshape({-1, options_.hidden});
+    const torch::Tensor z = latent_down(tokens).contiguous();
+    const kernels::MoePermutation permutation = kernels::moe_permutation(out.routing.selected, options_.num_experts);
+    const torch::Tensor rows = kernels::moe_permute_autograd(z, permutation);
+    const torch::Tensor expert_out =
+        kernels::moe_experts_autograd(rows, experts->gate_proj, experts->up_proj, experts->down_proj, permutation,
+                                      options_.situ_beta1, options_.situ_beta2);
+    const torch::Tensor u = kernels::moe_unpermute_autograd(expert_out, permutation, out.routing.weights);
+    torch::Tensor y = latent_up(latent_norm(u).to(x.scalar_type()));
+    if (!shared_experts.is_empty()) {
+      // StackedExperts::sum_all with the fused SiTU-GLU between its two matmuls.
+      const StackedExpertsImpl& shared = *shared_experts;
+      const int64_t inner = shared.count() * shared.gate_proj.size(1);
+      const torch::Tensor gate =
+          at::matmul(tokens, shared.gate_proj.reshape({inner, options_.hidden}).t()).contiguous();
+      const torch::Tensor up = at::matmul(tokens, shared.up_proj.reshape({inner, options_.hidden}).t()).contiguous();
+      const torch::Tensor h =
+          kernels::situ_glu_supported(gate, up)
+              ? kernels::situ_glu_autograd(gate, up, options_.situ_beta1, options_.situ_beta2)
+              : situ_glu(gate, up, options_.situ_beta1, options_.situ_beta2);
+      y = y + at::matmul(h, shared.down_proj.permute({1, 0, 2}).reshape({options_.hidden, inner}).t());
+    }
+    out.y = y.reshape(x.sizes());
+    return out;
+  }
+#endif
+  return forward_reference(x);
+}
+
+MoeOutput MoeImpl::forward_reference(const torch::Tensor& x) {
   MoeOutput out;
-  out.routing = route(x);
+  out.routing = route_reference(x);
   const torch::Tensor tokens = x.reshape({-1, options_.hidden});
   const torch::Tensor z = latent_down(tokens);
   const TokenPermutation permutation = permute_tokens(out.routing.selected, options_.num_experts);

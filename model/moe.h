@@ -34,6 +34,11 @@
 // a bf16 model converts its router back (router->to(torch::kFloat)) to keep W_r and b in fp32.
 // Differentiable: y with respect to x and every parameter; the
 // router learns through p (selection has no gradient); the bias has none.
+// Kernels: in the GPU build (ODYSSEY_WITH_CUDA_KERNELS), forward() and route() run CUDA bf16 /
+// fp32 inputs on kernels/ (fused top-k with the bias, permutation, gather / weighted un-permute
+// without atomics, grouped expert GEMMs with fused SiTU-GLU, each recorded for autograd with the
+// reference's gradients; kernels/moe_autograd.h). forward_reference() / route_reference() are the
+// plain LibTorch path on any device: the CPU path, fp64, and what the kernels are tested against.
 // Thread-safety: forward only reads; concurrent forwards are safe while nobody changes the
 // parameters or the bias.
 #pragma once
@@ -133,10 +138,19 @@ class MoeImpl : public torch::nn::Module {
  public:
   explicit MoeImpl(const MoeOptions& options);
 
+  // The kernels where they apply (see above), else forward_reference.
   MoeOutput forward(const torch::Tensor& x);
+  // The plain LibTorch path (permute_tokens, a loop over experts, unpermute), on any device.
+  MoeOutput forward_reference(const torch::Tensor& x);
 
-  // Routing alone: scores, selection and mixing weights of x [..., d].
+  // Routing alone: scores, selection and mixing weights of x [..., d]. route() takes the fused
+  // top-k kernel for CUDA scores where it applies (ties at the k-th place: the lower expert ids;
+  // select_experts leaves that order to at::topk); route_reference() is select_experts.
   MoeRouting route(const torch::Tensor& x);
+  MoeRouting route_reference(const torch::Tensor& x);
+
+  // Whether forward() takes the kernels for x (always false in the CPU build).
+  bool uses_kernels(const torch::Tensor& x) const;
 
   // Copies a balancer's bias [n] into router.bias (no gradient; it stays fp32).
   void set_expert_bias(const torch::Tensor& bias);

@@ -585,6 +585,30 @@ TEST_F(KdaKernel, AutogradFunctionMatchesTheReferenceThroughAnInitialState) {
   expect_gradients("autograd function vs fp64 reference", run(true), run(false));
 }
 
+TEST_F(KdaKernel, AutogradFunctionWorksWithoutAnInitialStateAndWithFewInputsNeedingGrad) {
+  // No initial state, and only q and g require grad: the other gradients are not asked for.
+  const Inputs in = make_inputs(1, 37, 2, 64, 64, at::kFloat, Gates::kRandom, false, 78);
+  auto run = [&](bool kernel) {
+    const auto dtype = kernel ? at::kFloat : at::kDouble;
+    const at::Tensor q = in.q.to(dtype).detach().requires_grad_(true);
+    const at::Tensor g = in.g.to(dtype).detach().requires_grad_(true);
+    const at::Tensor k = in.k.to(dtype), v = in.v.to(dtype), beta = in.beta.to(dtype);
+    const at::Tensor o = kernel ? kda_chunked_autograd(q, k, v, g, beta, at::Tensor(), in.scale).o
+                                : kda::chunked_reference(q, k, v, g, beta, at::Tensor(), in.scale).o;
+    o.pow(2).sum().backward();
+    EXPECT_FALSE(k.grad().defined());
+    return std::make_pair(q.grad().to(at::kDouble), g.grad().to(at::kDouble));
+  };
+  const auto [dq, dg] = run(true);
+  const auto [dq_ref, dg_ref] = run(false);
+  for (const auto& [name, got, expected] :
+       {std::tuple{"dq", dq, dq_ref}, std::tuple{"dg", dg, dg_ref}}) {
+    const double error = max_error(got, expected), magnitude = max_abs(expected);
+    std::printf("  %-3s max|d - ref| %.3e (|ref| <= %.3e)\n", name, error, magnitude);
+    EXPECT_LE(error, kGradientTolerance * std::max(1e-6, magnitude)) << name;
+  }
+}
+
 TEST_F(KdaKernel, LayerParametersGetTheReferenceGradientsThroughTheKernels) {
   model::IncrementalAttentionOptions options;
   options.hidden = 96;

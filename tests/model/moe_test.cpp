@@ -149,6 +149,18 @@ TEST(MoeLayer, ForwardEqualsANaivePerTokenReferenceInFp64) {
   EXPECT_LT(diff, 1e-12);
 }
 
+TEST(MoeLayer, ForwardOnTheCpuIsTheReferencePath) {
+  // The kernels (GPU build, CUDA tensors) never take CPU inputs: forward and route are exactly
+  // forward_reference and route_reference there.
+  const MoeOptions options = small_options();
+  Moe moe = random_moe(options, 15);
+  const torch::Tensor x = random_tokens({4, options.hidden}, 16);
+  EXPECT_FALSE(moe->uses_kernels(x));
+  EXPECT_FALSE(moe->uses_kernels(x.to(at::kFloat)));
+  EXPECT_TRUE(at::equal(moe(x).y, moe->forward_reference(x).y));
+  EXPECT_TRUE(at::equal(moe->route(x).weights, moe->route_reference(x).weights));
+}
+
 TEST(MoeLayer, HandlesExpertsWithoutTokensAndNoSharedExperts) {
   MoeOptions options = small_options();
   options.num_experts = 16;

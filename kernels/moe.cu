@@ -1,0 +1,663 @@
+// MoE kernels (contracts: kernels/moe.h; design and numerics: kernels/README.md, "MoE kernels").
+#include "kernels/moe.h"
+
+#include <climits>
+#include <cmath>
+#include <cstdint>
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+namespace odyssey::kernels {
+namespace {
+
+constexpr unsigned kFullMask = 0xffffffffu;
+
+// ---- element access -----------------------------------------------------------------------------
+
+template <typename T>
+__device__ __forceinline__ float load_f32(const T* p, int64_t i);
+template <>
+__device__ __forceinline__ float load_f32<float>(const float* p, int64_t i) {
+  return p[i];
+}
+template <>
+__device__ __forceinline__ float load_f32<__nv_bfloat16>(const __nv_bfloat16* p, int64_t i) {
+  return __bfloat162float(p[i]);
+}
+
+template <typename T>
+__device__ __forceinline__ void store_f32(T* p, int64_t i, float v);
+template <>
+__device__ __forceinline__ void store_f32<float>(float* p, int64_t i, float v) {
+  p[i] = v;
+}
+template <>
+__device__ __forceinline__ void store_f32<__nv_bfloat16>(__nv_bfloat16* p, int64_t i, float v) {
+  p[i] = __float2bfloat16_rn(v);
+}
+
+int64_t blocks_for(int64_t work, int64_t threads, int64_t cap = 65535LL * 32) {
+  const int64_t blocks = (work + threads - 1) / threads;
+  return blocks < 1 ? 1 : (blocks > cap ? cap : blocks);
+}
+
+// ---- warp top-k over one row ----------------------------------------------------------------------
+// Lane l holds the row's experts l, l + 32, l + 64, ... (VPL of them: coalesced loads). `taken`
+// marks the experts already selected (and the slots past n). Each round the warp reduces every
+// lane's best remaining (value, expert) to the row's best; the winning lane marks it taken and
+// rescans its own VPL values. Order: larger value first, then lower expert id: a strict total
+// order, so every lane of the xor butterfly ends with the same winner.
+
+__device__ __forceinline__ bool ranks_before(float a, int ia, float b, int ib) {
+  return a > b || (a == b && ia < ib);
+}
+
+template <int VPL>
+struct WarpRow {
+  float s[VPL];  // unbiased scores
+  float v[VPL];  // scores + bias
+  uint32_t taken = 0;
+  float best_v = -INFINITY;  // this lane's best remaining
+  int best_i = INT_MAX;
+
+  __device__ void load(const float* scores_row, const float* bias, int n, int lane) {
+#pragma unroll
+    for (int j = 0; j < VPL; ++j) {
+      const int e = lane + 32 * j;
+      if (e < n) {
+        s[j] = scores_row[e];
+        v[j] = __fadd_rn(s[j], bias[e]);
+      } else {
+        s[j] = 0.f;
+        v[j] = -INFINITY;
+        taken |= 1u << j;
+      }
+    }
+    rescan(lane);
+  }
+
+  __device__ void rescan(int lane) {
+    best_v = -INFINITY;
+    best_i = INT_MAX;
+#pragma unroll
+    for (int j = 0; j < VPL; ++j) {
+      const int e = lane + 32 * j;
+      if (!((taken >> j) & 1u) && ranks_before(v[j], e, best_v, best_i)) {
+        best_v = v[j];
+        best_i = e;
+      }
+    }
+  }
+
+  // One round: the row's best remaining (value, expert) on every lane, and the winner's
+  // unbiased score; the winner is marked taken.
+  __device__ void take_best(int lane, float& value, int& expert, float& score) {
+    float bv = best_v;
+    int bi = best_i;
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+      const float ov = __shfl_xor_sync(kFullMask, bv, offset);
+      const int oi = __shfl_xor_sync(kFullMask, bi, offset);
+      if (ranks_before(ov, oi, bv, bi)) {
+        bv = ov;
+        bi = oi;
+      }
+    }
+    float my_score = 0.f;
+    if ((bi & 31) == lane) {
+      const int slot = bi >> 5;
+#pragma unroll
+      for (int j = 0; j < VPL; ++j) {
+        if (j == slot) {
+          my_score = s[j];
+          taken |= 1u << j;
+        }
+      }
+      rescan(lane);
+    }
+    value = bv;
+    expert = bi;
+    score = __shfl_sync(kFullMask, my_score, bi & 31);
+  }
+};
+
+template <int VPL>
+__global__ void router_topk_kernel(const float* __restrict__ scores, const float* __restrict__ bias,
+                                   int64_t* __restrict__ ids, float* __restrict__ weights,
+                                   int64_t m, int n, int top_k) {
+  const int lane = threadIdx.x & 31;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  if (row >= m) return;  // whole warps exit together
+  WarpRow<VPL> w;
+  w.load(scores + row * n, bias, n, lane);
+  int my_id = 0;
+  float my_score = 0.f, sum = 0.f;
+  for (int r = 0; r < top_k; ++r) {
+    float value, score;
+    int expert;
+    w.take_best(lane, value, expert, score);
+    sum += score;  // selection order, the same on every lane
+    if (lane == r) {
+      my_id = expert;
+      my_score = score;
+    }
+  }
+  if (lane < top_k) {
+    ids[row * top_k + lane] = my_id;
+    if (weights != nullptr) weights[row * top_k + lane] = my_score / sum;
+  }
+}
+
+template <int VPL>
+__global__ void quantile_histogram_kernel(const float* __restrict__ scores,
+                                          const float* __restrict__ bias,
+                                          unsigned long long* __restrict__ counts, int64_t m,
+                                          int n, int top_k, int64_t bins, double lo,
+                                          double scale, bool literal_alpha) {
+  const int lane = threadIdx.x & 31;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  if (row >= m) return;
+  WarpRow<VPL> w;
+  w.load(scores + row * n, bias, n, lane);
+  float kth = 0.f, alpha = 0.f;
+  uint32_t chosen = 0;
+  for (int r = 0; r <= top_k; ++r) {
+    float value, score;
+    int expert;
+    if (r == top_k) chosen = w.taken;  // the top_k selected (and the slots past n)
+    w.take_best(lane, value, expert, score);
+    if (r == top_k - 1) kth = value;
+    if (r == top_k) alpha = value;
+  }
+  const double top_bin = static_cast<double>(bins - 1);
+#pragma unroll
+  for (int j = 0; j < VPL; ++j) {
+    const int e = lane + 32 * j;
+    if (e >= n) continue;
+    const bool is_chosen = (chosen >> j) & 1u;
+    const float r = __fsub_rn(literal_alpha || is_chosen ? alpha : kth, w.s[j]);
+    double b = floor(__dmul_rn(__dsub_rn(static_cast<double>(r), lo), scale));
+    b = fmin(fmax(b, 0.0), top_bin);
+    atomicAdd(counts + static_cast<int64_t>(e) * bins + static_cast<int64_t>(b), 1ull);
+  }
+}
+
+// Values per lane: the smallest power of two with 32 * VPL >= n.
+int values_per_lane(int64_t n) {
+  int vpl = 1;
+  while (32 * vpl < n) vpl *= 2;
+  return vpl;
+}
+
+// ---- permutation ------------------------------------------------------------------------------------
+
+constexpr int64_t kPermuteBlock = 1024;  // copies per block of the count / place kernels
+
+int64_t permute_blocks(int64_t copies) { return (copies + kPermuteBlock - 1) / kPermuteBlock; }
+
+__global__ void permute_count_kernel(const int64_t* __restrict__ ids, int64_t copies, int n,
+                                     int32_t* __restrict__ block_counts) {
+  extern __shared__ int32_t shared_counts[];
+  for (int e = threadIdx.x; e < n; e += blockDim.x) shared_counts[e] = 0;
+  __syncthreads();
+  const int64_t begin = static_cast<int64_t>(blockIdx.x) * kPermuteBlock;
+  const int64_t end = begin + kPermuteBlock < copies ? begin + kPermuteBlock : copies;
+  for (int64_t c = begin + threadIdx.x; c < end; c += blockDim.x) {
+    const int64_t e = ids[c];
+    if (e >= 0 && e < n) atomicAdd(shared_counts + e, 1);
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < n; e += blockDim.x) {
+    block_counts[static_cast<int64_t>(blockIdx.x) * n + e] = shared_counts[e];
+  }
+}
+
+// One CTA of kScanThreads: per expert, the exclusive sum over blocks (in place, becoming each
+// (block, expert)'s first row once the expert's offset is added); then the exclusive sum over
+// experts.
+constexpr int kScanThreads = 1024;
+
+__global__ void permute_scan_kernel(int32_t* __restrict__ block_base, int64_t blocks, int n,
+                                    int64_t* __restrict__ counts, int64_t* __restrict__ offsets,
+                                    int32_t* __restrict__ group_ends) {
+  extern __shared__ int32_t expert_sum[];  // n entries, then kScanThreads partial sums
+  int32_t* partial = expert_sum + n;
+  for (int e = threadIdx.x; e < n; e += blockDim.x) {
+    int32_t running = 0;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int32_t c = block_base[b * n + e];
+      block_base[b * n + e] = running;
+      running += c;
+    }
+    expert_sum[e] = running;
+    counts[e] = running;
+  }
+  __syncthreads();
+  // Thread t owns experts [t * per, (t + 1) * per).
+  const int per = (n + kScanThreads - 1) / kScanThreads;
+  const int first = threadIdx.x * per;
+  int32_t own = 0;
+  for (int e = first; e < first + per && e < n; ++e) own += expert_sum[e];
+  partial[threadIdx.x] = own;
+  __syncthreads();
+  for (int stride = 1; stride < kScanThreads; stride *= 2) {  // inclusive Hillis-Steele
+    const int32_t add = threadIdx.x >= stride ? partial[threadIdx.x - stride] : 0;
+    __syncthreads();
+    partial[threadIdx.x] += add;
+    __syncthreads();
+  }
+  int32_t offset = partial[threadIdx.x] - own;  // exclusive
+  for (int e = first; e < first + per && e < n; ++e) {
+    const int32_t c = expert_sum[e];
+    expert_sum[e] = offset;  // now the expert's first row
+    offsets[e] = offset;
+    if (group_ends != nullptr) group_ends[e] = offset + c;
+    offset += c;
+  }
+  if (threadIdx.x == kScanThreads - 1) offsets[n] = partial[kScanThreads - 1];
+  __syncthreads();
+  for (int e = threadIdx.x; e < n; e += blockDim.x) {
+    const int32_t base = expert_sum[e];
+    for (int64_t b = 0; b < blocks; ++b) block_base[b * n + e] += base;
+  }
+}
+
+// One warp per block of copies, 32 at a time in order: lanes with the same expert find each other
+// (__match_any_sync), rank among themselves by lane (popcount of the lower peers), take rows from
+// the expert's running counter in shared memory, and the lowest peer advances it. Stable: a copy's
+// row is its expert's first row + the number of that expert's copies before it.
+__global__ void permute_place_kernel(const int64_t* __restrict__ ids, int64_t copies, int n,
+                                     int64_t top_k, const int32_t* __restrict__ block_base,
+                                     int64_t* __restrict__ source, int64_t* __restrict__ token,
+                                     int64_t* __restrict__ inverse) {
+  extern __shared__ int32_t running[];
+  const int lane = threadIdx.x;
+  for (int e = lane; e < n; e += 32) running[e] = block_base[static_cast<int64_t>(blockIdx.x) * n + e];
+  __syncwarp();
+  const int64_t begin = static_cast<int64_t>(blockIdx.x) * kPermuteBlock;
+  const int64_t end = begin + kPermuteBlock < copies ? begin + kPermuteBlock : copies;
+  for (int64_t start = begin; start < end; start += 32) {
+    const int64_t c = start + lane;
+    const bool in_range = c < end;
+    const int64_t e = in_range ? ids[c] : -1;
+    const bool valid = in_range && e >= 0 && e < n;
+    const int key = valid ? static_cast<int>(e) : -1;
+    const unsigned peers = __match_any_sync(kFullMask, key);
+    const int rank = __popc(peers & ((1u << lane) - 1u));
+    const int32_t base = valid ? running[key] : 0;
+    __syncwarp();
+    if (valid && (__ffs(peers) - 1) == lane) running[key] = base + __popc(peers);
+    __syncwarp();
+    if (valid) {
+      const int64_t row = static_cast<int64_t>(base) + rank;
+      source[row] = c;
+      token[row] = c / top_k;
+      inverse[c] = row;
+    } else if (in_range) {
+      inverse[c] = -1;
+    }
+  }
+}
+
+// ---- gather / un-permute -----------------------------------------------------------------------------
+
+template <typename V>
+__global__ void gather_rows_kernel(const V* __restrict__ in, const int64_t* __restrict__ index,
+                                   V* __restrict__ out, int64_t rows, int64_t vectors_per_row) {
+  const int64_t total = rows * vectors_per_row;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / vectors_per_row, c = i - r * vectors_per_row;
+    out[i] = in[index[r] * vectors_per_row + c];
+  }
+}
+
+template <typename V>
+cudaError_t launch_gather(const void* in, const int64_t* index, void* out, int64_t rows,
+                          int64_t row_bytes, cudaStream_t stream) {
+  const int64_t vectors = row_bytes / static_cast<int64_t>(sizeof(V));
+  const int threads = 256;
+  gather_rows_kernel<V><<<blocks_for(rows * vectors, threads), threads, 0, stream>>>(
+      static_cast<const V*>(in), index, static_cast<V*>(out), rows, vectors);
+  return cudaGetLastError();
+}
+
+// One CTA per token, threads over the columns; each token sums its top_k copies in slot order.
+template <typename T, typename O>
+__global__ void unpermute_kernel(const T* __restrict__ copies, const float* __restrict__ weights,
+                                 const int64_t* __restrict__ inverse, O* __restrict__ out,
+                                 int64_t m, int top_k, int64_t width) {
+  const int64_t t = blockIdx.x;
+  if (t >= m) return;
+  for (int64_t col = threadIdx.x; col < width; col += blockDim.x) {
+    float acc = 0.f;
+    for (int s = 0; s < top_k; ++s) {
+      const int64_t c = t * top_k + s;
+      const int64_t row = inverse[c];
+      if (row < 0) continue;
+      const float w = weights != nullptr ? weights[c] : 1.f;
+      acc = fmaf(w, load_f32(copies, row * width + col), acc);
+    }
+    store_f32(out, t * width + col, acc);
+  }
+}
+
+// One CTA per permuted row, threads over the columns.
+template <typename T>
+__global__ void unpermute_backward_copies_kernel(const float* __restrict__ weights,
+                                                 const int64_t* __restrict__ source,
+                                                 const float* __restrict__ d_out,
+                                                 T* __restrict__ d_copies, int64_t rows,
+                                                 int64_t top_k, int64_t width) {
+  const int64_t r = blockIdx.x;
+  if (r >= rows) return;
+  const int64_t c = source[r];
+  const float w = weights != nullptr ? weights[c] : 1.f;
+  const float* d = d_out + (c / top_k) * width;
+  for (int64_t col = threadIdx.x; col < width; col += blockDim.x) {
+    store_f32(d_copies, r * width + col, w * d[col]);
+  }
+}
+
+// One warp per copy: <d_out[token], copies[row]> in fp32.
+template <typename T>
+__global__ void unpermute_backward_weights_kernel(const T* __restrict__ copies,
+                                                  const int64_t* __restrict__ inverse,
+                                                  const float* __restrict__ d_out,
+                                                  float* __restrict__ d_weights, int64_t n_copies,
+                                                  int64_t top_k, int64_t width) {
+  const int lane = threadIdx.x & 31;
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  if (c >= n_copies) return;
+  const int64_t row = inverse[c];
+  float acc = 0.f;
+  if (row >= 0) {
+    const float* d = d_out + (c / top_k) * width;
+    for (int64_t col = lane; col < width; col += 32) {
+      acc = fmaf(d[col], load_f32(copies, row * width + col), acc);
+    }
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) acc += __shfl_xor_sync(kFullMask, acc, offset);
+  if (lane == 0) d_weights[c] = acc;
+}
+
+// ---- SiTU-GLU ------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ float sigmoid_f32(float x) { return 1.f / (1.f + expf(-x)); }
+
+template <typename T>
+__global__ void situ_forward_kernel(const T* __restrict__ gate, const T* __restrict__ up,
+                                    T* __restrict__ h, int64_t count, float beta1, float beta2) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float g = load_f32(gate, i), u = load_f32(up, i);
+    const float c1 = beta1 * tanhf(g / beta1), c2 = beta2 * tanhf(u / beta2);
+    store_f32(h, i, c1 * sigmoid_f32(g) * c2);
+  }
+}
+
+template <typename T>
+__global__ void situ_backward_kernel(const T* __restrict__ gate, const T* __restrict__ up,
+                                     const T* __restrict__ dh, T* __restrict__ d_gate,
+                                     T* __restrict__ d_up, int64_t count, float beta1,
+                                     float beta2) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float g = load_f32(gate, i), u = load_f32(up, i), d = load_f32(dh, i);
+    const float t1 = tanhf(g / beta1), t2 = tanhf(u / beta2);
+    const float c1 = beta1 * t1, c2 = beta2 * t2, sg = sigmoid_f32(g);
+    const float dc1 = 1.f - t1 * t1;  // d(beta1 tanh(g / beta1)) / dg
+    const float dc2 = 1.f - t2 * t2;
+    store_f32(d_gate, i, d * c2 * (dc1 * sg + c1 * sg * (1.f - sg)));
+    store_f32(d_up, i, d * c1 * sg * dc2);
+  }
+}
+
+template <typename V>
+__global__ void zero_empty_groups_kernel(V* __restrict__ data, const int64_t* __restrict__ counts,
+                                         int64_t vectors_per_group) {
+  const int64_t g = blockIdx.y;
+  if (counts[g] != 0) return;
+  V* row = data + g * vectors_per_group;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+       i < vectors_per_group; i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    row[i] = V{};
+  }
+}
+
+bool valid_dtype(MoeDtype d) { return d == MoeDtype::kBFloat16 || d == MoeDtype::kFloat32; }
+
+}  // namespace
+
+// ---- launchers ---------------------------------------------------------------------------------------
+
+cudaError_t moe_router_topk(const float* scores, const float* bias, int64_t* ids, float* weights,
+                            int64_t m, int64_t n, int64_t top_k, cudaStream_t stream) {
+  if (m < 0 || n < 1 || n > kMoeTopkMaxExperts || top_k < 1 || top_k > kMoeTopkMaxK ||
+      top_k > n) {
+    return cudaErrorInvalidValue;
+  }
+  if (m == 0) return cudaSuccess;
+  const int warps = 8;
+  const dim3 grid(static_cast<unsigned>((m + warps - 1) / warps)), block(32 * warps);
+  const int ni = static_cast<int>(n), ki = static_cast<int>(top_k);
+  switch (values_per_lane(n)) {
+    case 1: router_topk_kernel<1><<<grid, block, 0, stream>>>(scores, bias, ids, weights, m, ni, ki); break;
+    case 2: router_topk_kernel<2><<<grid, block, 0, stream>>>(scores, bias, ids, weights, m, ni, ki); break;
+    case 4: router_topk_kernel<4><<<grid, block, 0, stream>>>(scores, bias, ids, weights, m, ni, ki); break;
+    case 8: router_topk_kernel<8><<<grid, block, 0, stream>>>(scores, bias, ids, weights, m, ni, ki); break;
+    case 16: router_topk_kernel<16><<<grid, block, 0, stream>>>(scores, bias, ids, weights, m, ni, ki); break;
+    default: router_topk_kernel<32><<<grid, block, 0, stream>>>(scores, bias, ids, weights, m, ni, ki); break;
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t moe_quantile_histogram(const float* scores, const float* bias, int64_t* counts,
+                                   int64_t m, int64_t n, int64_t top_k, int64_t bins, double lo,
+                                   double scale, bool literal_alpha, cudaStream_t stream) {
+  if (m < 0 || top_k < 1 || top_k + 1 > n || n > kMoeTopkMaxExperts || top_k + 1 > kMoeTopkMaxK ||
+      bins < 1 || !(scale > 0.0) || !std::isfinite(lo)) {
+    return cudaErrorInvalidValue;
+  }
+  if (m == 0) return cudaSuccess;
+  const int warps = 8;
+  const dim3 grid(static_cast<unsigned>((m + warps - 1) / warps)), block(32 * warps);
+  const int ni = static_cast<int>(n), ki = static_cast<int>(top_k);
+  auto* out = reinterpret_cast<unsigned long long*>(counts);
+  switch (values_per_lane(n)) {
+    case 1: quantile_histogram_kernel<1><<<grid, block, 0, stream>>>(scores, bias, out, m, ni, ki, bins, lo, scale, literal_alpha); break;
+    case 2: quantile_histogram_kernel<2><<<grid, block, 0, stream>>>(scores, bias, out, m, ni, ki, bins, lo, scale, literal_alpha); break;
+    case 4: quantile_histogram_kernel<4><<<grid, block, 0, stream>>>(scores, bias, out, m, ni, ki, bins, lo, scale, literal_alpha); break;
+    case 8: quantile_histogram_kernel<8><<<grid, block, 0, stream>>>(scores, bias, out, m, ni, ki, bins, lo, scale, literal_alpha); break;
+    case 16: quantile_histogram_kernel<16><<<grid, block, 0, stream>>>(scores, bias, out, m, ni, ki, bins, lo, scale, literal_alpha); break;
+    default: quantile_histogram_kernel<32><<<grid, block, 0, stream>>>(scores, bias, out, m, ni, ki, bins, lo, scale, literal_alpha); break;
+  }
+  return cudaGetLastError();
+}
+
+size_t moe_permutation_workspace_bytes(int64_t copies, int64_t n) {
+  const int64_t blocks = permute_blocks(copies < 1 ? 1 : copies);
+  return static_cast<size_t>(blocks * n) * sizeof(int32_t);
+}
+
+cudaError_t moe_permutation(const int64_t* ids, int64_t copies, int64_t n, int64_t top_k,
+                            int64_t* counts, int64_t* offsets, int32_t* group_ends,
+                            int64_t* source, int64_t* token, int64_t* inverse, void* workspace,
+                            size_t workspace_bytes, cudaStream_t stream) {
+  if (n < 1 || n > kMoePermutationMaxExperts || copies < 0 || copies >= (int64_t{1} << 31) ||
+      top_k < 1) {
+    return cudaErrorInvalidValue;
+  }
+  const size_t needed = moe_permutation_workspace_bytes(copies, n);
+  if (workspace == nullptr || workspace_bytes < needed) return cudaErrorInvalidValue;
+  const int ni = static_cast<int>(n);
+  auto* block_base = static_cast<int32_t*>(workspace);
+  const int64_t blocks = permute_blocks(copies);
+  const size_t expert_bytes = static_cast<size_t>(n) * sizeof(int32_t);
+  if (copies > 0) {
+    permute_count_kernel<<<static_cast<unsigned>(blocks), 256, expert_bytes, stream>>>(
+        ids, copies, ni, block_base);
+  }
+  const size_t scan_bytes = expert_bytes + kScanThreads * sizeof(int32_t);
+  if (scan_bytes > 48 * 1024) {
+    const cudaError_t e = cudaFuncSetAttribute(
+        permute_scan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(scan_bytes));
+    if (e != cudaSuccess) return e;
+  }
+  // With no copies there are no blocks: the scan writes zero counts and offsets.
+  permute_scan_kernel<<<1, kScanThreads, scan_bytes, stream>>>(block_base, copies > 0 ? blocks : 0,
+                                                               ni, counts, offsets, group_ends);
+  if (copies > 0) {
+    permute_place_kernel<<<static_cast<unsigned>(blocks), 32, expert_bytes, stream>>>(
+        ids, copies, ni, top_k, block_base, source, token, inverse);
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t moe_gather_rows(const void* in, const int64_t* index, void* out, int64_t rows,
+                            int64_t width, int64_t element_size, cudaStream_t stream) {
+  if (rows < 0 || width < 0 || (element_size != 2 && element_size != 4)) {
+    return cudaErrorInvalidValue;
+  }
+  if (rows == 0 || width == 0) return cudaSuccess;
+  const int64_t row_bytes = width * element_size;
+  if (row_bytes % 16 == 0) return launch_gather<uint4>(in, index, out, rows, row_bytes, stream);
+  if (row_bytes % 8 == 0) return launch_gather<uint2>(in, index, out, rows, row_bytes, stream);
+  if (row_bytes % 4 == 0) return launch_gather<uint32_t>(in, index, out, rows, row_bytes, stream);
+  return launch_gather<uint16_t>(in, index, out, rows, row_bytes, stream);
+}
+
+cudaError_t moe_unpermute(MoeDtype dtype, const void* copies, const float* weights,
+                          const int64_t* inverse, MoeDtype out_dtype, void* out, int64_t m,
+                          int64_t top_k, int64_t width, cudaStream_t stream) {
+  if (!valid_dtype(dtype) || !valid_dtype(out_dtype) || m < 0 || top_k < 1 || top_k > INT_MAX ||
+      width < 0 || m > INT_MAX) {
+    return cudaErrorInvalidValue;
+  }
+  if (m == 0 || width == 0) return cudaSuccess;
+  const int threads = width >= 256 ? 256 : static_cast<int>((width + 31) / 32 * 32);
+  const dim3 grid(static_cast<unsigned>(m));
+  const int k = static_cast<int>(top_k);
+  using bf16 = __nv_bfloat16;
+  if (dtype == MoeDtype::kBFloat16) {
+    if (out_dtype == MoeDtype::kFloat32) {
+      unpermute_kernel<bf16, float><<<grid, threads, 0, stream>>>(
+          static_cast<const bf16*>(copies), weights, inverse, static_cast<float*>(out), m, k, width);
+    } else {
+      unpermute_kernel<bf16, bf16><<<grid, threads, 0, stream>>>(
+          static_cast<const bf16*>(copies), weights, inverse, static_cast<bf16*>(out), m, k, width);
+    }
+  } else {
+    if (out_dtype == MoeDtype::kFloat32) {
+      unpermute_kernel<float, float><<<grid, threads, 0, stream>>>(
+          static_cast<const float*>(copies), weights, inverse, static_cast<float*>(out), m, k, width);
+    } else {
+      unpermute_kernel<float, bf16><<<grid, threads, 0, stream>>>(
+          static_cast<const float*>(copies), weights, inverse, static_cast<bf16*>(out), m, k, width);
+    }
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t moe_unpermute_backward(MoeDtype dtype, const void* copies, const float* weights,
+                                   const int64_t* source, const int64_t* inverse,
+                                   const float* d_out, void* d_copies, float* d_weights,
+                                   int64_t m, int64_t top_k, int64_t width, cudaStream_t stream) {
+  if (!valid_dtype(dtype) || m < 0 || top_k < 1 || width < 0) return cudaErrorInvalidValue;
+  const int64_t rows = m * top_k;
+  if (rows == 0) return cudaSuccess;
+  using bf16 = __nv_bfloat16;
+  const int threads = 256;
+  if (d_copies != nullptr && width > 0) {
+    if (rows > INT_MAX) return cudaErrorInvalidValue;
+    const int row_threads = width >= 256 ? 256 : static_cast<int>((width + 31) / 32 * 32);
+    const dim3 grid(static_cast<unsigned>(rows));
+    if (dtype == MoeDtype::kBFloat16) {
+      unpermute_backward_copies_kernel<bf16><<<grid, row_threads, 0, stream>>>(
+          weights, source, d_out, static_cast<bf16*>(d_copies), rows, top_k, width);
+    } else {
+      unpermute_backward_copies_kernel<float><<<grid, row_threads, 0, stream>>>(
+          weights, source, d_out, static_cast<float*>(d_copies), rows, top_k, width);
+    }
+  }
+  if (d_weights != nullptr) {
+    const int warps = threads / 32;
+    const int64_t grid = (rows + warps - 1) / warps;
+    if (dtype == MoeDtype::kBFloat16) {
+      unpermute_backward_weights_kernel<bf16><<<grid, threads, 0, stream>>>(
+          static_cast<const bf16*>(copies), inverse, d_out, d_weights, rows, top_k, width);
+    } else {
+      unpermute_backward_weights_kernel<float><<<grid, threads, 0, stream>>>(
+          static_cast<const float*>(copies), inverse, d_out, d_weights, rows, top_k, width);
+    }
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t situ_glu_forward(MoeDtype dtype, const void* gate, const void* up, void* h,
+                             int64_t count, float beta1, float beta2, cudaStream_t stream) {
+  if (!valid_dtype(dtype) || count < 0 || !(beta1 > 0.f) || !(beta2 > 0.f)) {
+    return cudaErrorInvalidValue;
+  }
+  if (count == 0) return cudaSuccess;
+  const int threads = 256;
+  const int64_t grid = blocks_for(count, threads, 132 * 32);
+  if (dtype == MoeDtype::kBFloat16) {
+    using bf16 = __nv_bfloat16;
+    situ_forward_kernel<bf16><<<grid, threads, 0, stream>>>(
+        static_cast<const bf16*>(gate), static_cast<const bf16*>(up), static_cast<bf16*>(h), count,
+        beta1, beta2);
+  } else {
+    situ_forward_kernel<float><<<grid, threads, 0, stream>>>(
+        static_cast<const float*>(gate), static_cast<const float*>(up), static_cast<float*>(h),
+        count, beta1, beta2);
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t situ_glu_backward(MoeDtype dtype, const void* gate, const void* up, const void* dh,
+                              void* d_gate, void* d_up, int64_t count, float beta1, float beta2,
+                              cudaStream_t stream) {
+  if (!valid_dtype(dtype) || count < 0 || !(beta1 > 0.f) || !(beta2 > 0.f)) {
+    return cudaErrorInvalidValue;
+  }
+  if (count == 0) return cudaSuccess;
+  const int threads = 256;
+  const int64_t grid = blocks_for(count, threads, 132 * 32);
+  if (dtype == MoeDtype::kBFloat16) {
+    using bf16 = __nv_bfloat16;
+    situ_backward_kernel<bf16><<<grid, threads, 0, stream>>>(
+        static_cast<const bf16*>(gate), static_cast<const bf16*>(up), static_cast<const bf16*>(dh),
+        static_cast<bf16*>(d_gate), static_cast<bf16*>(d_up), count, beta1, beta2);
+  } else {
+    situ_backward_kernel<float><<<grid, threads, 0, stream>>>(
+        static_cast<const float*>(gate), static_cast<const float*>(up),
+        static_cast<const float*>(dh), static_cast<float*>(d_gate), static_cast<float*>(d_up),
+        count, beta1, beta2);
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t moe_zero_empty_groups(MoeDtype dtype, void* data, const int64_t* counts,
+                                  int64_t groups, int64_t row_elements, cudaStream_t stream) {
+  if (!valid_dtype(dtype) || groups < 0 || groups > 65535 || row_elements < 0) {
+    return cudaErrorInvalidValue;
+  }
+  if (groups == 0 || row_elements == 0) return cudaSuccess;
+  const int64_t row_bytes = row_elements * (dtype == MoeDtype::kBFloat16 ? 2 : 4);
+  const int threads = 256;
+  if (row_bytes % 16 == 0) {
+    const int64_t vectors = row_bytes / 16;
+    const dim3 grid(static_cast<unsigned>(blocks_for(vectors, threads, 64)), static_cast<unsigned>(groups));
+    zero_empty_groups_kernel<uint4><<<grid, threads, 0, stream>>>(static_cast<uint4*>(data), counts, vectors);
+  } else {
+    const int64_t vectors = row_bytes / 2;
+    const dim3 grid(static_cast<unsigned>(blocks_for(vectors, threads, 64)), static_cast<unsigned>(groups));
+    zero_empty_groups_kernel<uint16_t><<<grid, threads, 0, stream>>>(static_cast<uint16_t*>(data), counts, vectors);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace odyssey::kernels

@@ -1,0 +1,124 @@
+// CUDA kernels of the stable latent MoE layer (../../shared/design/MODEL.md, "Stable latent MoE"
+// and "Quantile balancing"). Framework-free launchers: raw device pointers, sizes and a stream;
+// each returns the launch's cudaError_t (cudaErrorInvalidValue for sizes outside the supported
+// set, checked before anything is launched). The plain LibTorch references they are tested
+// against: model::select_experts and QuantileBalancer::local_histogram (model/balancing.h),
+// model::permute_tokens / permute / unpermute (model/moe.h), model::situ_glu (model/ffn.h).
+// kernels/torch_bindings.h adapts at::Tensor to these calls; the grouped expert GEMMs are not
+// here (they are at::_grouped_mm or a per-expert loop, in kernels/moe_autograd.cpp).
+//
+// Layouts: every tensor is dense row-major (contiguous) in the shape given. "T" is an element
+// type chosen by a MoeDtype (bf16 or fp32); arithmetic is fp32 whatever T is. Expert ids are
+// int64, as LibTorch's topk / sort return them.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+namespace odyssey::kernels {
+
+enum class MoeDtype : int32_t { kBFloat16 = 0, kFloat32 = 1 };
+
+// ---- Router: top-k with the balancing bias ----------------------------------------------------
+// For every token row i of the router's (already sigmoid'ed, unbiased) scores:
+//   T_i = the top_k experts of (scores[i] + bias)           (fp32 add, as select_experts does)
+//   ids[i, :]     = T_i, best first (descending scores + bias)
+//   weights[i, :] = scores[i, T_i] / sum over T_i of scores  (from the UNBIASED scores)
+//   scores f32 [m, n]   bias f32 [n]   ids int64 [m, top_k]   weights f32 [m, top_k] (or nullptr)
+// Ties: among equal values of scores + bias the lower expert id ranks first, so a tie across the
+// k-th place keeps the lower ids. This is a valid top-k (the selected values are the k largest,
+// as a multiset); LibTorch's topk leaves its tie order unspecified, so ids equal
+// select_experts' as a set whenever the k-th and (k+1)-th values of a row differ.
+// NaN scores are not supported. One warp per row, values held in registers.
+// Supported: 1 <= top_k <= 32, top_k <= n <= 1024, m >= 0.
+constexpr int64_t kMoeTopkMaxExperts = 1024;
+constexpr int64_t kMoeTopkMaxK = 32;
+cudaError_t moe_router_topk(const float* scores, const float* bias, int64_t* ids, float* weights,
+                            int64_t m, int64_t n, int64_t top_k, cudaStream_t stream);
+
+// ---- Quantile balancing: the per-expert histogram of r_ij -------------------------------------
+// Adds this batch's counts to counts (int64 [n, bins], NOT cleared here: zero it first, or let
+// it accumulate several batches), exactly as QuantileBalancer::local_histogram (model/
+// balancing.cpp) computes them:
+//   v = scores[i] + bias (fp32); alpha_i = the (top_k + 1)-th largest of v, kth_i the top_k-th;
+//   r_ij = (j among the top_k ? alpha_i : kth_i) - scores[i, j]     (fp32; literal_alpha: alpha_i
+//          for every j, MODEL.md's literal form)
+//   bin  = clamp(floor(((double) r_ij - lo) * scale), 0, bins - 1)  (fp64; scale = bins / (hi - lo)
+//          computed by the caller in fp64, as the reference does)
+// Each r_ij is independent of how ties are broken (a tie across the k-th place makes alpha_i and
+// kth_i equal), so the counts equal the reference's bit for bit. One warp per token row; counts
+// by 64-bit global atomics (integers: the result is deterministic).
+// Supported: 1 <= top_k, top_k + 1 <= n <= 1024, top_k + 1 <= 32, bins >= 1, hi > lo.
+cudaError_t moe_quantile_histogram(const float* scores, const float* bias, int64_t* counts,
+                                   int64_t m, int64_t n, int64_t top_k, int64_t bins, double lo,
+                                   double scale, bool literal_alpha, cudaStream_t stream);
+
+// ---- Token permutation --------------------------------------------------------------------------
+// The token copies c = token * top_k + slot (copies = m * top_k of them) sorted by expert, stably
+// (each expert's copies keep their order), as model::permute_tokens:
+//   ids         int64 [copies]   expert of each copy (selected [m, top_k] flattened), in [0, n)
+//   counts      int64 [n]        written: copies of each expert (tokens_per_expert)
+//   offsets     int64 [n + 1]    written: exclusive prefix sums of counts (offsets[n] = copies)
+//   group_ends  int32 [n]        written, or nullptr: inclusive prefix sums (at::_grouped_mm's offs)
+//   source      int64 [copies]   written: the copy at each permuted row
+//   token       int64 [copies]   written: source / top_k
+//   inverse     int64 [copies]   written: the permuted row of each copy (source's inverse)
+// Ids outside [0, n) are a precondition violation: such copies get no row (inverse = -1) and the
+// counts no longer sum to copies; nothing is written out of bounds.
+// Three kernels: per-block expert counts, one CTA's scan (per expert over blocks, then over
+// experts), per-block stable placement (warp match on equal ids, ranks by popcount).
+// Workspace: moe_permutation_workspace_bytes(copies, n) bytes, 16-byte aligned, used only in the
+// call's stream order. Supported: 1 <= n <= 8192, 0 <= copies < 2^31, top_k >= 1.
+constexpr int64_t kMoePermutationMaxExperts = 8192;
+size_t moe_permutation_workspace_bytes(int64_t copies, int64_t n);
+cudaError_t moe_permutation(const int64_t* ids, int64_t copies, int64_t n, int64_t top_k,
+                            int64_t* counts, int64_t* offsets, int32_t* group_ends,
+                            int64_t* source, int64_t* token, int64_t* inverse, void* workspace,
+                            size_t workspace_bytes, cudaStream_t stream);
+
+// Gather rows: out[r, :] = in[index[r], :] for r < rows; in [*, width] and out [rows, width] of
+// one element size (2 or 4 bytes; the copy is bytewise, in 16-byte vectors where the row allows).
+// index int64 in range (precondition). Used for permute (index = token) and for its backward's
+// weighted gather (see moe_unpermute_backward).
+cudaError_t moe_gather_rows(const void* in, const int64_t* index, void* out, int64_t rows,
+                            int64_t width, int64_t element_size, cudaStream_t stream);
+
+// Un-permute: out[t, :] = sum over slots s of weights[t, s] * copies[inverse[t * top_k + s], :],
+// summed in fp32 in slot order, no atomics (each token reads its own top_k copies).
+//   copies  T [m * top_k, width]   weights f32 [m, top_k] or nullptr (all 1: the backward of
+//   permute)   inverse int64 [m * top_k]   out: out_dtype [m, width]
+// Copies without a row (inverse < 0) contribute nothing.
+cudaError_t moe_unpermute(MoeDtype dtype, const void* copies, const float* weights,
+                          const int64_t* inverse, MoeDtype out_dtype, void* out, int64_t m,
+                          int64_t top_k, int64_t width, cudaStream_t stream);
+
+// The backward of moe_unpermute with respect to copies and weights, from d_out f32 [m, width]:
+//   d_copies[r, :]  = weights[source[r]] * d_out[source[r] / top_k, :]  (T [m * top_k, width],
+//                     rounded once from fp32)
+//   d_weights[c]    = <d_out[c / top_k, :], copies[inverse[c], :]>     (f32 [m * top_k], or
+//                     nullptr when not wanted; fp32 dot product, one warp per copy)
+cudaError_t moe_unpermute_backward(MoeDtype dtype, const void* copies, const float* weights,
+                                   const int64_t* source, const int64_t* inverse,
+                                   const float* d_out, void* d_copies, float* d_weights,
+                                   int64_t m, int64_t top_k, int64_t width, cudaStream_t stream);
+
+// ---- SiTU-GLU (model/ffn.h), elementwise, fp32 math ---------------------------------------------
+//   h = [beta1 tanh(g / beta1) sigma(g)] * [beta2 tanh(u / beta2)]
+// Forward: gate, up, h: T [count]. Backward: from dh T [count], writes
+//   dg = dh * c2 * ((1 - tanh^2(g / beta1)) sigma(g) + c1 sigma(g) (1 - sigma(g)))
+//   du = dh * c1 sigma(g) (1 - tanh^2(u / beta2))       (c1, c2 the capped gate and up)
+// each rounded once to T. Any count >= 0.
+cudaError_t situ_glu_forward(MoeDtype dtype, const void* gate, const void* up, void* h,
+                             int64_t count, float beta1, float beta2, cudaStream_t stream);
+cudaError_t situ_glu_backward(MoeDtype dtype, const void* gate, const void* up, const void* dh,
+                              void* d_gate, void* d_up, int64_t count, float beta1, float beta2,
+                              cudaStream_t stream);
+
+// Zeroes the rows of experts with no tokens in a stacked [groups, row_elements] tensor (weight
+// gradients of grouped GEMMs over an empty token range); counts int64 [groups].
+cudaError_t moe_zero_empty_groups(MoeDtype dtype, void* data, const int64_t* counts,
+                                  int64_t groups, int64_t row_elements, cudaStream_t stream);
+
+}  // namespace odyssey::kernels

@@ -1,0 +1,308 @@
+#include "kernels/moe_autograd.h"
+
+#include <cstdint>
+#include <vector>
+
+#include <ATen/cuda/CUDAContext.h>
+#include <torch/autograd.h>
+#include <torch/version.h>
+
+// at::_grouped_mm (2d x 3d and 2d x 2d with offsets) exists from LibTorch 2.8 on; the local
+// compile check builds against 1.13 headers, which have neither the op nor its header.
+#if defined(TORCH_VERSION_MAJOR) && \
+    (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 8))
+#define ODYSSEY_HAVE_GROUPED_MM 1
+#else
+#define ODYSSEY_HAVE_GROUPED_MM 0
+#endif
+
+namespace odyssey::kernels {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// The permutation's index tensors ride in saved_data (they carry no gradient).
+void save_permutation(AutogradContext* ctx, const MoePermutation& p) {
+  ctx->saved_data["source"] = p.source;
+  ctx->saved_data["token"] = p.token;
+  ctx->saved_data["tokens_per_expert"] = p.tokens_per_expert;
+  ctx->saved_data["offsets"] = p.offsets;
+  ctx->saved_data["group_ends"] = p.group_ends;
+  ctx->saved_data["inverse"] = p.inverse;
+  ctx->saved_data["tokens"] = p.tokens;
+  ctx->saved_data["top_k"] = p.top_k;
+}
+
+MoePermutation load_permutation(AutogradContext* ctx) {
+  MoePermutation p;
+  p.source = ctx->saved_data["source"].toTensor();
+  p.token = ctx->saved_data["token"].toTensor();
+  p.tokens_per_expert = ctx->saved_data["tokens_per_expert"].toTensor();
+  p.offsets = ctx->saved_data["offsets"].toTensor();
+  p.group_ends = ctx->saved_data["group_ends"].toTensor();
+  p.inverse = ctx->saved_data["inverse"].toTensor();
+  p.tokens = ctx->saved_data["tokens"].toInt();
+  p.top_k = ctx->saved_data["top_k"].toInt();
+  return p;
+}
+
+class MoePermuteFunction : public torch::autograd::Function<MoePermuteFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& tokens,
+                               const MoePermutation& permutation) {
+    save_permutation(ctx, permutation);
+    ctx->saved_data["dtype"] = static_cast<int64_t>(tokens.scalar_type());
+    return {moe_gather_rows(tokens, permutation.token)};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    if (!grads[0].defined()) return {at::Tensor(), at::Tensor()};
+    const MoePermutation p = load_permutation(ctx);
+    const auto dtype = static_cast<at::ScalarType>(ctx->saved_data["dtype"].toInt());
+    // Each token's gradient: the sum of its k copies' (the unpermute kernel with unit weights).
+    const at::Tensor d_rows = grads[0].to(dtype).contiguous();
+    const at::Tensor flat = d_rows.reshape({d_rows.size(0), -1});
+    at::Tensor d_tokens = moe_unpermute(flat, p, at::Tensor(), dtype);
+    std::vector<int64_t> shape = d_rows.sizes().vec();
+    shape[0] = p.tokens;
+    return {d_tokens.reshape(shape), at::Tensor()};
+  }
+};
+
+class MoeUnpermuteFunction : public torch::autograd::Function<MoeUnpermuteFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& copies,
+                               const at::Tensor& weights, const MoePermutation& permutation) {
+    save_permutation(ctx, permutation);
+    ctx->save_for_backward({copies, weights});
+    return {moe_unpermute(copies, permutation, weights, at::kFloat)};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    if (!grads[0].defined()) return {at::Tensor(), at::Tensor(), at::Tensor()};
+    const variable_list saved = ctx->get_saved_variables();
+    const MoePermutation p = load_permutation(ctx);
+    const bool want_weights = ctx->needs_input_grad(1);
+    MoeUnpermuteGradients g = moe_unpermute_backward(saved[0], p, saved[1], grads[0], want_weights);
+    return {g.d_copies,
+            want_weights ? g.d_weights.to(saved[1].scalar_type()) : at::Tensor(), at::Tensor()};
+  }
+};
+
+class SituGluFunction : public torch::autograd::Function<SituGluFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& gate, const at::Tensor& up,
+                               double beta1, double beta2) {
+    ctx->save_for_backward({gate, up});
+    ctx->saved_data["beta1"] = beta1;
+    ctx->saved_data["beta2"] = beta2;
+    return {situ_glu(gate, up, beta1, beta2)};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    if (!grads[0].defined()) return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    const variable_list saved = ctx->get_saved_variables();
+    SituGluGradients g = situ_glu_backward(saved[0], saved[1], grads[0],
+                                           ctx->saved_data["beta1"].toDouble(),
+                                           ctx->saved_data["beta2"].toDouble());
+    return {g.d_gate, g.d_up, at::Tensor(), at::Tensor()};
+  }
+};
+
+// ---- grouped GEMMs ----------------------------------------------------------------------------------
+
+// The groups of rows: on the device for at::_grouped_mm, on the host for the loop.
+struct Groups {
+  bool grouped = false;
+  at::Tensor counts;            // int64 [E], device
+  at::Tensor ends;              // int32 [E], device (grouped only)
+  std::vector<int64_t> host;    // counts on the host (loop only)
+};
+
+// x [R, K] grouped by rows, w [E, K, N] (any strides) -> [R, N]: row block e times w[e].
+at::Tensor rows_times(const at::Tensor& x, const at::Tensor& w, const Groups& g) {
+#if ODYSSEY_HAVE_GROUPED_MM
+  if (g.grouped) return at::_grouped_mm(x, w, g.ends);
+#endif
+  at::Tensor out = at::empty({x.size(0), w.size(2)}, x.options());
+  int64_t start = 0;
+  for (size_t e = 0; e < g.host.size(); ++e) {
+    const int64_t count = g.host[e];
+    if (count == 0) continue;
+    at::Tensor slice = out.narrow(0, start, count);
+    at::mm_out(slice, x.narrow(0, start, count), w.select(0, static_cast<int64_t>(e)));
+    start += count;
+  }
+  return out;
+}
+
+// a [R, M], b [R, N] grouped by rows -> [E, M, N]: a_e^T b_e (zeros for experts without rows).
+at::Tensor weight_grad(const at::Tensor& a, const at::Tensor& b, const Groups& g) {
+  const int64_t experts = g.counts.size(0);
+#if ODYSSEY_HAVE_GROUPED_MM
+  if (g.grouped) {
+    at::Tensor out = at::_grouped_mm(a.t(), b, g.ends).contiguous();
+    moe_zero_empty_groups(out, g.counts);
+    return out;
+  }
+#endif
+  at::Tensor out = at::zeros({experts, a.size(1), b.size(1)}, a.options());
+  int64_t start = 0;
+  for (size_t e = 0; e < g.host.size(); ++e) {
+    const int64_t count = g.host[e];
+    if (count == 0) continue;
+    at::Tensor slice = out.select(0, static_cast<int64_t>(e));
+    at::mm_out(slice, a.narrow(0, start, count).t(), b.narrow(0, start, count));
+    start += count;
+  }
+  return out;
+}
+
+Groups make_groups(const MoePermutation& p, bool grouped) {
+  Groups g;
+  g.grouped = grouped;
+  g.counts = p.tokens_per_expert;
+  g.ends = p.group_ends;
+  if (!grouped) {
+    const at::Tensor host = p.tokens_per_expert.to(at::kCPU, at::kLong).contiguous();
+    g.host.assign(host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + host.numel());
+  }
+  return g;
+}
+
+class MoeExpertsFunction : public torch::autograd::Function<MoeExpertsFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& rows,
+                               const at::Tensor& gate_proj, const at::Tensor& up_proj,
+                               const at::Tensor& down_proj, const MoePermutation& permutation,
+                               double beta1, double beta2, bool grouped) {
+    const Groups g = make_groups(permutation, grouped);
+    const at::Tensor x = rows.contiguous();
+    const at::Tensor gate = rows_times(x, gate_proj.transpose(1, 2), g);
+    const at::Tensor up = rows_times(x, up_proj.transpose(1, 2), g);
+    const at::Tensor h = situ_glu(gate, up, beta1, beta2);
+    at::Tensor y = rows_times(h, down_proj.transpose(1, 2), g);
+    save_permutation(ctx, permutation);
+    ctx->save_for_backward({x, gate_proj, up_proj, down_proj, gate, up});
+    ctx->saved_data["beta1"] = beta1;
+    ctx->saved_data["beta2"] = beta2;
+    ctx->saved_data["grouped"] = grouped;
+    if (!grouped) ctx->saved_data["host_counts"] = g.host;
+    return {y};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    variable_list none(8);
+    if (!grads[0].defined()) return none;
+    const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &gate_proj = saved[1], &up_proj = saved[2],
+                     &down_proj = saved[3], &gate = saved[4], &up = saved[5];
+    const double beta1 = ctx->saved_data["beta1"].toDouble();
+    const double beta2 = ctx->saved_data["beta2"].toDouble();
+    Groups g;
+    g.grouped = ctx->saved_data["grouped"].toBool();
+    g.counts = ctx->saved_data["tokens_per_expert"].toTensor();
+    g.ends = ctx->saved_data["group_ends"].toTensor();
+    if (!g.grouped) g.host = ctx->saved_data["host_counts"].toIntVector();
+
+    const at::Tensor dy = grads[0].to(x.scalar_type()).contiguous();
+    const at::Tensor h = situ_glu(gate, up, beta1, beta2);  // recomputed, not saved
+    const at::Tensor dh = rows_times(dy, down_proj, g);     // dY W_down: [R, F]
+    const SituGluGradients d = situ_glu_backward(gate, up, dh, beta1, beta2);
+    variable_list out(8);
+    if (ctx->needs_input_grad(0)) {
+      out[0] = rows_times(d.d_gate, gate_proj, g) + rows_times(d.d_up, up_proj, g);
+    }
+    if (ctx->needs_input_grad(1)) out[1] = weight_grad(d.d_gate, x, g);
+    if (ctx->needs_input_grad(2)) out[2] = weight_grad(d.d_up, x, g);
+    if (ctx->needs_input_grad(3)) out[3] = weight_grad(dy, h, g);
+    return out;
+  }
+};
+
+}  // namespace
+
+bool moe_grouped_mm_compiled() { return ODYSSEY_HAVE_GROUPED_MM != 0; }
+
+bool moe_grouped_mm_applies(const at::Tensor& rows, const at::Tensor& gate_proj,
+                            const at::Tensor& up_proj, const at::Tensor& down_proj) {
+#if ODYSSEY_HAVE_GROUPED_MM
+  for (const at::Tensor* t : {&rows, &gate_proj, &up_proj, &down_proj}) {
+    if (!t->defined() || !t->is_cuda() || t->device() != rows.device() ||
+        t->scalar_type() != at::kBFloat16) {
+      return false;
+    }
+  }
+  if (rows.dim() != 2 || gate_proj.dim() != 3 || rows.size(0) == 0 ||
+      rows.size(0) >= (int64_t{1} << 31)) {
+    return false;
+  }
+  const int64_t latent = rows.size(1), ffn = gate_proj.size(1);
+  if (latent % 16 != 0 || ffn % 16 != 0) return false;
+  // LibTorch's CUTLASS grouped GEMM prepares its per-group arguments with one thread per group
+  // and refuses 1024 groups or more.
+  if (gate_proj.size(0) >= 1024) return false;
+  const int major = at::cuda::getDeviceProperties(rows.device().index())->major;
+  return major == 9 || major == 10;
+#else
+  (void)rows;
+  (void)gate_proj;
+  (void)up_proj;
+  (void)down_proj;
+  return false;
+#endif
+}
+
+at::Tensor moe_permute_autograd(const at::Tensor& tokens, const MoePermutation& permutation) {
+  return MoePermuteFunction::apply(tokens, permutation)[0];
+}
+
+at::Tensor moe_unpermute_autograd(const at::Tensor& copies, const MoePermutation& permutation,
+                                  const at::Tensor& weights) {
+  TORCH_CHECK(weights.defined() && weights.scalar_type() == at::kFloat,
+              "kernels::moe_unpermute_autograd: weights must be fp32 [m, k], got ",
+              weights.defined() ? c10::str(weights.scalar_type()) : std::string("undefined"));
+  return MoeUnpermuteFunction::apply(copies, weights, permutation)[0];
+}
+
+at::Tensor situ_glu_autograd(const at::Tensor& gate, const at::Tensor& up, double beta1,
+                             double beta2) {
+  return SituGluFunction::apply(gate, up, beta1, beta2)[0];
+}
+
+at::Tensor moe_experts_autograd(const at::Tensor& rows, const at::Tensor& gate_proj,
+                                const at::Tensor& up_proj, const at::Tensor& down_proj,
+                                const MoePermutation& permutation, double beta1, double beta2,
+                                MoeGemm gemm) {
+  constexpr const char* where = "kernels::moe_experts_autograd";
+  TORCH_CHECK(rows.dim() == 2 && gate_proj.dim() == 3 && up_proj.sizes() == gate_proj.sizes() &&
+                  down_proj.dim() == 3,
+              where, ": rows must be [R, L], gate_proj / up_proj [E, F, L], down_proj [E, L, F]; got ",
+              rows.sizes(), ", ", gate_proj.sizes(), ", ", up_proj.sizes(), ", ", down_proj.sizes());
+  const int64_t experts = gate_proj.size(0), ffn = gate_proj.size(1), latent = gate_proj.size(2);
+  TORCH_CHECK(rows.size(1) == latent && down_proj.size(0) == experts && down_proj.size(1) == latent &&
+                  down_proj.size(2) == ffn,
+              where, ": shapes disagree: rows ", rows.sizes(), ", gate_proj ", gate_proj.sizes(),
+              ", down_proj ", down_proj.sizes());
+  TORCH_CHECK(permutation.tokens_per_expert.defined() &&
+                  permutation.tokens_per_expert.size(0) == experts &&
+                  permutation.tokens * permutation.top_k == rows.size(0),
+              where, ": the permutation (", permutation.tokens, " tokens x ", permutation.top_k,
+              ") does not describe ", rows.size(0), " rows of ", experts, " experts");
+  TORCH_CHECK(rows.scalar_type() == gate_proj.scalar_type() &&
+                  up_proj.scalar_type() == gate_proj.scalar_type() &&
+                  down_proj.scalar_type() == gate_proj.scalar_type() &&
+                  (rows.scalar_type() == at::kBFloat16 || rows.scalar_type() == at::kFloat),
+              where, ": rows and weights must be one dtype of bf16 / fp32, got ", rows.scalar_type(),
+              ", ", gate_proj.scalar_type(), ", ", up_proj.scalar_type(), ", ", down_proj.scalar_type());
+  const bool applies = moe_grouped_mm_applies(rows, gate_proj, up_proj, down_proj);
+  TORCH_CHECK(gemm != MoeGemm::kGrouped || applies, where,
+              ": at::_grouped_mm does not apply here (needs LibTorch >= 2.8, bf16, sm90 / sm100, "
+              "widths that are multiples of 16, fewer than 1024 experts; compiled in: ", moe_grouped_mm_compiled(), ")");
+  const bool grouped = gemm == MoeGemm::kGrouped || (gemm == MoeGemm::kAuto && applies);
+  return MoeExpertsFunction::apply(rows, gate_proj, up_proj, down_proj, permutation, beta1, beta2,
+                                   grouped)[0];
+}
+
+}  // namespace odyssey::kernels

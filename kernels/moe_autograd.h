@@ -1,0 +1,64 @@
+// The MoE kernels recorded for autograd (GPU build only): the token permutation, the weighted
+// un-permute, fused SiTU-GLU, and the routed experts as grouped GEMMs. model/moe.cpp's MoeImpl
+// uses them for CUDA bf16 / fp32 inputs; MoeImpl::forward_reference stays the plain LibTorch path
+// these are tested against (tests/kernels/moe_kernel_test.cpp).
+//
+// Every backward here is first order only (its own ops are not recorded: no double backward).
+// Gradients are the reference's: permute's backward sums each token's copies, unpermute's gives
+// the copies weight * d_out and the weights <d_out, copy> (so the router learns through p), the
+// expert GEMMs' backward is dX = dY W and dW = dY^T X per expert.
+//
+// Grouped GEMMs. With LibTorch >= 2.8 (TORCH_VERSION_MAJOR / MINOR of <torch/version.h>), bf16
+// rows and weights, an sm90 / sm100 device, widths that are multiples of 16 and fewer than 1024
+// experts (LibTorch's CUTLASS path refuses more groups), the experts run
+// as at::_grouped_mm (CUTLASS grouped GEMM, offsets on the device: no host synchronisation):
+//   forward    G = X W_gate^T, U = X W_up^T, Y = H W_down^T     2d x 3d, rows grouped by offs
+//   backward   dH = dY W_down, dX = dG W_gate + dU W_up          2d x 3d
+//              dW_down = dY^T H, dW_gate = dG^T X, dW_up = dU^T X 2d x 2d, offs over the tokens
+// Nothing relies on an autograd formula of at::_grouped_mm: MoeExpertsFunction is a custom
+// Function whose backward calls at::_grouped_mm itself. Weight gradients of experts with no
+// tokens are zeroed explicitly (moe_zero_empty_groups) rather than trusting what a 2d x 2d GEMM
+// over an empty range leaves. Otherwise (fp32, LibTorch 1.13, other devices or widths) the same
+// Function loops over experts with at::mm on host-side counts (one device-to-host copy).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include "kernels/torch_bindings.h"
+
+namespace odyssey::kernels {
+
+// Which GEMMs MoeExpertsFunction uses: kAuto takes at::_grouped_mm where it applies (see above).
+enum class MoeGemm { kAuto, kGrouped, kLoop };
+
+// Whether at::_grouped_mm was compiled in (LibTorch >= 2.8).
+bool moe_grouped_mm_compiled();
+// Whether kAuto picks at::_grouped_mm for these rows [R, L] and stacked weights
+// gate / up [E, F, L], down [E, L, F].
+bool moe_grouped_mm_applies(const at::Tensor& rows, const at::Tensor& gate_proj,
+                            const at::Tensor& up_proj, const at::Tensor& down_proj);
+
+// model::permute with autograd: rows[r] = tokens[permutation.token[r]]; tokens [m, width] CUDA
+// (2- or 4-byte elements). Backward: each token's gradient is the sum of its k copies' (fp32, no
+// atomics).
+at::Tensor moe_permute_autograd(const at::Tensor& tokens, const MoePermutation& permutation);
+
+// model::unpermute with autograd: fp32 [m, width] = sum over slots of weights * copies. copies
+// bf16 / fp32 [m k, width]; weights fp32 [m, k] (differentiable: the mixing weights p).
+at::Tensor moe_unpermute_autograd(const at::Tensor& copies, const MoePermutation& permutation,
+                                  const at::Tensor& weights);
+
+// model::situ_glu with autograd, both directions fused (kernels/moe.h).
+at::Tensor situ_glu_autograd(const at::Tensor& gate, const at::Tensor& up, double beta1,
+                             double beta2);
+
+// StackedExperts::forward with autograd: rows [R, L] grouped by expert as permutation says
+// (R = m k), gate_proj / up_proj [E, F, L], down_proj [E, L, F], all one dtype (bf16 or fp32);
+// SiTU-GLU between the GEMMs fused. Returns [R, L] in rows' dtype. Saves rows and the gate and up
+// activations ([R, F] each); H is recomputed in the backward.
+at::Tensor moe_experts_autograd(const at::Tensor& rows, const at::Tensor& gate_proj,
+                                const at::Tensor& up_proj, const at::Tensor& down_proj,
+                                const MoePermutation& permutation, double beta1, double beta2,
+                                MoeGemm gemm = MoeGemm::kAuto);
+
+}  // namespace odyssey::kernels

@@ -1,0 +1,478 @@
+// The MoE CUDA kernels (kernels/moe.h, kernels/moe_autograd.h) against the plain LibTorch
+// references: router top-k with the balancing bias vs model::select_experts (n = 64 / 896 / 1024,
+// ties from a saturated or constant bias), the quantile histogram vs
+// QuantileBalancer::local_histogram (exact), the permutation vs model::permute_tokens (exact,
+// experts without tokens), gather / weighted un-permute and their gradients vs model::permute /
+// unpermute, SiTU-GLU forward and backward vs autograd of model::situ_glu in fp64, the expert
+// GEMMs (at::_grouped_mm where it applies, and the per-expert loop) vs an fp64 loop, and the
+// whole MoeImpl forward + backward on CUDA (bf16 and fp32) vs its fp64 reference path with every
+// parameter gradient. Every comparison prints its max error. Skipped without a CUDA device.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <gtest/gtest.h>
+#include <torch/cuda.h>
+
+#include "kernels/moe.h"
+#include "kernels/moe_autograd.h"
+#include "kernels/torch_bindings.h"
+#include "model/balancing.h"
+#include "model/ffn.h"
+#include "model/moe.h"
+
+namespace odyssey::kernels {
+namespace {
+
+namespace model = odyssey::model;
+
+at::TensorOptions cuda(at::ScalarType dtype = at::kFloat) {
+  return at::TensorOptions().device(at::kCUDA).dtype(dtype);
+}
+
+double max_abs(const at::Tensor& a) { return a.numel() == 0 ? 0.0 : a.abs().max().item<double>(); }
+
+double max_error(const at::Tensor& got, const at::Tensor& expected) {
+  return max_abs(got.to(at::kDouble).cpu() - expected.to(at::kDouble).cpu());
+}
+
+// got vs expected within tolerance * max(1e-6, |expected|max); prints the error.
+void expect_close(const std::string& what, const at::Tensor& got, const at::Tensor& expected,
+                  double tolerance) {
+  ASSERT_TRUE(got.defined()) << what << ": no result";
+  ASSERT_EQ(got.sizes(), expected.sizes()) << what;
+  ASSERT_TRUE(at::isfinite(got.to(at::kFloat)).all().item<bool>()) << what << ": not finite";
+  const double error = max_error(got, expected);
+  const double scale = std::max(1e-6, max_abs(expected.to(at::kDouble)));
+  std::printf("  %-58s max err %.3e (|ref| <= %.3e, %.2e relative)\n", what.c_str(), error, scale,
+              error / scale);
+  EXPECT_LE(error, tolerance * scale) << what;
+}
+
+class MoeKernel : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  }
+};
+
+// ---- router top-k ---------------------------------------------------------------------------------
+
+struct TopkCheck {
+  int64_t rows_with_boundary_tie = 0;
+  int64_t set_mismatches = 0;  // among rows without a tie at the k-th place
+};
+
+// The kernel's selection against select_experts: per row, the selected biased values as a
+// multiset (always equal for any valid top-k), the id sets where the k-th and (k+1)-th biased
+// values differ, descending order, and p from the unbiased scores.
+TopkCheck check_topk(const std::string& what, const at::Tensor& scores, const at::Tensor& bias,
+                     int64_t k) {
+  const MoeRouterTopk got = moe_router_topk(scores, bias, k);
+  const at::Tensor expected = model::select_experts(scores, bias, k);
+  const at::Tensor biased = (scores + bias.to(scores.device(), at::kFloat)).cpu();
+  const at::Tensor got_ids = got.ids.cpu(), ref_ids = expected.cpu();
+  const at::Tensor got_values = biased.gather(1, got_ids);
+  const at::Tensor ref_values = biased.gather(1, ref_ids);
+  EXPECT_TRUE(at::equal(std::get<0>(at::sort(got_values, 1)), std::get<0>(at::sort(ref_values, 1))))
+      << what << ": the selected biased values differ from select_experts'";
+  // Best first.
+  EXPECT_TRUE((got_values.narrow(1, 0, k - 1) >= got_values.narrow(1, 1, k - 1)).all().item<bool>() ||
+              k == 1)
+      << what << ": ids not in descending order";
+  TopkCheck check;
+  const int64_t n = scores.size(1);
+  const at::Tensor sorted = std::get<0>(at::sort(biased, 1, /*descending=*/true));
+  const at::Tensor got_sorted = std::get<0>(at::sort(got_ids, 1)), ref_sorted = std::get<0>(at::sort(ref_ids, 1));
+  for (int64_t i = 0; i < scores.size(0); ++i) {
+    const bool tie = k < n && sorted[i][k - 1].item<float>() == sorted[i][k].item<float>();
+    if (tie) {
+      ++check.rows_with_boundary_tie;
+    } else if (!at::equal(got_sorted[i], ref_sorted[i])) {
+      ++check.set_mismatches;
+    }
+  }
+  const at::Tensor chosen = scores.cpu().gather(1, got_ids);
+  const at::Tensor p = chosen / chosen.sum(-1, true);
+  std::printf("  %-40s rows %ld, ties at the k-th place %ld, set mismatches %ld\n", what.c_str(),
+              static_cast<long>(scores.size(0)), static_cast<long>(check.rows_with_boundary_tie),
+              static_cast<long>(check.set_mismatches));
+  expect_close(what + ": p", got.weights, p, 1e-6);
+  return check;
+}
+
+TEST_F(MoeKernel, RouterTopkMatchesSelectExperts) {
+  struct Case {
+    int64_t m, n, k;
+  };
+  for (const Case& c : std::vector<Case>{{1000, 64, 4}, {4096, 896, 16}, {333, 100, 7},
+                                          {64, 1024, 32}, {17, 5, 5}, {9, 33, 1}}) {
+    at::manual_seed(c.n + c.k);
+    const at::Tensor scores = at::sigmoid(at::randn({c.m, c.n}, cuda()));
+    const at::Tensor bias = at::randn({c.n}, cuda()) * 0.1;
+    const std::string name = "m" + std::to_string(c.m) + " n" + std::to_string(c.n) + " k" + std::to_string(c.k);
+    const TopkCheck check = check_topk(name, scores, bias, c.k);
+    EXPECT_EQ(check.set_mismatches, 0) << name;
+  }
+}
+
+TEST_F(MoeKernel, RouterTopkTiesKeepTheLowerExpertIds) {
+  const int64_t m = 256, n = 896, k = 16;
+  at::manual_seed(5);
+  const at::Tensor scores = at::sigmoid(at::randn({m, n}, cuda()));
+  // A saturated bias: s + b rounds to 2^30 for every expert (s < 1 is below half an ulp), so every
+  // value ties and the kernel takes experts 0..k-1 in order.
+  {
+    const at::Tensor bias = at::full({n}, 1073741824.0, cuda());
+    check_topk("saturated bias, all tied", scores, bias, k);
+    const MoeRouterTopk got = moe_router_topk(scores, bias, k);
+    const at::Tensor expected_ids = at::arange(k, cuda(at::kLong)).expand({m, k});
+    EXPECT_TRUE(at::equal(got.ids, expected_ids)) << "ties must keep the lowest expert ids";
+    const at::Tensor chosen = scores.narrow(1, 0, k);
+    expect_close("saturated bias: p from the unbiased scores", got.weights,
+                 chosen / chosen.sum(-1, true), 1e-6);
+  }
+  // 40 experts saturated (every third one), the rest far below: the lowest 16 of the 40.
+  {
+    at::Tensor bias = at::full({n}, -10.0, cuda());
+    bias.slice(0, 0, 120, 3).fill_(1073741824.0);
+    const MoeRouterTopk got = moe_router_topk(scores, bias, k);
+    const at::Tensor expected_ids = (at::arange(k, cuda(at::kLong)) * 3).expand({m, k});
+    EXPECT_TRUE(at::equal(got.ids, expected_ids)) << "partly saturated bias";
+    check_topk("partly saturated bias", scores, bias, k);
+  }
+  // Constant scores, zero bias: everything ties.
+  {
+    const at::Tensor flat = at::full({m, 64}, 0.5, cuda());
+    const MoeRouterTopk got = moe_router_topk(flat, at::zeros({64}, cuda()), 4);
+    EXPECT_TRUE(at::equal(got.ids, at::arange(4, cuda(at::kLong)).expand({m, 4})));
+    expect_close("constant scores: p = 1/k", got.weights, at::full({m, 4}, 0.25, cuda()), 1e-7);
+  }
+}
+
+TEST_F(MoeKernel, RouterTopkRejectsUnsupportedSizes) {
+  const at::Tensor scores = at::rand({4, 1100}, cuda());
+  EXPECT_FALSE(moe_router_topk_supported(scores, 8));
+  EXPECT_THROW(moe_router_topk(scores, at::zeros({1100}, cuda()), 8), c10::Error);
+  EXPECT_EQ(moe_router_topk(nullptr, nullptr, nullptr, nullptr, 4, 64, 33, nullptr),
+            cudaErrorInvalidValue);
+}
+
+// ---- quantile histogram -----------------------------------------------------------------------------
+
+TEST_F(MoeKernel, QuantileHistogramEqualsTheReferenceExactly) {
+  struct Case {
+    int64_t m, n, k;
+    bool literal_alpha;
+    bool tied_scores;  // scores on a 1/16 grid: ties everywhere, also across the k-th place
+  };
+  for (const Case& c : std::vector<Case>{{1000, 64, 4, false, false}, {1000, 64, 4, true, false},
+                                          {2048, 896, 16, false, false}, {500, 64, 4, false, true},
+                                          {300, 896, 16, true, true}}) {
+    at::manual_seed(c.m + c.n);
+    at::Tensor scores = at::sigmoid(at::randn({c.m, c.n}, cuda()));
+    if (c.tied_scores) scores = at::round(scores * 16.0) / 16.0;
+    model::QuantileBalancerOptions options;
+    options.num_experts = c.n;
+    options.top_k = c.k;
+    options.histogram_bins = 1000;
+    options.literal_alpha = c.literal_alpha;
+    model::QuantileBalancer reference(options), gpu(options);
+    const at::Tensor bias = at::randn({c.n}, at::kFloat) * 0.05;
+    ASSERT_TRUE(reference.restore({bias, 0}).ok());
+    ASSERT_TRUE(gpu.restore({bias, 0}).ok());
+    const at::Tensor expected = reference.local_histogram(scores.cpu());  // the LibTorch path
+    const at::Tensor through_balancer = gpu.local_histogram(scores);      // dispatches to the kernel
+    const auto [lo, hi] = reference.histogram_range();
+    const at::Tensor direct =
+        moe_quantile_histogram(scores, bias.cuda(), c.k, options.histogram_bins, lo, hi, c.literal_alpha);
+    const std::string name = "m" + std::to_string(c.m) + " n" + std::to_string(c.n) + " k" +
+                             std::to_string(c.k) + (c.literal_alpha ? " literal" : "") +
+                             (c.tied_scores ? " tied" : "");
+    const int64_t differing = (direct.cpu() != expected).sum().item<int64_t>();
+    std::printf("  histogram %-32s bins differing %ld of %ld, total %ld (expected %ld)\n", name.c_str(),
+                static_cast<long>(differing), static_cast<long>(expected.numel()),
+                static_cast<long>(direct.sum().item<int64_t>()), static_cast<long>(c.m * c.n));
+    EXPECT_TRUE(at::equal(direct.cpu(), expected)) << name;
+    EXPECT_TRUE(at::equal(through_balancer.cpu(), expected)) << name << " (through the balancer)";
+    // The targets from either histogram are then the same too.
+    EXPECT_TRUE(at::equal(gpu.histogram_target(direct).cpu(), reference.histogram_target(expected).cpu()));
+  }
+}
+
+// ---- permutation ----------------------------------------------------------------------------------------
+
+void expect_permutation_matches(const std::string& what, const at::Tensor& selected, int64_t n) {
+  const MoePermutation got = moe_permutation(selected, n);
+  const model::TokenPermutation expected = model::permute_tokens(selected, n);
+  const int64_t copies = selected.numel();
+  EXPECT_TRUE(at::equal(got.tokens_per_expert.cpu(), expected.tokens_per_expert.cpu())) << what << ": counts";
+  EXPECT_TRUE(at::equal(got.source.cpu(), expected.source.cpu())) << what << ": source (stable order)";
+  EXPECT_TRUE(at::equal(got.token.cpu(), expected.token.cpu())) << what << ": token";
+  const at::Tensor cumulative = at::cumsum(expected.tokens_per_expert.cpu(), 0);
+  EXPECT_TRUE(at::equal(got.offsets.cpu().narrow(0, 1, n), cumulative)) << what << ": offsets";
+  EXPECT_EQ(got.offsets.cpu()[0].item<int64_t>(), 0) << what;
+  EXPECT_TRUE(at::equal(got.group_ends.cpu().to(at::kLong), cumulative)) << what << ": group_ends";
+  EXPECT_TRUE(at::equal(got.inverse.index_select(0, got.source).cpu(), at::arange(copies, at::kLong)))
+      << what << ": inverse";
+  const int64_t empty = (expected.tokens_per_expert == 0).sum().item<int64_t>();
+  std::printf("  permutation %-36s copies %ld, experts without tokens %ld\n", what.c_str(),
+              static_cast<long>(copies), static_cast<long>(empty));
+}
+
+TEST_F(MoeKernel, PermutationEqualsPermuteTokensExactly) {
+  struct Case {
+    int64_t m, n, k;
+  };
+  for (const Case& c : std::vector<Case>{{1000, 64, 4}, {8192, 896, 16}, {3, 10, 2}, {5000, 8192, 2}}) {
+    at::manual_seed(c.m);
+    // Top-k selections with the upper half of the experts pushed out: experts without tokens.
+    const at::Tensor scores = at::sigmoid(at::randn({c.m, c.n}, cuda()));
+    at::Tensor bias = at::zeros({c.n}, cuda());
+    bias.narrow(0, c.n / 2, c.n - c.n / 2).fill_(-10.0);
+    const at::Tensor selected = model::select_experts(scores, bias, c.k);
+    const std::string name = "m" + std::to_string(c.m) + " n" + std::to_string(c.n) + " k" + std::to_string(c.k);
+    expect_permutation_matches(name + " top-k", selected, c.n);
+    // Arbitrary ids (repeats within a token allowed).
+    expect_permutation_matches(name + " random ids", at::randint(0, c.n, {c.m, c.k}, cuda(at::kLong)), c.n);
+  }
+  // No tokens at all.
+  const MoePermutation none = moe_permutation(at::zeros({0, 4}, cuda(at::kLong)), 64);
+  EXPECT_EQ(none.tokens_per_expert.sum().item<int64_t>(), 0);
+  EXPECT_EQ(none.offsets.cpu()[64].item<int64_t>(), 0);
+}
+
+TEST_F(MoeKernel, PermuteAndUnpermuteMatchTheReferenceWithGradients) {
+  const int64_t m = 777, n = 64, k = 4, width = 96;
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    at::manual_seed(3);
+    const at::Tensor scores = at::sigmoid(at::randn({m, n}, cuda()));
+    const at::Tensor selected = model::select_experts(scores, at::zeros({n}, cuda()), k);
+    const at::Tensor chosen = scores.gather(1, selected);
+    const at::Tensor weights = chosen / chosen.sum(-1, true);
+    const MoePermutation perm = moe_permutation(selected, n);
+    const model::TokenPermutation ref = model::permute_tokens(selected, n);
+    const std::string tag = dtype == at::kFloat ? " fp32" : " bf16";
+
+    const at::Tensor tokens = at::randn({m, width}, cuda(dtype));
+    EXPECT_TRUE(at::equal(moe_gather_rows(tokens, perm.token), model::permute(tokens, ref))) << "gather" << tag;
+
+    const at::Tensor copies = at::randn({m * k, width}, cuda(dtype));
+    const at::Tensor expected = model::unpermute(copies, ref, weights);
+    const at::Tensor got = moe_unpermute(copies, perm, weights, at::kFloat);
+    expect_close("unpermute" + tag, got, expected, 1e-5);
+
+    // Gradients through both autograd functions vs autograd of the reference (fp64 copies).
+    const at::Tensor d_out = at::randn({m, width}, cuda());
+    auto run = [&](bool kernels) {
+      const c10::AutoGradMode grad(true);
+      at::Tensor t = (kernels ? tokens : tokens.to(at::kDouble)).detach().requires_grad_(true);
+      at::Tensor w = (kernels ? weights : weights.to(at::kDouble)).detach().requires_grad_(true);
+      const at::Tensor rows = kernels ? moe_permute_autograd(t, perm) : model::permute(t, ref);
+      const at::Tensor scaled = rows * 1.5;  // something between the two steps
+      const at::Tensor out = kernels ? moe_unpermute_autograd(scaled, perm, w) : model::unpermute(scaled, ref, w);
+      (out.to(at::kDouble) * d_out.to(at::kDouble)).sum().backward();
+      return std::make_pair(t.grad(), w.grad());
+    };
+    const auto [dt, dw] = run(true);
+    const auto [dt_ref, dw_ref] = run(false);
+    const double tolerance = dtype == at::kFloat ? 1e-5 : 2e-2;
+    expect_close("permute backward (d tokens)" + tag, dt, dt_ref, tolerance);
+    expect_close("unpermute backward (d weights)" + tag, dw, dw_ref, tolerance);
+  }
+}
+
+// ---- SiTU-GLU ----------------------------------------------------------------------------------------------
+
+TEST_F(MoeKernel, SituGluForwardAndBackwardMatchAutogradOfTheReference) {
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    at::manual_seed(11);
+    // Wide inputs so both caps saturate somewhere (|g| up to ~24, |u| up to ~60).
+    const at::Tensor gate = (at::randn({513, 129}, cuda()) * 6.0).to(dtype);
+    const at::Tensor up = (at::randn({513, 129}, cuda()) * 15.0).to(dtype);
+    const at::Tensor dh = at::randn({513, 129}, cuda()).to(dtype);
+    const c10::AutoGradMode grad(true);
+    const at::Tensor g64 = gate.to(at::kDouble).requires_grad_(true);
+    const at::Tensor u64 = up.to(at::kDouble).requires_grad_(true);
+    const at::Tensor h64 = model::situ_glu(g64, u64, 4.0, 25.0);
+    (h64 * dh.to(at::kDouble)).sum().backward();
+    const std::string tag = dtype == at::kFloat ? " fp32" : " bf16";
+    const double tolerance = dtype == at::kFloat ? 1e-5 : 1e-2;  // one rounding to bf16: 2^-9
+    expect_close("situ_glu forward" + tag, situ_glu(gate, up, 4.0, 25.0), h64.detach(), tolerance);
+    const SituGluGradients d = situ_glu_backward(gate, up, dh, 4.0, 25.0);
+    expect_close("situ_glu d gate" + tag, d.d_gate, g64.grad(), tolerance);
+    expect_close("situ_glu d up" + tag, d.d_up, u64.grad(), tolerance);
+    // Through the autograd function.
+    const at::Tensor g = gate.detach().requires_grad_(true), u = up.detach().requires_grad_(true);
+    (situ_glu_autograd(g, u, 4.0, 25.0).to(at::kDouble) * dh.to(at::kDouble)).sum().backward();
+    expect_close("situ_glu_autograd d gate" + tag, g.grad(), g64.grad(), tolerance);
+  }
+}
+
+// ---- expert GEMMs ------------------------------------------------------------------------------------------
+
+// StackedExperts in fp64, one expert at a time (the reference).
+at::Tensor experts_reference(const at::Tensor& rows, const at::Tensor& gate, const at::Tensor& up,
+                             const at::Tensor& down, const at::Tensor& counts) {
+  const at::Tensor host = counts.cpu();
+  std::vector<at::Tensor> out;
+  int64_t start = 0;
+  for (int64_t e = 0; e < gate.size(0); ++e) {
+    const int64_t c = host[e].item<int64_t>();
+    if (c == 0) continue;
+    const at::Tensor x = rows.narrow(0, start, c);
+    const at::Tensor h = model::situ_glu(at::matmul(x, gate[e].t()), at::matmul(x, up[e].t()), 4.0, 25.0);
+    out.push_back(at::matmul(h, down[e].t()));
+    start += c;
+  }
+  return at::cat(out, 0);
+}
+
+TEST_F(MoeKernel, ExpertGemmsMatchTheLoopAndTheFp64Reference) {
+  const int64_t m = 300, n = 12, k = 2, latent = 64, ffn = 48;
+  at::manual_seed(21);
+  // Experts 9..11 get no tokens.
+  at::Tensor bias = at::zeros({n}, cuda());
+  bias.narrow(0, 9, 3).fill_(-10.0);
+  const at::Tensor selected = model::select_experts(at::sigmoid(at::randn({m, n}, cuda())), bias, k);
+  const MoePermutation perm = moe_permutation(selected, n);
+  std::printf("  grouped GEMM compiled in: %s\n", moe_grouped_mm_compiled() ? "yes" : "no (LibTorch < 2.8)");
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    const at::Tensor rows = at::randn({m * k, latent}, cuda(dtype));
+    const at::Tensor gate = (at::randn({n, ffn, latent}, cuda()) * 0.2).to(dtype);
+    const at::Tensor up = (at::randn({n, ffn, latent}, cuda()) * 0.2).to(dtype);
+    const at::Tensor down = (at::randn({n, latent, ffn}, cuda()) * 0.2).to(dtype);
+    const at::Tensor dy = at::randn({m * k, latent}, cuda());
+    auto grads_of = [&](bool reference, MoeGemm gemm) {
+      const c10::AutoGradMode grad(true);
+      auto leaf = [&](const at::Tensor& t) {
+        return (reference ? t.to(at::kDouble) : t).detach().requires_grad_(true);
+      };
+      std::vector<at::Tensor> in = {leaf(rows), leaf(gate), leaf(up), leaf(down)};
+      const at::Tensor y = reference
+                               ? experts_reference(in[0], in[1], in[2], in[3], perm.tokens_per_expert)
+                               : moe_experts_autograd(in[0], in[1], in[2], in[3], perm, 4.0, 25.0, gemm);
+      (y.to(at::kDouble) * dy.to(at::kDouble)).sum().backward();
+      std::vector<at::Tensor> out = {y.detach()};
+      for (const at::Tensor& t : in) out.push_back(t.grad());
+      return out;
+    };
+    const std::vector<at::Tensor> expected = grads_of(true, MoeGemm::kLoop);
+    const std::vector<const char*> names = {"y", "d rows", "d gate_proj", "d up_proj", "d down_proj"};
+    const std::string tag = dtype == at::kFloat ? " fp32" : " bf16";
+    const double tolerance = dtype == at::kFloat ? 1e-4 : 3e-2;
+    std::vector<MoeGemm> gemms = {MoeGemm::kLoop};
+    if (moe_grouped_mm_applies(rows, gate, up, down)) gemms.push_back(MoeGemm::kGrouped);
+    for (MoeGemm gemm : gemms) {
+      const std::vector<at::Tensor> got = grads_of(false, gemm);
+      for (size_t i = 0; i < got.size(); ++i) {
+        expect_close(std::string(gemm == MoeGemm::kGrouped ? "grouped " : "loop ") + names[i] + tag, got[i],
+                     expected[i], tolerance);
+      }
+      // Experts without tokens get exactly zero weight gradients.
+      for (size_t i = 2; i < got.size(); ++i) {
+        EXPECT_EQ(max_abs(got[i].narrow(0, 9, 3)), 0.0) << names[i] << tag;
+      }
+    }
+  }
+}
+
+// ---- the layer ---------------------------------------------------------------------------------------------
+
+model::MoeOptions layer_options() {
+  model::MoeOptions o;  // the tiny config's routing (64 experts, top-4), widths multiples of 16
+  o.hidden = 64;
+  o.latent = 64;
+  o.expert_ffn = 32;
+  o.num_experts = 64;
+  o.top_k = 4;
+  o.num_shared = 2;
+  o.shared_ffn = 64;
+  return o;
+}
+
+void copy_state(model::MoeImpl& dst, model::MoeImpl& src) {
+  const c10::NoGradGuard no_grad;
+  auto d = dst.named_parameters(), s = src.named_parameters();
+  for (const auto& item : s) d[item.key()].copy_(item.value());
+  auto db = dst.named_buffers(), sb = src.named_buffers();
+  for (const auto& item : sb) db[item.key()].copy_(item.value());
+}
+
+TEST_F(MoeKernel, LayerForwardAndBackwardMatchTheFp64ReferenceOnCuda) {
+  const model::MoeOptions options = layer_options();
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    at::manual_seed(31);
+    model::Moe source(options);
+    {
+      const c10::NoGradGuard no_grad;
+      for (auto& p : source->parameters()) p.copy_(at::randn(p.sizes()) * 0.3);
+      source->set_expert_bias(at::randn({options.num_experts}) * 0.05);
+    }
+    model::Moe reference(options), layer(options);
+    copy_state(*layer, *source);
+    layer->to(at::kCUDA, dtype);
+    layer->router->to(at::kFloat);  // W_r and b stay fp32 in a bf16 model (moe.h)...
+    {
+      const c10::NoGradGuard no_grad;  // ...with their fp32 values, not bf16-rounded ones
+      layer->router->weight.copy_(source->router->weight);
+    }
+    layer->set_expert_bias(source->router->bias);
+    // The reference holds exactly the kernel layer's values, in fp64.
+    copy_state(*reference, *layer);
+    reference->to(at::kCUDA, at::kDouble);
+
+    const at::Tensor x = at::randn({3, 70, options.hidden}, cuda()).to(dtype);
+    const at::Tensor dy = at::randn({3, 70, options.hidden}, cuda(at::kDouble));
+    ASSERT_TRUE(layer->uses_kernels(x));
+    ASSERT_FALSE(reference->uses_kernels(x.to(at::kDouble)));
+
+    const c10::AutoGradMode grad(true);
+    const at::Tensor xk = x.detach().requires_grad_(true);
+    const at::Tensor xr = x.to(at::kDouble).detach().requires_grad_(true);
+    const model::MoeOutput got = layer->forward(xk);
+    const model::MoeOutput expected = reference->forward_reference(xr);
+    // The same experts (as sets) for every token, or the outputs cannot be compared.
+    const at::Tensor got_sel = std::get<0>(at::sort(got.routing.selected, 1)).cpu();
+    const at::Tensor ref_sel = std::get<0>(at::sort(expected.routing.selected, 1)).cpu();
+    ASSERT_TRUE(at::equal(got_sel, ref_sel)) << "selection differs from the fp64 reference";
+    (got.y.to(at::kDouble) * dy).sum().backward();
+    (expected.y * dy).sum().backward();
+
+    const std::string tag = dtype == at::kFloat ? " fp32" : " bf16";
+    const double tolerance = dtype == at::kFloat ? 2e-4 : 5e-2;
+    expect_close("layer y" + tag, got.y, expected.y.detach(), tolerance);
+    expect_close("layer p" + tag, std::get<0>(at::sort(got.routing.weights, 1)),
+                 std::get<0>(at::sort(expected.routing.weights, 1)), tolerance);
+    expect_close("layer d x" + tag, xk.grad(), xr.grad(), tolerance);
+    auto got_params = layer->named_parameters();
+    for (const auto& item : reference->named_parameters()) {
+      const at::Tensor g = got_params[item.key()].grad();
+      ASSERT_TRUE(g.defined()) << item.key() << tag << ": no gradient";
+      expect_close("layer d " + item.key() + tag, g, item.value().grad(), tolerance);
+    }
+  }
+}
+
+TEST_F(MoeKernel, LayerWithoutGradientsUsesTheKernelWeights) {
+  const model::MoeOptions options = layer_options();
+  at::manual_seed(41);
+  model::Moe layer(options);
+  layer->to(at::kCUDA);
+  const at::Tensor x = at::randn({2, 33, options.hidden}, cuda());
+  const c10::NoGradGuard no_grad;
+  const model::MoeOutput got = layer->forward(x);
+  const model::MoeOutput expected = layer->forward_reference(x);
+  expect_close("no-grad layer y fp32", got.y, expected.y, 2e-4);
+  const at::Tensor chosen = got.routing.scores.gather(1, got.routing.selected);
+  expect_close("no-grad p", got.routing.weights, chosen / chosen.sum(-1, true), 1e-6);
+}
+
+}  // namespace
+}  // namespace odyssey::kernels
