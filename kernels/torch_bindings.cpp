@@ -443,16 +443,23 @@ at::Tensor moe_gather_rows(const at::Tensor& rows, const at::Tensor& index) {
   return out;
 }
 
-at::Tensor moe_unpermute(const at::Tensor& copies, const MoePermutation& permutation,
-                         const at::Tensor& weights, at::ScalarType out_dtype) {
-  constexpr const char* where = "kernels::moe_unpermute";
-  const int64_t m = permutation.tokens, k = permutation.top_k;
+namespace {
+// The permuted copies un-permute and its backward take: [tokens * k, width], bf16 or fp32, CUDA.
+void check_copies(const char* where, const at::Tensor& copies, int64_t m, int64_t k) {
   TORCH_CHECK(copies.defined() && copies.dim() == 2 && copies.size(0) == m * k, where,
               ": copies must be [tokens * k = ", m * k, ", width], got ",
               copies.defined() ? copies.sizes() : at::IntArrayRef{});
   check_cuda(where, "copies", copies, copies.device());
   TORCH_CHECK(is_kernel_dtype(copies.scalar_type()), where, ": copies must be bf16 or fp32, got ",
               copies.scalar_type());
+}
+}  // namespace
+
+at::Tensor moe_unpermute(const at::Tensor& copies, const MoePermutation& permutation,
+                         const at::Tensor& weights, at::ScalarType out_dtype) {
+  constexpr const char* where = "kernels::moe_unpermute";
+  const int64_t m = permutation.tokens, k = permutation.top_k;
+  check_copies(where, copies, m, k);
   TORCH_CHECK(is_kernel_dtype(out_dtype), where, ": out_dtype must be bf16 or fp32, got ", out_dtype);
   at::Tensor w;
   if (weights.defined()) {
@@ -478,12 +485,7 @@ MoeUnpermuteGradients moe_unpermute_backward(const at::Tensor& copies,
                                              bool want_weights) {
   constexpr const char* where = "kernels::moe_unpermute_backward";
   const int64_t m = permutation.tokens, k = permutation.top_k;
-  TORCH_CHECK(copies.defined() && copies.dim() == 2 && copies.size(0) == m * k, where,
-              ": copies must be [tokens * k = ", m * k, ", width], got ",
-              copies.defined() ? copies.sizes() : at::IntArrayRef{});
-  check_cuda(where, "copies", copies, copies.device());
-  TORCH_CHECK(is_kernel_dtype(copies.scalar_type()), where, ": copies must be bf16 or fp32, got ",
-              copies.scalar_type());
+  check_copies(where, copies, m, k);
   const int64_t width = copies.size(1);
   TORCH_CHECK(d_out.defined() && d_out.dim() == 2 && d_out.size(0) == m && d_out.size(1) == width,
               where, ": d_out must be [", m, ", ", width, "], got ",
