@@ -159,9 +159,58 @@ at::Tensor GatedMlaImpl::forward(const at::Tensor& x) {
   return gated_output(x, o.transpose(1, 2).reshape({x.size(0), x.size(1), -1}));
 }
 
+namespace {
+
+// Whether a no-grad chunk of `chunk_tokens` queries costs less in the absorbed form.
+bool absorbed_chunk_pays(const GatedMlaOptions& o, int64_t chunk_tokens) {
+  // Multiply-adds per (query, cached key) pair and head. Absorbed: a score over Lkv + S and a
+  // value sum over Lkv. Rebuilt keys: K + S and V, plus W_uk/W_uv applied to every cached token
+  // once per chunk, (K + V)·Lkv per key shared by the chunk's queries.
+  const double absorbed = double(o.kv_latent + o.shared_dim + o.kv_latent);
+  const double rebuilt = double(o.head_dim + o.shared_dim + o.v_dim) +
+                         double(o.head_dim + o.v_dim) * double(o.kv_latent) / double(chunk_tokens);
+  return absorbed <= rebuilt;
+}
+
+// The absorbed form for queries q [B, T, H, K + S] that are the last T tokens of `cache`: the
+// per-head attention output [B, T, H*V] before the gate, in the attention's compute dtype.
+at::Tensor absorbed_attention(GatedMlaImpl& layer, const at::Tensor& q, const MlaCache& cache) {
+  const GatedMlaOptions& o = layer.options();
+  const int64_t B = q.size(0), T = q.size(1), H = o.heads;
+  // Fold W_uk into the query: q_abs_h = W_uk_hᵀ q_nope_h, with W_uk_h = k_up_proj rows of head h.
+  const at::Tensor w_uk = layer.k_up_proj->weight.view({H, o.head_dim, o.kv_latent});
+  const at::Tensor q_nope = q.narrow(-1, 0, o.head_dim).permute({2, 0, 1, 3}).reshape({H, B * T, o.head_dim});
+  const at::Tensor q_abs = at::matmul(q_nope, w_uk).view({H, B, T, o.kv_latent}).permute({1, 0, 2, 3});
+  const at::Tensor q_full =
+      at::cat({q_abs, q.narrow(-1, o.head_dim, o.shared_dim).transpose(1, 2)}, -1);  // [B,H,T,Lkv+S]
+
+  // One key [c_kv ; k_shared] and one value c_kv per token, shared by every head.
+  const at::Tensor keys = cache.tokens().unsqueeze(1);                   // [B, 1, L, Lkv + S]
+  const at::Tensor values = keys.narrow(-1, 0, o.kv_latent);             // [B, 1, L, Lkv]
+  const at::Tensor attended =
+      blockwise_attention(q_full, keys, values, layer.attention_scale(),
+                          /*causal_offset=*/cache.length - T, o.attention_block,
+                          /*keep_compute_dtype=*/true);                  // [B, H, T, Lkv]
+
+  // W_uv after attention, in the parameters' dtype: o_h = W_uv_h · attended_h.
+  const at::Tensor w_uv = layer.v_up_proj->weight.view({H, o.v_dim, o.kv_latent});
+  const at::Tensor per_head = attended.to(w_uv.scalar_type()).transpose(0, 1).reshape({H, B * T, o.kv_latent});
+  const at::Tensor o_heads = at::matmul(per_head, w_uv.transpose(1, 2))    // [H, B*T, V]
+                                 .view({H, B, T, o.v_dim})
+                                 .permute({1, 2, 0, 3})
+                                 .reshape({B, T, H * o.v_dim});
+  return o_heads.to(attended.scalar_type());
+}
+
+}  // namespace
+
 at::Tensor GatedMlaImpl::forward_chunk(const at::Tensor& x, MlaCache& cache) {
   check_cache(cache, x, "forward_chunk");
   const Latents lat = latents(x);
+  if (!at::GradMode::is_enabled() && absorbed_chunk_pays(options_, x.size(1))) {
+    cache.append(lat.kv_latent);
+    return gated_output(x, absorbed_attention(*this, lat.q, cache));
+  }
   const int64_t past = cache.length;
   // The chunk's own latents keep their graph; the cached ones are constants.
   const at::Tensor all =
@@ -176,37 +225,12 @@ at::Tensor GatedMlaImpl::forward_chunk(const at::Tensor& x, MlaCache& cache) {
 
 at::Tensor GatedMlaImpl::step(const at::Tensor& x_t, MlaCache& cache) {
   torch::NoGradGuard no_grad;
-  const GatedMlaOptions& o = options_;
   TORCH_CHECK(x_t.dim() == 2, "GatedMla::step: x_t must be [B, hidden], got ", x_t.sizes());
   const at::Tensor x = x_t.unsqueeze(1);
   check_cache(cache, x, "step");
   const Latents lat = latents(x);
   cache.append(lat.kv_latent);
-  const int64_t B = x.size(0), H = o.heads;
-
-  // Fold W_uk into the query: q_abs_h = W_uk_hᵀ q_nope_h, with W_uk_h = k_up_proj rows of head h.
-  const at::Tensor q = lat.q.squeeze(1);                                  // [B, H, K + S]
-  const at::Tensor w_uk = k_up_proj->weight.view({H, o.head_dim, o.kv_latent});
-  const at::Tensor q_abs =
-      at::matmul(q.narrow(-1, 0, o.head_dim).transpose(0, 1), w_uk).transpose(0, 1);  // [B,H,Lkv]
-  const at::Tensor q_full = at::cat({q_abs, q.narrow(-1, o.head_dim, o.shared_dim)}, -1);
-
-  // One key [c_kv ; k_shared] and one value c_kv per token, shared by every head.
-  const at::Tensor keys = cache.tokens().unsqueeze(1);                   // [B, 1, L, Lkv + S]
-  const at::Tensor values = keys.narrow(-1, 0, o.kv_latent);             // [B, 1, L, Lkv]
-  const at::Tensor attended =
-      blockwise_attention(q_full.unsqueeze(2), keys, values, attention_scale(),
-                          /*causal_offset=*/cache.length - 1, o.attention_block,
-                          /*keep_compute_dtype=*/true)
-          .squeeze(2);                                                   // [B, H, Lkv]
-
-  // W_uv after attention, in the parameters' dtype: o_h = W_uv_h · attended_h.
-  const at::Tensor w_uv = v_up_proj->weight.view({H, o.v_dim, o.kv_latent});
-  const at::Tensor o_heads =
-      at::matmul(attended.to(w_uv.scalar_type()).transpose(0, 1), w_uv.transpose(1, 2))
-          .transpose(0, 1)
-          .reshape({B, 1, H * o.v_dim});
-  return gated_output(x, o_heads.to(attended.scalar_type())).squeeze(1);
+  return gated_output(x, absorbed_attention(*this, lat.q, cache)).squeeze(1);
 }
 
 MlaCache GatedMlaImpl::initial_cache(int64_t batch, int64_t reserve_tokens) const {

@@ -14,9 +14,9 @@
 // Three forms that agree (up to rounding; the tests check it in fp64):
 //   forward(x)              the whole sequence, with blockwise attention (model/attention.h).
 //   forward_chunk(x, cache) a chunk continuing `cache`: its queries attend to every cached token
-//                           and causally within the chunk. Keys and values of all cached tokens
-//                           are rebuilt from the cached latents by W_uk / W_uv (cheapest for long
-//                           chunks, e.g. prefill of a tool result).
+//                           and causally within the chunk. With autograd on, keys and values are
+//                           rebuilt from the cached latents by W_uk / W_uv; without (prefill), the
+//                           absorbed form below where it costs no more (tiny: equal multiply-adds).
 //   step(x_t, cache)        one token, in the ABSORBED form: q_abs_h = W_uk_hᵀ q_nope_h (Lkv),
 //                           scored as [q_abs_h ; q_shared_h] · [c_kv ; k_shared] against the
 //                           cache directly (one 576-wide key shared by every head), values are

@@ -108,6 +108,43 @@ TEST(Mla, ChunkByChunkMatchesTheParallelForwardAndContinuesIntoSteps) {
   EXPECT_LT(diff, 1e-12);
 }
 
+// Without autograd (an actor's prefill) forward_chunk scores short chunks in the absorbed form
+// against the cached latents (here Lkv + S + Lkv = 36 multiply-adds per pair and head against
+// K + S + V = 18 plus the rebuilt keys' 14·16/T: absorbed for T <= 12) and rebuilds keys for
+// long ones; both continue the same cache and agree with the parallel forward.
+TEST(Mla, ChunksWithoutAutogradAgreeInTheAbsorbedAndTheRebuiltForm) {
+  GatedMla layer = fp64_layer(7);
+  const at::Tensor x = random_x(2, 70, 8);
+  const at::Tensor full = layer->forward(x).detach();
+  torch::NoGradGuard no_grad;
+  MlaCache cache = layer->initial_cache(/*batch=*/2);
+  std::vector<at::Tensor> parts;
+  int64_t start = 0;
+  for (int64_t len : {3, 30, 1, 12, 24}) {  // absorbed, rebuilt, absorbed, absorbed, rebuilt
+    parts.push_back(layer->forward_chunk(x.narrow(1, start, len), cache));
+    start += len;
+  }
+  EXPECT_EQ(cache.length, 70);
+  const double diff = max_abs_diff(at::cat(parts, 1), full);
+  report("no-grad chunks 3,30,1,12,24 vs forward (fp64)", diff);
+  EXPECT_LT(diff, 1e-12);
+
+  // The tiny model's widths (Lkv + S = K + S, Lkv = V): absorbed for every chunk, fp32.
+  GatedMlaOptions o = small_options();
+  o.kv_latent = 8;
+  o.v_dim = 8;
+  torch::manual_seed(9);
+  GatedMla tiny(o);
+  const at::Tensor xf = at::randn({1, 40, o.hidden});
+  const at::Tensor tiny_full = tiny->forward(xf);
+  MlaCache tiny_cache = tiny->initial_cache(/*batch=*/1);
+  const at::Tensor chunked = at::cat({tiny->forward_chunk(xf.narrow(1, 0, 33), tiny_cache),
+                                      tiny->forward_chunk(xf.narrow(1, 33, 7), tiny_cache)}, 1);
+  const double tiny_diff = max_abs_diff(chunked, tiny_full);
+  report("absorbed no-grad chunks 33,7 vs forward (fp32)", tiny_diff);
+  EXPECT_LT(tiny_diff, 1e-5);
+}
+
 TEST(Mla, SharedKeySlotContributesToTheScores) {
   GatedMla layer = fp64_layer(5);
   const at::Tensor x = random_x(1, 9, 6);
