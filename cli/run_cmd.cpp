@@ -48,6 +48,8 @@
 
 #include "cli/commands.h"
 #include "core/config.h"
+#include "model/checkpoint.h"
+#include "model/config.h"
 
 namespace odyssey::cli {
 
@@ -203,8 +205,9 @@ class Supervisor {
   bool ensure_init_checkpoint() {
     const std::string init = config_.get_string("policy.init");
     std::error_code ec;
-    if (init.empty() || fs::exists(init + "/COMPLETE", ec)) return true;
     const std::string pretrain_out = config_.get_string("pretrain.out");
+    if (init.empty()) return true;
+    if (fs::exists(init + "/COMPLETE", ec)) return init_fits_model(init, pretrain_out);
     const auto rel = fs::path(init).lexically_relative(pretrain_out).string();
     if (pretrain_out.empty() || rel.empty() || rel.rfind("..", 0) == 0) {
       spdlog::error("run: policy.init = '{}' has no complete checkpoint, and it is not under pretrain.out = '{}' "
@@ -225,6 +228,49 @@ class Supervisor {
       return false;
     }
     return true;
+  }
+
+  // A stage checkpoint made for another model (e.g. by an earlier version of the model config)
+  // would fail every learner and actor start the same way; say so once, before any role starts.
+  bool init_fits_model(const std::string& init, const std::string& pretrain_out) {
+    const std::string model_path = config_.get_string("policy.model");
+    auto model = model::load_model_config({model_path});
+    if (!model.ok()) {
+      spdlog::error("run: policy.model: {}", model.status().to_string());
+      return false;
+    }
+    auto info = model::inspect_checkpoint(init);
+    if (!info.ok()) {
+      spdlog::error("run: policy.init: {}", info.status().to_string());
+      return false;
+    }
+    std::vector<std::string> problems;
+    std::map<std::string, std::vector<int64_t>> expected;
+    for (const model::ModelTensor& t : model::model_tensors(*model)) expected[t.name] = t.shape;
+    for (const auto& [name, shape] : expected) {
+      auto stored = info->tensors.find(name);
+      if (stored == info->tensors.end()) {
+        problems.push_back(fmt::format("missing '{}'", name));
+      } else if (stored->second.info.shape != shape) {
+        problems.push_back(fmt::format("'{}' has shape [{}], the model [{}]", name,
+                                       fmt::join(stored->second.info.shape, ", "), fmt::join(shape, ", ")));
+      }
+    }
+    for (const auto& [name, entry] : info->tensors) {
+      if (!expected.count(name)) problems.push_back(fmt::format("unexpected '{}'", name));
+    }
+    if (problems.empty()) return true;
+    const auto rel = fs::path(init).lexically_relative(pretrain_out).string();
+    const bool ours = !pretrain_out.empty() && !rel.empty() && rel.rfind("..", 0) != 0;
+    spdlog::error("run: policy.init = '{}' was made for another model than policy.model = '{}' ({} tensor{} differ; "
+                  "first: {}). {}",
+                  init, model_path, problems.size(), problems.size() == 1 ? "" : "s", problems.front(),
+                  ours ? fmt::format("It lies under pretrain.out: move '{}' away and `odyssey run` pretrains "
+                                     "this model again, or set policy.init to a checkpoint of this model",
+                                     pretrain_out)
+                       : std::string("Set policy.init to a checkpoint of this model, or policy.model to the "
+                                     "model it was made for"));
+    return false;
   }
 
   void plan_roles() {

@@ -149,5 +149,41 @@ TEST_F(RunJob, SupervisorRestartsAKilledLearnerAndActorAndTheStepCountContinues)
   EXPECT_EQ(last_step, 6) << "the resumed learner continued to the last step";
 }
 
+// A stage checkpoint made for another model (here: the tiny model with 6 layers, as an earlier
+// configs/model/tiny.toml had) is refused before any role starts, with what to do about it,
+// instead of every learner start failing the same way until the restart limit.
+TEST_F(RunJob, AStageCheckpointOfAnotherModelIsRefusedBeforeAnyRoleStarts) {
+  std::ifstream tiny_in(std::string(ODYSSEY_SOURCE_DIR) + "/configs/model/tiny.toml");
+  std::string model((std::istreambuf_iterator<char>(tiny_in)), std::istreambuf_iterator<char>());
+  const auto layers = model.find("num_layers = ");
+  ASSERT_NE(layers, std::string::npos);
+  model.replace(layers, model.find('\n', layers) - layers, "num_layers = 6");
+  const auto mla = model.find("mla_layers = ");
+  ASSERT_NE(mla, std::string::npos);
+  model.replace(mla, model.find('\n', mla) - mla, "mla_layers = \"5, 6\"");
+  const std::string other = (root_ / "six-layers.toml").string();
+  std::ofstream(other) << model;
+  const std::string pretrain_out = (root_ / "pretrain").string();
+
+  int code = 0;
+  const std::string made = odyssey::testing::run_shell(
+      "cd " + std::string(ODYSSEY_SOURCE_DIR) + " && " + ODYSSEY_BINARY +
+          " pretrain --config configs/tiny.toml --set policy.model='\"" + other + "\"' --set pretrain.out='\"" +
+          pretrain_out + "\"' --set 'pretrain.stages=[\"1K\"]' --set pretrain.steps_per_stage=1"
+          " --set pretrain.batch_tokens=1024",
+      &code);
+  ASSERT_EQ(code, 0) << made;
+  const std::string init = pretrain_out + "/stage-1K";
+  ASSERT_TRUE(fs::exists(init + "/COMPLETE")) << made;
+
+  const std::string output = odyssey::testing::run_shell(
+      command(2, "--set policy.init='\"" + init + "\"' --set pretrain.out='\"" + pretrain_out + "\"'"), &code);
+  EXPECT_NE(code, 0) << output;
+  EXPECT_NE(output.find("was made for another model"), std::string::npos) << output;
+  EXPECT_NE(output.find("move '" + pretrain_out + "' away"), std::string::npos) << output;
+  EXPECT_EQ(output.find("restarting"), std::string::npos) << "no role should have started:\n" << output;
+  EXPECT_FALSE(fs::exists(out() + "/processes.json")) << output;
+}
+
 }  // namespace
 }  // namespace odyssey
