@@ -149,19 +149,19 @@ TEST_F(RunJob, SupervisorRestartsAKilledLearnerAndActorAndTheStepCountContinues)
   EXPECT_EQ(last_step, 6) << "the resumed learner continued to the last step";
 }
 
-// A stage checkpoint made for another model (here: the tiny model with 6 layers, as an earlier
-// configs/model/tiny.toml had) is refused before any role starts, with what to do about it,
+// A stage checkpoint made for another model (here: the tiny model with 5 layers, as after an
+// edit of configs/model/tiny.toml) is refused before any role starts, with what to do about it,
 // instead of every learner start failing the same way until the restart limit.
 TEST_F(RunJob, AStageCheckpointOfAnotherModelIsRefusedBeforeAnyRoleStarts) {
   std::ifstream tiny_in(std::string(ODYSSEY_SOURCE_DIR) + "/configs/model/tiny.toml");
   std::string model((std::istreambuf_iterator<char>(tiny_in)), std::istreambuf_iterator<char>());
   const auto layers = model.find("num_layers = ");
   ASSERT_NE(layers, std::string::npos);
-  model.replace(layers, model.find('\n', layers) - layers, "num_layers = 6");
+  model.replace(layers, model.find('\n', layers) - layers, "num_layers = 5");
   const auto mla = model.find("mla_layers = ");
   ASSERT_NE(mla, std::string::npos);
-  model.replace(mla, model.find('\n', mla) - mla, "mla_layers = \"5, 6\"");
-  const std::string other = (root_ / "six-layers.toml").string();
+  model.replace(mla, model.find('\n', mla) - mla, "mla_layers = \"4, 5\"");
+  const std::string other = (root_ / "five-layers.toml").string();
   std::ofstream(other) << model;
   const std::string pretrain_out = (root_ / "pretrain").string();
 

@@ -110,7 +110,7 @@ TEST(ModelConfig, TinyHasManyExpertsAnMlaLayerAndTheByteVocabulary) {
   EXPECT_EQ(counts.layer_kinds[0].attention, AttentionKind::kKda);
   EXPECT_EQ(counts.layer_kinds[0].ffn, FfnKind::kDense);
   EXPECT_EQ(counts.layer_kinds[0].layers, 1);
-  EXPECT_EQ(counts.layer_kinds[1].layers, 3);
+  EXPECT_EQ(counts.layer_kinds[1].layers, 5);
   EXPECT_EQ(counts.layer_kinds[2].attention, AttentionKind::kMla);
   EXPECT_EQ(counts.layer_kinds[2].layers, 2);
 }
@@ -156,14 +156,14 @@ TEST(ModelConfig, TensorNamesAndShapesFollowTheDocumentedScheme) {
   EXPECT_EQ(shape("layers.1.moe.experts.down_proj"), (std::vector<int64_t>{64, 64, 32}));
   EXPECT_EQ(shape("layers.1.moe.shared_experts.up_proj"), (std::vector<int64_t>{2, 64, 128}));
   EXPECT_EQ(shape("layers.1.moe.router.bias"), (std::vector<int64_t>{64}));
-  EXPECT_EQ(shape("layers.4.attn.kv_down_proj.weight"), (std::vector<int64_t>{48, 128}));     // one-based layer 5
-  EXPECT_EQ(shape("layers.5.attn.q_up_proj.weight"), (std::vector<int64_t>{2 * 48, 64}));
-  EXPECT_EQ(shape("layers.5.attn_mix"), (std::vector<int64_t>{128}));
+  EXPECT_EQ(shape("layers.3.attn.kv_down_proj.weight"), (std::vector<int64_t>{48, 128}));     // one-based layer 4
+  EXPECT_EQ(shape("layers.7.attn.q_up_proj.weight"), (std::vector<int64_t>{2 * 48, 64}));
+  EXPECT_EQ(shape("layers.7.attn_mix"), (std::vector<int64_t>{128}));
   EXPECT_EQ(shape("out_mix"), (std::vector<int64_t>{128}));
   EXPECT_EQ(shape("lm_head.weight"), (std::vector<int64_t>{271, 128}));
   EXPECT_EQ(shape("vision.patch_embed.weight"), (std::vector<int64_t>{64, 3 * 8 * 8}));
   EXPECT_EQ(shape("vision.proj.weight"), (std::vector<int64_t>{128, 64}));
-  EXPECT_EQ(shapes.count("layers.4.attn.q_proj.weight"), 0u);  // an MLA layer has no KDA tensors
+  EXPECT_EQ(shapes.count("layers.3.attn.q_proj.weight"), 0u);  // an MLA layer has no KDA tensors
   // The balancing bias is a buffer: saved, not counted.
   const auto layer = layer_tensors(c, 1, "layers.1.");
   const auto bias = std::find_if(layer.begin(), layer.end(), [](const ModelTensor& t) { return t.name == "layers.1.moe.router.bias"; });

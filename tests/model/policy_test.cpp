@@ -210,12 +210,12 @@ TEST(Policy, GradientsReachEveryParameter) {
 TEST(Policy, SetExpertBiasChecksLayers) {
   const ModelConfig config = load_tiny();
   Policy policy(config);
-  ASSERT_EQ(policy->moe_layers(), (std::vector<int64_t>{1, 2, 3, 4, 5}));
+  ASSERT_EQ(policy->moe_layers(), (std::vector<int64_t>{1, 2, 3, 4, 5, 6, 7}));
   const at::Tensor bias = at::arange(config.moe.routed_experts, at::kFloat) * 0.01;
   policy->set_expert_bias(2, bias);
   EXPECT_TRUE(at::allclose(policy->layer(2)->moe->router->bias.to(at::kFloat), bias));
   EXPECT_ANY_THROW(policy->set_expert_bias(0, bias));  // dense layer
-  EXPECT_ANY_THROW(policy->set_expert_bias(6, bias));  // out of range
+  EXPECT_ANY_THROW(policy->set_expert_bias(8, bias));  // out of range
   EXPECT_ANY_THROW(policy->set_expert_biases({bias}));
 }
 
