@@ -61,6 +61,19 @@ using Clock = std::chrono::steady_clock;
 std::atomic<int> g_signal{0};
 void on_stop_signal(int sig) { g_signal.store(sig); }
 
+// SIGINT and SIGTERM set g_signal. Without SA_RESTART, so that a blocking waitpid returns EINTR
+// and the supervisor can pass the stop on (std::signal restarts it on glibc). Installed over an
+// inherited SIG_IGN too: a shell's background job starts with SIGINT ignored.
+void install_stop_handlers() {
+  struct sigaction action {};
+  action.sa_handler = on_stop_signal;
+  sigemptyset(&action.sa_mask);
+  action.sa_flags = 0;
+  ::sigaction(SIGINT, &action, nullptr);
+  ::sigaction(SIGTERM, &action, nullptr);
+  std::signal(SIGPIPE, SIG_IGN);
+}
+
 std::string self_exe() {
   std::error_code ec;
   const fs::path p = fs::read_symlink("/proc/self/exe", ec);
@@ -157,6 +170,7 @@ class Supervisor {
       return 1;
     }
     if (!write_config()) return 1;
+    install_stop_handlers();
     if (!ensure_init_checkpoint()) return 1;
     // The roles share the machine's cores. An OpenMP thread that spin-waits between parallel
     // regions (libgomp's default) burns a core another role needs: a 2-thread pretrain sharing
@@ -165,10 +179,6 @@ class Supervisor {
     ::setenv("OMP_WAIT_POLICY", "PASSIVE", /*overwrite=*/0);
     plan_roles();
     start_ = Clock::now();
-    std::signal(SIGINT, on_stop_signal);
-    std::signal(SIGTERM, on_stop_signal);
-    std::signal(SIGPIPE, SIG_IGN);
-
     if (!start_role(roles_[0]) || !wait_for_replay(roles_[0])) {
       stop_all();
       return 1;
@@ -217,11 +227,22 @@ class Supervisor {
     }
     spdlog::info("run: {} does not exist yet; running `odyssey pretrain` first (log: {}/logs/pretrain.log)", init,
                  out_);
-    Role pretrain{"pretrain", {"pretrain", "--config", config_path_}};
-    if (!start_role(pretrain)) return false;
+    // --resume: the stages an interrupted run completed are kept, and pretraining continues after them.
+    Role pretrain{"pretrain", {"pretrain", "--config", config_path_, "--resume"}};
+    if (g_signal.load() != 0 || !start_role(pretrain)) return false;
     int status = 0;
+    bool stopped = false;
     while (::waitpid(pretrain.pid, &status, 0) < 0 && errno == EINTR) {
-      if (g_signal.load() != 0) ::kill(pretrain.pid, SIGTERM);
+      if (g_signal.load() != 0 && !stopped) {
+        ::kill(pretrain.pid, SIGTERM);
+        stopped = true;
+      }
+    }
+    if (stopped || g_signal.load() != 0) {
+      spdlog::info("run: {} received during pretraining; stopped it. The complete stage checkpoints under {} are "
+                   "kept; `odyssey run` again continues after them",
+                   strsignal(g_signal.load()), pretrain_out);
+      return false;
     }
     if (!WIFEXITED(status) || WEXITSTATUS(status) != 0 || !fs::exists(init + "/COMPLETE", ec)) {
       spdlog::error("run: pretraining failed ({}); see {}/logs/pretrain.log", signal_text(status), out_);

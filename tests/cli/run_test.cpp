@@ -170,7 +170,7 @@ TEST_F(RunJob, AStageCheckpointOfAnotherModelIsRefusedBeforeAnyRoleStarts) {
       "cd " + std::string(ODYSSEY_SOURCE_DIR) + " && " + ODYSSEY_BINARY +
           " pretrain --config configs/tiny.toml --set policy.model='\"" + other + "\"' --set pretrain.out='\"" +
           pretrain_out + "\"' --set 'pretrain.stages=[\"1K\"]' --set pretrain.steps_per_stage=1"
-          " --set pretrain.batch_tokens=1024",
+          " --set pretrain.batch_tokens=1024 --set pretrain.threads=1",
       &code);
   ASSERT_EQ(code, 0) << made;
   const std::string init = pretrain_out + "/stage-1K";
@@ -183,6 +183,58 @@ TEST_F(RunJob, AStageCheckpointOfAnotherModelIsRefusedBeforeAnyRoleStarts) {
   EXPECT_NE(output.find("move '" + pretrain_out + "' away"), std::string::npos) << output;
   EXPECT_EQ(output.find("restarting"), std::string::npos) << "no role should have started:\n" << output;
   EXPECT_FALSE(fs::exists(out() + "/processes.json")) << output;
+}
+
+// Pretraining runs first when policy.init is missing. SIGINT to the supervisor then stops the
+// pretraining process too (it sits in its own process group, out of reach of a terminal's
+// Ctrl-C), and a second `odyssey run` keeps the stages that were complete and continues after
+// them.
+TEST_F(RunJob, CtrlCDuringPretrainingStopsItAndTheNextRunContinuesAfterTheCompleteStages) {
+  const std::string pretrain_out = (root_ / "pretrain").string();
+  int code = 0;
+  const std::string made = odyssey::testing::run_shell(
+      "cd " + std::string(ODYSSEY_SOURCE_DIR) + " && " + ODYSSEY_BINARY +
+          " pretrain --config configs/tiny.toml --set pretrain.out='\"" + pretrain_out +
+          "\"' --set 'pretrain.stages=[\"1K\"]' --set pretrain.steps_per_stage=1 --set pretrain.batch_tokens=1024"
+          " --set pretrain.threads=1",
+      &code);
+  ASSERT_EQ(code, 0) << made;
+  const std::string pretrain =
+      " --set pretrain.out='\"" + pretrain_out + "\"' --set 'pretrain.stages=[\"1K\", \"4K\"]'"
+      " --set pretrain.batch_tokens=1024 --set pretrain.threads=1 --set policy.init='\"" + pretrain_out +
+      "/stage-4K\"'";
+
+  // Long enough stages that the signal arrives while pretraining; the shell waits for the supervisor.
+  const std::string log = (root_ / "run.log").string();
+  const std::string cmd = command(1, pretrain + " --set pretrain.steps_per_stage=100000") + " > " + log +
+                          " 2>&1; echo $? > " + (root_ / "rc").string();
+  std::thread job([cmd] { int c = 0; odyssey::testing::run_shell(cmd, &c); });
+  const std::string pretrain_log = out() + "/logs/pretrain.log";
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (std::chrono::steady_clock::now() < deadline && (!fs::exists(pretrain_log) || fs::file_size(pretrain_log) == 0))
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  ASSERT_TRUE(fs::exists(pretrain_log)) << "pretraining never started";
+  const auto signalled = std::chrono::steady_clock::now();
+  odyssey::testing::run_shell("pkill -INT -f -- '--out " + out() + "'", &code);
+  job.join();
+  EXPECT_LT(std::chrono::steady_clock::now() - signalled, std::chrono::seconds(20)) << "the supervisor took long to stop";
+  std::ifstream log_in(log);
+  const std::string text((std::istreambuf_iterator<char>(log_in)), std::istreambuf_iterator<char>());
+  EXPECT_NE(text.find("received during pretraining"), std::string::npos) << text;
+  // "confi[g]" so that the pattern does not match the shell that runs pgrep.
+  const std::string left = odyssey::testing::run_shell("pgrep -f -- '" + out() + "/confi[g].toml' || true", &code);
+  EXPECT_TRUE(left.empty()) << "a pretraining process outlived the supervisor: " << left;
+  EXPECT_FALSE(fs::exists(pretrain_out + "/stage-4K")) << "the interrupted stage must not look complete";
+
+  // Again, with stages that finish: stage 1K is kept (resumed), 4K is trained, then RL runs.
+  fs::remove_all(out());
+  const std::string again = odyssey::testing::run_shell(command(1, pretrain + " --set pretrain.steps_per_stage=1"), &code);
+  ASSERT_EQ(code, 0) << again;
+  std::ifstream pretrain_in(pretrain_log);
+  const std::string pretrain_text((std::istreambuf_iterator<char>(pretrain_in)), std::istreambuf_iterator<char>());
+  EXPECT_NE(pretrain_text.find("stage 1K: resumed"), std::string::npos) << pretrain_text;
+  EXPECT_TRUE(fs::exists(pretrain_out + "/stage-4K/COMPLETE")) << pretrain_text;
+  EXPECT_NE(again.find("run: 1 steps"), std::string::npos) << again;
 }
 
 }  // namespace
