@@ -1,18 +1,20 @@
 // KDA chunked forward and decode step (contract: kernels/kda.h; math: MODEL.md, "Incremental
 // attention"). Design notes and the performance ladder: kernels/README.md.
 //
-// Chunked forward. One CTA of 4 warps per (sequence, head, 64 value columns). Each warp keeps
-// 16 rows of the transposed state S^T [V, K] in fp32 mma accumulators for the whole sequence
-// (64 registers at K = 128), so that S^T is directly the A operand of the next chunk's
-// products (an m16n8 accumulator pair is an m16k16 A fragment, as in FlashAttention-2).
-// Chunks of 16 tokens are processed in groups of 4:
-//   prepare  (parallel) warp w prepares chunk 4j + w of the group alone: Gamma, Q^, K^, K~, K_,
+// Chunked forward. One CTA of 4 warps per (sequence, head, 64 value columns); when K or V is 32,
+// one CTA of 2 warps per (sequence, head, 32 value columns) (Walk, walk_tile in kda_chunk.cuh).
+// Each warp keeps 16 rows of the transposed state S^T [V, K] in fp32 mma accumulators for the
+// whole sequence (64 registers at K = 128, 16 at K = 32), so that S^T is directly the A operand
+// of the next chunk's products (an m16n8 accumulator pair is an m16k16 A fragment, as in
+// FlashAttention-2). Chunks of 16 tokens are processed in groups of one chunk per warp (4, or 2):
+//   prepare  (parallel) warp w prepares chunk w of the group alone: Gamma, Q^, K^, K~, K_,
 //            L and Aqk (mma), M = (I + L)^-1 (fp32 forward substitution), W = M Diag(beta) K^,
 //            U = M Diag(beta) V (mma), written to its slot in shared memory;
 //   walk     (serial)   all warps walk the group's chunks in order, each on its 16 state rows:
 //            V'^T = U^T - S^T W^T,  O^T = S^T Q^^T + V'^T Aqk^T,  S^T = S^T Diag(e^gamma) + V'^T K_.
-// Two CTAs fit on an SM (108.8 KB of shared memory each), so one CTA's global loads in the
-// prepare phase overlap the other's walk.
+// Two CTAs of 4 warps fit on an SM (108.8 KB of shared memory each at K = 128), so one CTA's
+// global loads in the prepare phase overlap the other's walk; the 2-warp CTAs are smaller
+// (22.9 KB and ~140 registers at K = V = 32: 6-7 per SM, bound by registers).
 //
 // Context parallelism (few long chains; kda.h): the same kernel in Pass::kTransition walks each
 // segment's [A_seg | B_seg] from [I | 0] without outputs, kda_segment_scan_kernel chains the
@@ -35,17 +37,17 @@ namespace {
 // (q unless only transitions, k, g, its value columns unless without values, beta) into L2, so
 // that the next prepare phase, which is bound by the latency of its global loads, finds them
 // there. Issued by all threads while the current group is walked; one instruction per 128-byte
-// line (each row's slice of a tensor is a whole number of aligned lines).
-template <typename T, int K, bool kOutputs>
+// line (each row's slice of a tensor is a whole number of aligned lines, or the aligned half of
+// one: 32 bf16 columns).
+template <typename T, int K, int kTile, bool kOutputs>
 __device__ void prefetch_rows(const ChunkedArgs& a, int64_t row0, int rows, int h, int v0,
                               bool with_values) {
-  constexpr int kKeyLines = K * static_cast<int>(sizeof(T)) / 128;  // q, k
-  constexpr int kGateLines = K * static_cast<int>(sizeof(float)) / 128;
-  constexpr int kValueLines = kTileV * static_cast<int>(sizeof(T)) / 128;
+  constexpr int kKeyLines = (K * static_cast<int>(sizeof(T)) + 127) / 128;  // q, k
+  constexpr int kGateLines = (K * static_cast<int>(sizeof(float)) + 127) / 128;
+  constexpr int kValueLines = (kTile * static_cast<int>(sizeof(T)) + 127) / 128;
   constexpr int kPerRow = 2 * kKeyLines + kGateLines + kValueLines + 1;
-  static_assert(kKeyLines >= 1 && kValueLines >= 1, "rows must be whole 128-byte lines");
   const int H = a.heads, V = a.value_dim;
-  for (int item = threadIdx.x; item < rows * kPerRow; item += kThreads) {
+  for (int item = threadIdx.x; item < rows * kPerRow; item += Walk<kTile>::kThreads) {
     const int64_t r = row0 + item / kPerRow;
     int line = item % kPerRow;
     const char* p;
@@ -71,10 +73,10 @@ __device__ void prefetch_rows(const ChunkedArgs& a, int64_t row0, int rows, int 
 // j holds S^T[v_row + g (+8)][8j + 2t (+1)]). Writes the chunk's O for this warp's 16 value
 // columns through `stage` (this warp's private shared memory). Without kOutputs (transition
 // pass) only the state is updated; without values (A_seg columns) U is taken as zero.
-template <typename T, int K, bool kOutputs>
-__device__ void walk_chunk(const ChunkedArgs& a, const ChunkSlot<K>& slot, float (&state)[K / 8][4],
-                           float* stage, int64_t row0, int valid, int h, int v_col,
-                           bool with_values, int lane) {
+template <typename T, int K, int kTile, bool kOutputs>
+__device__ void walk_chunk(const ChunkedArgs& a, const ChunkSlot<K, kTile>& slot,
+                           float (&state)[K / 8][4], float* stage, int64_t row0, int valid,
+                           int h, int v_col, bool with_values, int lane) {
   const FragmentOffsets f(lane);
   const int g = lane >> 2, t = lane & 3;
 
@@ -99,7 +101,7 @@ __device__ void walk_chunk(const ChunkedArgs& a, const ChunkSlot<K>& slot, float
   }
 
   // V'^T = U^T - X^T, as the A operand of the two products that follow.
-  const int v_local = v_col % kTileV;  // this warp's first value column within the CTA tile
+  const int v_local = v_col % kTile;  // this warp's first value column within the CTA tile
   float vn[2][4];
 #pragma unroll
   for (int n = 0; n < 2; ++n) {
@@ -177,26 +179,30 @@ __device__ __forceinline__ void store_chunk_state(const ChunkedArgs& a, const fl
   }
 }
 
-// Forward: grid (V / 64, H, N * P); CTA (tile x, h, z = sequence * P + segment) walks its segment
-// from the initial state (P = 1) or the segment's state (P > 1), writing o and, for the last
-// segment, final_state.
-// Transition: grid (K / 64 + V / 64, H, N * (P - 1)); tiles x < K / 64 are 64 columns of A_seg
-// (state starts at I, values zero), the others 64 columns of B_seg (state starts at 0).
-template <typename T, int K, Pass kPass>
-__global__ void __launch_bounds__(kThreads, 2) kda_chunked_kernel(const ChunkedArgs a) {
+// kTile value columns per CTA (Walk: kTile / 16 warps, groups of kTile / 16 chunks).
+// Forward: grid (V / kTile, H, N * P); CTA (tile x, h, z = sequence * P + segment) walks its
+// segment from the initial state (P = 1) or the segment's state (P > 1), writing o and, for the
+// last segment, final_state.
+// Transition: grid (K / kTile + V / kTile, H, N * (P - 1)); tiles x < K / kTile are kTile columns
+// of A_seg (state starts at I, values zero), the others kTile columns of B_seg (state starts at 0).
+template <typename T, int K, int kTile, Pass kPass>
+__global__ void __launch_bounds__(Walk<kTile>::kThreads, 2)
+    kda_chunked_kernel(const ChunkedArgs a) {
   // kForward: walks from the initial or segment state (the forward and the state recompute);
   // kOutputs: also Q^, Aqk and o (the forward only).
   constexpr bool kForward = kPass != Pass::kTransition;
   constexpr bool kOutputs = kPass == Pass::kForward;
+  constexpr int kWarps = Walk<kTile>::kWarps;
+  static_assert(K % kTile == 0 || kForward, "the transition pass tiles K too");
   extern __shared__ __align__(16) unsigned char shared_raw[];
-  ChunkSlot<K>* slots = reinterpret_cast<ChunkSlot<K>*>(shared_raw);
+  ChunkSlot<K, kTile>* slots = reinterpret_cast<ChunkSlot<K, kTile>*>(shared_raw);
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int h = blockIdx.y;
   const int H = a.heads, V = a.value_dim;
-  const bool a_columns = !kForward && blockIdx.x < K / kTileV;  // A_seg columns (transition)
+  const bool a_columns = !kForward && blockIdx.x < K / kTile;  // A_seg columns (transition)
   const bool with_values = !a_columns;
-  const int v0 = (kForward || a_columns ? blockIdx.x : blockIdx.x - K / kTileV) * kTileV;
+  const int v0 = (kForward || a_columns ? blockIdx.x : blockIdx.x - K / kTile) * kTile;
   const int per_sequence = kForward ? a.segments : a.segments - 1;
   const int seq = blockIdx.z / per_sequence, segment = blockIdx.z % per_sequence;
   int64_t row0, length;
@@ -240,15 +246,15 @@ __global__ void __launch_bounds__(kThreads, 2) kda_chunked_kernel(const ChunkedA
     const int64_t mine = group + warp;
     if (mine < num_chunks) {
       const int valid = static_cast<int>(min64(kChunk, length - mine * kChunk));
-      prepare_chunk<T, K, kOutputs>(a, slots[warp], row0 + mine * kChunk, valid, h, v0,
-                                    with_values, lane);
+      prepare_chunk<T, K, kTile, kOutputs>(a, slots[warp], row0 + mine * kChunk, valid, h, v0,
+                                           with_values, lane);
     }
     __syncthreads();
     if (a.prefetch && group + kWarps < num_chunks) {
       const int64_t next = (group + kWarps) * kChunk;
-      prefetch_rows<T, K, kOutputs>(a, row0 + next,
-                                    static_cast<int>(min64(kWarps * kChunk, length - next)), h,
-                                    v0, with_values);
+      prefetch_rows<T, K, kTile, kOutputs>(
+          a, row0 + next, static_cast<int>(min64(kWarps * kChunk, length - next)), h, v0,
+          with_values);
     }
     const int count = static_cast<int>(min64(kWarps, num_chunks - group));
     float* stage = reinterpret_cast<float*>(&slots[warp].k_check[0][0]);
@@ -258,8 +264,8 @@ __global__ void __launch_bounds__(kThreads, 2) kda_chunked_kernel(const ChunkedA
       if constexpr (kPass == Pass::kStates) {
         store_chunk_state<K>(a, state, seq, h, chunk_base + chunk, v_col, lane);
       }
-      walk_chunk<T, K, kOutputs>(a, slots[s], state, stage, row0 + chunk * kChunk, valid, h,
-                                 v_col, with_values, lane);
+      walk_chunk<T, K, kTile, kOutputs>(a, slots[s], state, stage, row0 + chunk * kChunk, valid,
+                                        h, v_col, with_values, lane);
     }
     __syncthreads();
   }
@@ -294,20 +300,20 @@ __global__ void __launch_bounds__(kThreads, 2) kda_chunked_kernel(const ChunkedA
   }
 }
 
-template <typename T, int K, Pass kPass>
+template <typename T, int K, int kTile, Pass kPass>
 cudaError_t launch_chunked(const ChunkedArgs& a, dim3 grid, cudaStream_t stream) {
-  constexpr size_t shared = chunked_shared_bytes<K>();
+  constexpr size_t shared = chunked_shared_bytes<K, kTile>();
   // Set on every launch: the attribute belongs to the current device, and costs ~1 us.
   const cudaError_t configured = cudaFuncSetAttribute(
-      kda_chunked_kernel<T, K, kPass>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+      kda_chunked_kernel<T, K, kTile, kPass>, cudaFuncAttributeMaxDynamicSharedMemorySize,
       static_cast<int>(shared));
   if (configured != cudaSuccess) return configured;
   // As much shared memory as the SM has (two CTAs of 108.8 KB must fit).
   const cudaError_t carveout = cudaFuncSetAttribute(
-      kda_chunked_kernel<T, K, kPass>, cudaFuncAttributePreferredSharedMemoryCarveout,
+      kda_chunked_kernel<T, K, kTile, kPass>, cudaFuncAttributePreferredSharedMemoryCarveout,
       cudaSharedmemCarveoutMaxShared);
   if (carveout != cudaSuccess) return carveout;
-  kda_chunked_kernel<T, K, kPass><<<grid, kThreads, shared, stream>>>(a);
+  kda_chunked_kernel<T, K, kTile, kPass><<<grid, Walk<kTile>::kThreads, shared, stream>>>(a);
   return cudaGetLastError();
 }
 
@@ -408,7 +414,8 @@ cudaError_t launch_segment_scan(const ChunkedArgs& a, float* segment_states, int
 
 // ---------------------------------------------------------------------------------------------
 // Decode step: one CTA per (sequence, head, 32 value columns); lane = value column, warp w holds
-// the state rows w, w + 4, ... in registers between the read and the write-back.
+// the state rows w, w + 4, ... (K / 4 of them: 8 at K = 32) in registers between the read and
+// the write-back.
 
 constexpr int kDecodeColumns = 32;
 constexpr int kDecodeWarps = 4;
@@ -501,7 +508,7 @@ struct SegmentPlan {
 };
 
 SegmentPlan plan_segments(bool packed, int64_t batch, int64_t length, int64_t heads,
-                          int64_t value_dim, int64_t requested) {
+                          int64_t key_dim, int64_t value_dim, int64_t requested) {
   const SegmentPlan serial{length, 1};
   if (packed || requested < 0 || length == 0 || batch < 1 || heads < 1) return serial;
   int64_t segment = requested;
@@ -513,11 +520,13 @@ SegmentPlan plan_segments(bool packed, int64_t batch, int64_t length, int64_t he
       (void)cudaGetLastError();
       return serial;
     }
-    // Chains walked serially, one CTA each; about 2 forward CTAs per SM is what fills the GPU.
-    const int64_t chains = batch * heads * (value_dim / kTileV);
-    const int64_t wanted = 2 * static_cast<int64_t>(sms) / chains;
+    // Chains walked serially, one CTA each; about 8 walking warps per SM (2 CTAs of 4 warps, as
+    // measured with 64 columns; 4 of 2 warps with 32) is what fills the GPU.
+    const int64_t tile = walk_tile(key_dim, value_dim);
+    const int64_t chains = batch * heads * (value_dim / tile);
+    const int64_t wanted = 2 * (64 / tile) * static_cast<int64_t>(sms) / chains;
     if (wanted < kContextParallelMinSegments) return serial;
-    const int64_t group = kWarps * kChunk;  // whole groups of 4 chunks per segment
+    const int64_t group = Walk<64>::kWarps * kChunk;  // whole groups of chunks for either CTA
     segment = ceil_div(ceil_div(length, wanted), group) * group;
     if (segment < kContextParallelMinSegment) segment = kContextParallelMinSegment;
   }
@@ -542,17 +551,18 @@ struct WorkspaceLayout {
   }
 };
 
-template <typename T, int K>
+template <typename T, int K, int kTile>
 cudaError_t run_chunked(ChunkedArgs a, const SegmentPlan& plan, unsigned char* workspace,
                         const WorkspaceLayout& layout, int64_t batch, int64_t heads,
                         int64_t value_dim, cudaStream_t stream) {
   const unsigned h = static_cast<unsigned>(heads), n = static_cast<unsigned>(batch);
-  const unsigned v_tiles = static_cast<unsigned>(value_dim / kTileV);
+  const unsigned v_tiles = static_cast<unsigned>(value_dim / kTile);
   // With chunk_states (the backward's state recompute): the same walk without outputs.
   const bool keep_states = a.chunk_states != nullptr;
   if (plan.segments == 1) {
-    return keep_states ? launch_chunked<T, K, Pass::kStates>(a, dim3(v_tiles, h, n), stream)
-                  : launch_chunked<T, K, Pass::kForward>(a, dim3(v_tiles, h, n), stream);
+    const dim3 grid(v_tiles, h, n);
+    return keep_states ? launch_chunked<T, K, kTile, Pass::kStates>(a, grid, stream)
+                       : launch_chunked<T, K, kTile, Pass::kForward>(a, grid, stream);
   }
 
   const unsigned p = static_cast<unsigned>(plan.segments);
@@ -561,20 +571,21 @@ cudaError_t run_chunked(ChunkedArgs a, const SegmentPlan& plan, unsigned char* w
   a.segments = static_cast<int>(plan.segments);
   a.transition_a = reinterpret_cast<float*>(workspace + layout.transition_a);
   a.transition_b = reinterpret_cast<float*>(workspace + layout.transition_b);
-  cudaError_t error = launch_chunked<T, K, Pass::kTransition>(
-      a, dim3(K / kTileV + v_tiles, h, n * (p - 1)), stream);
+  cudaError_t error = launch_chunked<T, K, kTile, Pass::kTransition>(
+      a, dim3(K / kTile + v_tiles, h, n * (p - 1)), stream);
   if (error != cudaSuccess) return error;
   error = launch_segment_scan<K>(a, states, batch, stream);
   if (error != cudaSuccess) return error;
   a.segment_states = states;
-  return keep_states ? launch_chunked<T, K, Pass::kStates>(a, dim3(v_tiles, h, n * p), stream)
-                     : launch_chunked<T, K, Pass::kForward>(a, dim3(v_tiles, h, n * p), stream);
+  const dim3 grid(v_tiles, h, n * p);
+  return keep_states ? launch_chunked<T, K, kTile, Pass::kStates>(a, grid, stream)
+                     : launch_chunked<T, K, kTile, Pass::kForward>(a, grid, stream);
 }
 
 bool chunked_sizes_supported(int64_t batch, int64_t length, int64_t heads, int64_t key_dim,
                              int64_t value_dim) {
-  return (key_dim == 64 || key_dim == 128) && (value_dim == 64 || value_dim == 128) &&
-         batch >= 0 && length >= 0 && heads >= 1 && batch <= 65535 && heads <= 65535;
+  return head_width_supported(key_dim) && head_width_supported(value_dim) && batch >= 0 &&
+         length >= 0 && heads >= 1 && batch <= 65535 && heads <= 65535;
 }
 
 }  // namespace
@@ -587,7 +598,7 @@ size_t kda_chunked_forward_workspace_bytes(bool packed, int64_t batch, int64_t l
     return 0;
   }
   const SegmentPlan plan =
-      plan_segments(packed, batch, length, heads, value_dim, options.segment_length);
+      plan_segments(packed, batch, length, heads, key_dim, value_dim, options.segment_length);
   return WorkspaceLayout(plan, batch, heads, key_dim, value_dim).bytes;
 }
 
@@ -626,8 +637,8 @@ cudaError_t kda_chunked_forward(KdaDtype dtype, const void* q, const void* k, co
       (options.chunk_states != nullptr && cu_seqlens != nullptr)) {
     return cudaErrorInvalidValue;
   }
-  const SegmentPlan plan = plan_segments(cu_seqlens != nullptr, batch, length, heads, value_dim,
-                                         options.segment_length);
+  const SegmentPlan plan = plan_segments(cu_seqlens != nullptr, batch, length, heads, key_dim,
+                                         value_dim, options.segment_length);
   const WorkspaceLayout layout(plan, batch, heads, key_dim, value_dim);
   unsigned char* workspace = static_cast<unsigned char*>(options.workspace);
   bool allocated = false;
@@ -648,15 +659,11 @@ cudaError_t kda_chunked_forward(KdaDtype dtype, const void* q, const void* k, co
   a.segment_length = length, a.segments = 1;
   a.prefetch = options.prefetch;
   a.chunk_states = options.chunk_states;
-  const bool bf = dtype == KdaDtype::kBFloat16;
-  cudaError_t error;
-  if (key_dim == 128) {
-    error = bf ? run_chunked<bf16, 128>(a, plan, workspace, layout, batch, heads, value_dim, stream)
-               : run_chunked<float, 128>(a, plan, workspace, layout, batch, heads, value_dim, stream);
-  } else {
-    error = bf ? run_chunked<bf16, 64>(a, plan, workspace, layout, batch, heads, value_dim, stream)
-               : run_chunked<float, 64>(a, plan, workspace, layout, batch, heads, value_dim, stream);
-  }
+  cudaError_t error =
+      with_walk_types(dtype, key_dim, value_dim, [&](auto type, auto key, auto tile) {
+        return run_chunked<typename decltype(type)::type, key(), tile()>(
+            a, plan, workspace, layout, batch, heads, value_dim, stream);
+      });
   if (allocated) {
     const cudaError_t freed = cudaFreeAsync(workspace, stream);
     if (error == cudaSuccess) error = freed;
@@ -668,23 +675,18 @@ cudaError_t kda_decode_step(KdaDtype dtype, const void* q, const void* k, const 
                             const float* g, const void* beta, float* state, void* o,
                             int64_t batch, int64_t heads, int64_t key_dim, int64_t value_dim,
                             float scale, cudaStream_t stream) {
-  if ((key_dim != 64 && key_dim != 128) || value_dim < kDecodeColumns ||
+  if (!head_width_supported(key_dim) || value_dim < kDecodeColumns ||
       value_dim % kDecodeColumns != 0 || value_dim > 256 || batch < 0 || heads < 1 ||
       batch > 65535 || heads > 65535) {
     return cudaErrorInvalidValue;
   }
   if (batch == 0) return cudaSuccess;
-  const bool bf = dtype == KdaDtype::kBFloat16;
-  if (key_dim == 128) {
-    return bf ? launch_decode<bf16, 128>(q, k, v, g, beta, state, o, batch, heads, value_dim,
-                                         scale, stream)
-              : launch_decode<float, 128>(q, k, v, g, beta, state, o, batch, heads, value_dim,
-                                          scale, stream);
-  }
-  return bf ? launch_decode<bf16, 64>(q, k, v, g, beta, state, o, batch, heads, value_dim, scale,
-                                      stream)
-            : launch_decode<float, 64>(q, k, v, g, beta, state, o, batch, heads, value_dim, scale,
-                                       stream);
+  return with_element_type(dtype, [&](auto type) {
+    return with_head_width(key_dim, [&](auto key) {
+      return launch_decode<typename decltype(type)::type, key()>(q, k, v, g, beta, state, o, batch,
+                                                                 heads, value_dim, scale, stream);
+    });
+  });
 }
 
 }  // namespace odyssey::kernels

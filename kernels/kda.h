@@ -41,14 +41,14 @@ enum class KdaDtype : int32_t { kBFloat16 = 0, kFloat32 = 1 };
 // With cu_seqlens (int32 device array of N + 1 ascending offsets, cu_seqlens[0] = 0): B = 1, the
 // N sequences are packed along L = cu_seqlens[N] (= total_tokens), sequence n occupying tokens
 // [cu_seqlens[n], cu_seqlens[n + 1]); `batch` is then N and `length` is total_tokens.
-// Supported: K in {64, 128}, V in {64, 128}; any length >= 0 (a partly filled last chunk is
-// handled exactly); heads >= 1.
+// Supported: K in {32, 64, 128}, V in {32, 64, 128}; any length >= 0 (a partly filled last chunk
+// is handled exactly); heads >= 1.
 //
 // Context parallelism (without cu_seqlens only). One CTA walks a (sequence, head, 64 value
-// columns) chain chunk after chunk; with few such chains and long sequences most SMs would idle
-// (B=1, T=64K, H=4: 8 CTAs walking 4096 chunks each). The launcher then splits every sequence
-// into P segments of `segment_length` tokens (a multiple of 16, so the chunks are the serial
-// ones) and runs three passes on the stream:
+// columns; 32 when K or V is 32) chain chunk after chunk; with few such chains and long sequences
+// most SMs would idle (B=1, T=64K, H=4: 8 CTAs walking 4096 chunks each). The launcher then
+// splits every sequence into P segments of `segment_length` tokens (a multiple of 16, so the
+// chunks are the serial ones) and runs three passes on the stream:
 //   1. transitions (parallel over segments 0..P-2): each segment from a zero state, giving
 //      S_end = A_seg S_start + B_seg (A_seg = product of the chunks' Diag(e^gamma) - K_^T W,
 //      B_seg = the end state from zero; both walked as one state [A | B] of K + V columns
@@ -59,9 +59,10 @@ enum class KdaDtype : int32_t { kBFloat16 = 0, kFloat32 = 1 };
 // About 2-3 forward passes of work, all of it parallel. The numerics are those of the serial
 // walk (bf16 matmul operands, fp32 accumulation; the scan is fp32), not bitwise equal to it.
 struct KdaChunkedOptions {
-  // 0: automatic (context parallel when batch * heads * V/64 CTAs leave the SMs mostly idle
-  // and the sequence is long); < 0: never; > 0: segments of this many tokens (a multiple of 16;
-  // context parallel whenever that makes more than one segment; ignored with cu_seqlens).
+  // 0: automatic (context parallel when the serial walk's CTAs, batch * heads * V/64 of 4 warps
+  // or batch * heads * V/32 of 2 warps, leave the SMs mostly idle and the sequence is long);
+  // < 0: never; > 0: segments of this many tokens (a multiple of 16; context parallel whenever
+  // that makes more than one segment; ignored with cu_seqlens).
   int64_t segment_length = 0;
   // Scratch for the context-parallel path, kda_chunked_forward_workspace_bytes() bytes, 16-byte
   // aligned, used only within the call's stream order. nullptr: taken from the stream-ordered
@@ -111,7 +112,7 @@ cudaError_t kda_chunked_forward(KdaDtype dtype, const void* q, const void* k, co
 //   dbeta          f32 [B, L, H]      written
 //   d_initial_state f32 [B, H, K, V]  written, or nullptr (not wanted); written also when
 //                                     initial_state is nullptr (the gradient of a zero state)
-// Outputs must not alias inputs. Supported: K, V in {64, 128}, any length >= 0, no cu_seqlens
+// Outputs must not alias inputs. Supported: K, V in {32, 64, 128}, any length >= 0, no cu_seqlens
 // (one sequence of `length` tokens per batch entry). Numerics: the forward's (bf16 matmul
 // operands, fp32 accumulation); the chunk states and their gradients are kept in bf16 between
 // passes, which is how the forward's matmuls saw them. g must lie in [-5, 0].
@@ -132,7 +133,7 @@ cudaError_t kda_chunked_backward(KdaDtype dtype, const void* q, const void* k, c
 // One decode token for a batch of sequences; the state is updated in place.
 //   q, k  T [B, H, K]    v T [B, H, V]    g f32 [B, H, K]    beta T [B, H]
 //   state f32 [B, H, K, V] (read and written)     o T [B, H, V] (written)
-// Supported: K in {64, 128}, V a multiple of 32 up to 256.
+// Supported: K in {32, 64, 128}, V a multiple of 32 up to 256.
 cudaError_t kda_decode_step(KdaDtype dtype, const void* q, const void* k, const void* v,
                             const float* g, const void* beta, float* state, void* o,
                             int64_t batch, int64_t heads, int64_t key_dim, int64_t value_dim,

@@ -57,9 +57,10 @@
 //      entering every chunk, bf16, transposed [N, H, chunks, V, K] (exactly the bf16 operand the
 //      forward's matmuls saw). Context parallel where the forward would be.
 //   2. state gradients (kda_state_gradient_kernel): the forward's structure run backwards. One
-//      CTA of 4 warps per (sequence, head, 64 value columns); warp w holds 16 rows of dS^T in
-//      fp32 mma accumulators. Chunks in groups of 4, prepared in parallel with the forward's own
-//      prepare_chunk (Q^, W, K_, Aqk, e^gamma) plus this CTA's dO columns, then walked last to
+//      CTA of 4 warps per (sequence, head, 64 value columns), or of 2 warps per 32 columns when K
+//      or V is 32 (the forward's Walk tile); warp w holds 16 rows of dS^T in fp32 mma
+//      accumulators. Chunks in groups of one per warp, prepared in parallel with the forward's
+//      own prepare_chunk (Q^, W, K_, Aqk, e^gamma) plus this CTA's dO columns, then walked last to
 //      first: store dS' (bf16, transposed, [N, H, chunks, V, K]), then
 //        dV'^T = dS'^T K_^T + dO^T Aqk,   dS^T = dS'^T Diag(e^gamma) + dO^T Q^ - dV'^T W
 //      (mma.sync m16n8k16, bf16 operands, fp32 accumulators). The last dS is d initial_state.
@@ -91,29 +92,11 @@ struct StateGradientArgs {
   bf16* chunk_d_states;          // [N, H, chunks, V, K]: dS' of every chunk (written)
 };
 
-// This CTA's 64 columns of the chunk's dO rows [row0, row0 + valid) as bf16 (zeros past valid),
-// by one warp, into rows [16][kTileV + 8].
-template <typename T>
-__device__ void load_value_rows(const T* x, bf16 (*rows)[kTileV + 8], int64_t row0, int valid,
-                                int h, int heads, int value_dim, int v0, int lane) {
-#pragma unroll
-  for (int r = 0; r < kChunk * kTileV / 8 / 32; ++r) {
-    const int item = lane + 32 * r;
-    const int i = item / (kTileV / 8), col = (item % (kTileV / 8)) * 8;
-    float f[8] = {};
-    if (i < valid) load_vec(x + ((row0 + i) * heads + h) * static_cast<int64_t>(value_dim) + v0 + col, f);
-    uint32_t packed[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) packed[j] = pack_bf16(f[2 * j], f[2 * j + 1]);
-    *reinterpret_cast<uint4*>(&rows[i][col]) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
-  }
-}
-
 // One chunk walked backwards by one warp on its 16 rows of dS^T (d_state[K / 8][4]: n-tile j
 // holds dS^T[v_row + g (+8)][8j + 2t (+1)], the forward's state layout). slot.v holds this CTA's
 // dO columns; v_local is the warp's first column within them.
-template <int K>
-__device__ void reverse_walk_chunk(const ChunkSlot<K>& slot, float (&d_state)[K / 8][4],
+template <int K, int kTile>
+__device__ void reverse_walk_chunk(const ChunkSlot<K, kTile>& slot, float (&d_state)[K / 8][4],
                                    int v_local, int lane) {
   const FragmentOffsets f(lane);
   const int t = lane & 3;
@@ -166,17 +149,20 @@ __device__ void reverse_walk_chunk(const ChunkSlot<K>& slot, float (&d_state)[K 
   }
 }
 
-// Grid (V / 64, H, N). Same shared memory as the forward (4 chunk slots): two CTAs per SM.
-template <typename T, int K>
-__global__ void __launch_bounds__(kThreads, 2) kda_state_gradient_kernel(const StateGradientArgs b) {
+// Grid (V / kTile, H, N), kTile / 16 warps (Walk). Same shared memory as the forward (a chunk
+// slot per warp): two CTAs of 4 warps per SM at K = 128.
+template <typename T, int K, int kTile>
+__global__ void __launch_bounds__(Walk<kTile>::kThreads, 2)
+    kda_state_gradient_kernel(const StateGradientArgs b) {
+  constexpr int kWarps = Walk<kTile>::kWarps;
   extern __shared__ __align__(16) unsigned char shared_raw[];
-  ChunkSlot<K>* slots = reinterpret_cast<ChunkSlot<K>*>(shared_raw);
+  ChunkSlot<K, kTile>* slots = reinterpret_cast<ChunkSlot<K, kTile>*>(shared_raw);
   const ChunkedArgs& a = b.forward;
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int h = blockIdx.y, seq = blockIdx.z;
   const int H = a.heads, V = a.value_dim;
-  const int v0 = blockIdx.x * kTileV, v_col = v0 + warp * 16;
+  const int v0 = blockIdx.x * kTile, v_col = v0 + warp * 16;
   const int g = lane >> 2, t = lane & 3;
   const int64_t length = a.length, row0 = static_cast<int64_t>(seq) * length;
   const int64_t num_chunks = (length + kChunk - 1) / kChunk;
@@ -197,10 +183,10 @@ __global__ void __launch_bounds__(kThreads, 2) kda_state_gradient_kernel(const S
     const int64_t mine = group + warp;
     if (mine < num_chunks) {
       const int valid = static_cast<int>(min64(kChunk, length - mine * kChunk));
-      prepare_chunk<T, K, /*kOutputs=*/true>(a, slots[warp], row0 + mine * kChunk, valid, h, v0,
-                                             /*with_values=*/false, lane);
-      load_value_rows(static_cast<const T*>(b.d_o), slots[warp].v, row0 + mine * kChunk, valid, h,
-                      H, V, v0, lane);
+      prepare_chunk<T, K, kTile, /*kOutputs=*/true>(a, slots[warp], row0 + mine * kChunk, valid,
+                                                    h, v0, /*with_values=*/false, lane);
+      load_value_rows<T, kTile>(static_cast<const T*>(b.d_o), slots[warp].v, row0 + mine * kChunk,
+                                valid, h, H, V, v0, lane);
     }
     __syncthreads();
     const int count = static_cast<int>(min64(kWarps, num_chunks - group));
@@ -215,7 +201,7 @@ __global__ void __launch_bounds__(kThreads, 2) kda_state_gradient_kernel(const S
         *reinterpret_cast<uint32_t*>(out + static_cast<int64_t>(v_col + g + 8) * K + c) =
             pack_bf16(d_state[j][2], d_state[j][3]);
       }
-      reverse_walk_chunk<K>(slots[s], d_state, v_col - v0, lane);
+      reverse_walk_chunk<K, kTile>(slots[s], d_state, v_col - v0, lane);
     }
     __syncthreads();
   }
@@ -593,31 +579,32 @@ cudaError_t launch_chunk_gradients(const ChunkGradientArgs& a, int64_t batch, in
   return cudaGetLastError();
 }
 
-template <typename T, int K>
+template <typename T, int K, int kTile>
 cudaError_t run_backward(const StateGradientArgs& sa, const ChunkGradientArgs& ca, int64_t batch,
                          int64_t chunks, int64_t value_dim, cudaStream_t stream) {
-  constexpr size_t shared = chunked_shared_bytes<K>();
-  cudaError_t error = cudaFuncSetAttribute(kda_state_gradient_kernel<T, K>,
+  constexpr size_t shared = chunked_shared_bytes<K, kTile>();
+  cudaError_t error = cudaFuncSetAttribute(kda_state_gradient_kernel<T, K, kTile>,
                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            static_cast<int>(shared));
   if (error != cudaSuccess) return error;
-  error = cudaFuncSetAttribute(kda_state_gradient_kernel<T, K>,
+  error = cudaFuncSetAttribute(kda_state_gradient_kernel<T, K, kTile>,
                                cudaFuncAttributePreferredSharedMemoryCarveout,
                                cudaSharedmemCarveoutMaxShared);
   if (error != cudaSuccess) return error;
-  const dim3 grid(static_cast<unsigned>(value_dim / kTileV), static_cast<unsigned>(ca.heads),
+  const dim3 grid(static_cast<unsigned>(value_dim / kTile), static_cast<unsigned>(ca.heads),
                   static_cast<unsigned>(batch));
-  kda_state_gradient_kernel<T, K><<<grid, kThreads, shared, stream>>>(sa);
+  kda_state_gradient_kernel<T, K, kTile><<<grid, Walk<kTile>::kThreads, shared, stream>>>(sa);
   error = cudaGetLastError();
   if (error != cudaSuccess) return error;
-  return value_dim == 128 ? launch_chunk_gradients<T, K, 128>(ca, batch, chunks, stream)
-                          : launch_chunk_gradients<T, K, 64>(ca, batch, chunks, stream);
+  return with_head_width(value_dim, [&](auto value) {
+    return launch_chunk_gradients<T, K, value()>(ca, batch, chunks, stream);
+  });
 }
 
 bool backward_sizes_supported(int64_t batch, int64_t length, int64_t heads, int64_t key_dim,
                               int64_t value_dim) {
-  return (key_dim == 64 || key_dim == 128) && (value_dim == 64 || value_dim == 128) &&
-         batch >= 0 && length >= 0 && heads >= 1 && batch <= 65535 && heads <= 65535 &&
+  return head_width_supported(key_dim) && head_width_supported(value_dim) && batch >= 0 &&
+         length >= 0 && heads >= 1 && batch <= 65535 && heads <= 65535 &&
          (length + kChunk - 1) / kChunk <= 0x7fffffff;
 }
 
@@ -690,14 +677,10 @@ cudaError_t kda_chunked_backward(KdaDtype dtype, const void* q, const void* k, c
     ca.chunk_states = states, ca.chunk_d_states = d_states;
     ca.dq = dq, ca.dk = dk, ca.dv = dv, ca.dg = dg, ca.dbeta = dbeta;
     ca.length = length, ca.heads = static_cast<int>(heads), ca.scale = scale;
-    const bool bf = dtype == KdaDtype::kBFloat16;
-    if (key_dim == 128) {
-      error = bf ? run_backward<bf16, 128>(sa, ca, batch, chunks, value_dim, stream)
-                 : run_backward<float, 128>(sa, ca, batch, chunks, value_dim, stream);
-    } else {
-      error = bf ? run_backward<bf16, 64>(sa, ca, batch, chunks, value_dim, stream)
-                 : run_backward<float, 64>(sa, ca, batch, chunks, value_dim, stream);
-    }
+    error = with_walk_types(dtype, key_dim, value_dim, [&](auto type, auto key, auto tile) {
+      return run_backward<typename decltype(type)::type, key(), tile()>(sa, ca, batch, chunks,
+                                                                        value_dim, stream);
+    });
   }
   if (allocated) {
     const cudaError_t freed = cudaFreeAsync(scratch, stream);

@@ -1,22 +1,87 @@
 // Device code shared by the chunked KDA forward (kda.cu) and backward (kda_backward.cu): element
 // access, mma.sync / ldmatrix fragments, one chunk's prepared operands (ChunkSlot) and the
-// prepare phase that fills them. Internal: included only by those two .cu files (everything is in
-// an anonymous namespace, so each gets its own copy). Math: MODEL.md, "Incremental attention".
+// prepare phase that fills them, and the host-side dispatch from runtime sizes to the kernels'
+// template arguments. Internal: included only by those two .cu files (everything is in an
+// anonymous namespace, so each gets its own copy). Math: MODEL.md, "Incremental attention".
 #pragma once
 
 #include <cuda_bf16.h>
 
 #include <cstdint>
+#include <type_traits>
+
+#include "kernels/kda.h"
 
 namespace odyssey::kernels {
 namespace {
 
 constexpr int kChunk = 16;
-constexpr int kWarps = 4;
-constexpr int kThreads = kWarps * 32;
-constexpr int kTileV = 16 * kWarps;  // value columns per CTA (16 state rows of S^T per warp)
 
 using bf16 = __nv_bfloat16;
+
+// The walk's CTA (the forward, the transition pass, the backward's reverse walk): kTile value
+// columns of S^T, 16 rows per warp, so kTile / 16 warps. They prepare a group of kTile / 16 chunks
+// in parallel (one chunk each, in its own ChunkSlot) and then walk the group together. A CTA owns
+// 64 columns (4 warps), or 32 (2 warps, groups of 2 chunks) when K or V is 32 (walk_tile).
+template <int kTile>
+struct Walk {
+  static_assert(kTile == 32 || kTile == 64, "a walk CTA owns 32 or 64 value columns");
+  static constexpr int kWarps = kTile / 16;
+  static constexpr int kThreads = kWarps * 32;
+};
+
+// Key and value widths per head the chunked kernels are built for.
+constexpr bool head_width_supported(int64_t n) { return n == 32 || n == 64 || n == 128; }
+
+// The walk's tile for a head of K x V: 64 value columns, or 32 when either width is 32 (the
+// transition pass walks the K + V columns of [A_seg | B_seg] in tiles of one width; one rule for
+// every pass keeps one tile per call).
+constexpr int walk_tile(int64_t key_dim, int64_t value_dim) {
+  return key_dim == 32 || value_dim == 32 ? 32 : 64;
+}
+
+// Host-side dispatch from a call's runtime sizes to template arguments: each calls f with a tag
+// (ElementType<T>, std::integral_constant<int, N>) and returns what f returns. Sizes are checked
+// by the caller first.
+template <typename T>
+struct ElementType {
+  using type = T;
+};
+
+template <typename F>
+cudaError_t with_element_type(KdaDtype dtype, F&& f) {
+  return dtype == KdaDtype::kBFloat16 ? f(ElementType<bf16>()) : f(ElementType<float>());
+}
+
+// n in {32, 64, 128} (head_width_supported).
+template <typename F>
+cudaError_t with_head_width(int64_t n, F&& f) {
+  switch (n) {
+    case 32:
+      return f(std::integral_constant<int, 32>());
+    case 64:
+      return f(std::integral_constant<int, 64>());
+    default:
+      return f(std::integral_constant<int, 128>());
+  }
+}
+
+// A chunked call's kernels: f(ElementType<T>(), std::integral_constant<int, K>(),
+// std::integral_constant<int, kTile>()) with kTile = walk_tile(K, value_dim) (at K = 32 only the
+// 32-column walk is instantiated).
+template <typename F>
+cudaError_t with_walk_types(KdaDtype dtype, int64_t key_dim, int64_t value_dim, F&& f) {
+  return with_element_type(dtype, [&](auto type) {
+    return with_head_width(key_dim, [&](auto key) {
+      using Tile32 = std::integral_constant<int, 32>;
+      using Tile64 = std::integral_constant<int, 64>;
+      if constexpr (walk_tile(decltype(key)::value, 64) == 64) {
+        if (walk_tile(key(), value_dim) == 64) return f(type, key, Tile64());
+      }
+      return f(type, key, Tile32());
+    });
+  });
+}
 
 __device__ __forceinline__ int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
@@ -140,26 +205,32 @@ struct FragmentOffsets {
 // Chunked forward.
 
 // One chunk's prepared operands (written by one warp in the prepare phase, read by all warps in
-// the walk) and that warp's scratch. bf16 rows are padded by 8 elements so that the 8 row
-// addresses of an ldmatrix fall in distinct bank groups.
-template <int K>
+// the walk) and that warp's scratch; kTile: the CTA's value columns (Walk). bf16 rows are padded
+// by 8 elements so that the 8 row addresses of an ldmatrix fall in distinct bank groups (row
+// strides of 80, 144 and 272 bytes at 32, 64 and 128 columns).
+template <int K, int kTile>
 struct alignas(16) ChunkSlot {
+  static_assert(K == 32 || K == 64 || K == 128, "key width");
   static constexpr int kRow = K + 8;
+  // The walk stages a warp's 16 x 16 outputs as 16 rows of 20 floats over its k_check.
+  static_assert(kRow * sizeof(bf16) >= 20 * sizeof(float), "k_check too small to stage O");
   bf16 q_hat[kChunk][kRow];    // scale q e^Gamma
   bf16 w[kChunk][kRow];        // K^ = k e^Gamma while preparing, then W = M Diag(beta) K^
   bf16 k_bar[kChunk][kRow];    // k e^(gamma - Gamma)
   bf16 k_check[kChunk][kRow];  // k e^-Gamma (prepare only); the walk stages this warp's O here
   bf16 a_qk[kChunk][24];       // lower_incl_diagonal(Q^ K~^T)
   bf16 m_beta[kChunk][24];     // M Diag(beta)       (prepare only)
-  bf16 v[kChunk][kTileV + 8];  // this CTA's value columns (prepare only)
-  float u[kChunk][kTileV + 4]; // U = M Diag(beta) V
+  bf16 v[kChunk][kTile + 8];   // this CTA's value columns (prepare only)
+  float u[kChunk][kTile + 4];  // U = M Diag(beta) V
   float lower[kChunk][kChunk + 1];  // L = Diag(beta) strictly_lower(K^ K~^T)  (prepare only)
   float decay_last[K];         // e^gamma
 };
 
-template <int K>
+// One slot per warp of the walk CTA. K = 128: 108.8 KB (64 columns), 48.3 KB (32); K = 64:
+// 75.0 KB, 31.4 KB; K = 32: 22.9 KB (32 columns only).
+template <int K, int kTile>
 constexpr size_t chunked_shared_bytes() {
-  return sizeof(ChunkSlot<K>) * kWarps;
+  return sizeof(ChunkSlot<K, kTile>) * Walk<kTile>::kWarps;
 }
 
 struct ChunkedArgs {
@@ -190,14 +261,37 @@ struct ChunkedArgs {
 // state in chunk_states).
 enum class Pass { kForward, kTransition, kStates };
 
+// kTile value columns [v0, v0 + kTile) of rows [row0, row0 + valid) of x [*, H, V] as bf16 (zeros
+// past valid), by one warp, into rows[16][kTile + 8]: 8 columns per item, 16-byte stores.
+template <typename T, int kTile>
+__device__ void load_value_rows(const T* x, bf16 (*rows)[kTile + 8], int64_t row0, int valid,
+                                int h, int heads, int value_dim, int v0, int lane) {
+  static_assert(kChunk * kTile / 8 % 32 == 0, "whole items per lane");
+#pragma unroll
+  for (int r = 0; r < kChunk * kTile / 8 / 32; ++r) {
+    const int item = lane + 32 * r;
+    const int i = item / (kTile / 8), col = (item % (kTile / 8)) * 8;
+    float f[8] = {};
+    if (i < valid) load_vec(x + ((row0 + i) * heads + h) * static_cast<int64_t>(value_dim) + v0 + col, f);
+    uint32_t packed[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) packed[j] = pack_bf16(f[2 * j], f[2 * j + 1]);
+    *reinterpret_cast<uint4*>(&rows[i][col]) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+  }
+}
+
 // The prepare phase for one chunk, by one warp: rows [row0, row0 + valid) of the sequence
 // (valid in 1..16; missing rows are zeros, which leaves the real rows exact).
 // kOutputs: also Q^ and Aqk (the forward). with_values: also V and U (false for the A_seg columns
 // of the transition pass, whose values are zero; U is then left unwritten).
-template <typename T, int K, bool kOutputs>
-__device__ void prepare_chunk(const ChunkedArgs& a, ChunkSlot<K>& slot, int64_t row0, int valid,
-                              int h, int v0, bool with_values, int lane) {
-  constexpr int kCols = K / 32;  // key columns per lane
+template <typename T, int K, int kTile, bool kOutputs>
+__device__ void prepare_chunk(const ChunkedArgs& a, ChunkSlot<K, kTile>& slot, int64_t row0,
+                              int valid, int h, int v0, bool with_values, int lane) {
+  // Key columns per lane, an even number (stored as bf16 pairs): at K = 32 lanes 0-15 hold two
+  // each and lanes 16-31 idle until the matmuls (key_lane is a constant true at K >= 64).
+  constexpr int kCols = K / 32 >= 2 ? K / 32 : 2;
+  constexpr int kKeyLanes = K / kCols;
+  const bool key_lane = kKeyLanes == 32 || lane < kKeyLanes;
   const int c0 = lane * kCols;
   const int H = a.heads, V = a.value_dim;
   const T* q = static_cast<const T*>(a.q);
@@ -208,7 +302,7 @@ __device__ void prepare_chunk(const ChunkedArgs& a, ChunkSlot<K>& slot, int64_t 
   float gamma[kCols] = {};
 #pragma unroll
   for (int i = 0; i < kChunk; ++i) {
-    if (i < valid) {
+    if (key_lane && i < valid) {
       float gi[kCols];
       load_vec(a.g + key_offset(i), gi);
 #pragma unroll
@@ -219,7 +313,7 @@ __device__ void prepare_chunk(const ChunkedArgs& a, ChunkSlot<K>& slot, int64_t 
 #pragma unroll
   for (int c = 0; c < kCols; ++c) {
     decay_last[c] = __expf(gamma[c]);
-    slot.decay_last[c0 + c] = decay_last[c];
+    if (key_lane) slot.decay_last[c0 + c] = decay_last[c];
   }
 
   // Q^, K^, K~, K_ row by row, Gamma accumulated from the chunk start.
@@ -227,7 +321,7 @@ __device__ void prepare_chunk(const ChunkedArgs& a, ChunkSlot<K>& slot, int64_t 
 #pragma unroll 4
   for (int i = 0; i < kChunk; ++i) {
     float gi[kCols] = {}, qi[kCols] = {}, ki[kCols] = {};
-    if (i < valid) {
+    if (key_lane && i < valid) {
       load_vec(a.g + key_offset(i), gi);
       if constexpr (kOutputs) load_vec(q + key_offset(i), qi);
       load_vec(k + key_offset(i), ki);
@@ -242,32 +336,23 @@ __device__ void prepare_chunk(const ChunkedArgs& a, ChunkSlot<K>& slot, int64_t 
       k_check[c] = ki[c] * down;
       k_bar[c] = ki[c] * (decay_last[c] * down);
     }
+    if (key_lane) {
 #pragma unroll
-    for (int c = 0; c < kCols; c += 2) {
-      if constexpr (kOutputs) {
-        *reinterpret_cast<uint32_t*>(&slot.q_hat[i][c0 + c]) = pack_bf16(q_hat[c], q_hat[c + 1]);
+      for (int c = 0; c < kCols; c += 2) {
+        if constexpr (kOutputs) {
+          *reinterpret_cast<uint32_t*>(&slot.q_hat[i][c0 + c]) = pack_bf16(q_hat[c], q_hat[c + 1]);
+        }
+        *reinterpret_cast<uint32_t*>(&slot.w[i][c0 + c]) = pack_bf16(k_hat[c], k_hat[c + 1]);
+        *reinterpret_cast<uint32_t*>(&slot.k_check[i][c0 + c]) =
+            pack_bf16(k_check[c], k_check[c + 1]);
+        *reinterpret_cast<uint32_t*>(&slot.k_bar[i][c0 + c]) = pack_bf16(k_bar[c], k_bar[c + 1]);
       }
-      *reinterpret_cast<uint32_t*>(&slot.w[i][c0 + c]) = pack_bf16(k_hat[c], k_hat[c + 1]);
-      *reinterpret_cast<uint32_t*>(&slot.k_check[i][c0 + c]) =
-          pack_bf16(k_check[c], k_check[c + 1]);
-      *reinterpret_cast<uint32_t*>(&slot.k_bar[i][c0 + c]) = pack_bf16(k_bar[c], k_bar[c + 1]);
     }
   }
 
-  // This CTA's value columns, 8 per item, and beta (lane i < 16 holds row i's).
-  const T* v = static_cast<const T*>(a.v);
-#pragma unroll
-  for (int r = 0; r < kChunk * kTileV / 8 / 32; ++r) {
-    if (!with_values) break;
-    const int item = lane + 32 * r;
-    const int i = item / (kTileV / 8), col = (item % (kTileV / 8)) * 8;
-    float x[8] = {};
-    if (i < valid) load_vec(v + ((row0 + i) * H + h) * static_cast<int64_t>(V) + v0 + col, x);
-    uint32_t packed[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) packed[j] = pack_bf16(x[2 * j], x[2 * j + 1]);
-    *reinterpret_cast<uint4*>(&slot.v[i][col]) =
-        make_uint4(packed[0], packed[1], packed[2], packed[3]);
+  // This CTA's value columns and beta (lane i < 16 holds row i's).
+  if (with_values) {
+    load_value_rows<T, kTile>(static_cast<const T*>(a.v), slot.v, row0, valid, h, H, V, v0, lane);
   }
   float beta = 0.0f;
   if (lane < valid) beta = to_float(static_cast<const T*>(a.beta)[(row0 + lane) * H + h]);
@@ -347,7 +432,7 @@ __device__ void prepare_chunk(const ChunkedArgs& a, ChunkSlot<K>& slot, int64_t 
     }
   }
 #pragma unroll
-  for (int n0 = 0; n0 < kTileV; n0 += 16) {
+  for (int n0 = 0; n0 < kTile; n0 += 16) {
     if (!with_values) break;
     uint32_t b[4];
     ldmatrix_x4_trans(b, &slot.v[f.t_row][n0 + f.t_col]);

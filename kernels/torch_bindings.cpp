@@ -1,5 +1,7 @@
 #include "kernels/torch_bindings.h"
 
+#include <initializer_list>
+#include <utility>
 #include <vector>
 
 #include <ATen/cuda/CUDAContext.h>
@@ -28,21 +30,101 @@ void check_cuda(const char* where, const char* name, const at::Tensor& t,
               " must be a CUDA tensor on ", device, ", got ", t.device());
 }
 
+// ---- KDA: what the launchers of kernels/kda.h accept.
+
+// Key and value widths of the chunked kernels; the decode step takes any V below.
+bool kda_width_supported(int64_t n) { return n == 32 || n == 64 || n == 128; }
+bool kda_step_value_supported(int64_t value) {
+  return value % 32 == 0 && value >= 32 && value <= 256;
+}
+
+bool kda_dtypes_supported(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  return is_kernel_dtype(q.scalar_type()) && k.scalar_type() == q.scalar_type() &&
+         v.scalar_type() == q.scalar_type();
+}
+
+bool kda_on_device(const at::Device& device, std::initializer_list<const at::Tensor*> tensors) {
+  for (const at::Tensor* t : tensors) {
+    if (!t->is_cuda() || t->device() != device) return false;
+  }
+  return true;
+}
+
+// The checks every KDA binding makes of its inputs: each named tensor a CUDA tensor on `device`,
+// and q, k, v in one dtype of bf16 / fp32.
+using NamedTensors = std::vector<std::pair<const char*, const at::Tensor*>>;
+void check_kda_inputs(const char* where, const at::Device& device, const NamedTensors& tensors,
+                      const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  for (const auto& [name, t] : tensors) check_cuda(where, name, *t, device);
+  TORCH_CHECK(is_kernel_dtype(q.scalar_type()), where, ": q must be bf16 or fp32, got ",
+              q.scalar_type());
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), where,
+              ": q, k, v must have one dtype, got ", q.scalar_type(), ", ", k.scalar_type(), ", ",
+              v.scalar_type());
+}
+
+// An optional state argument (initial_state, d_final_state): undefined, or of `shape` (spelled
+// `layout` in the message) on `device`; returned as contiguous fp32.
+at::Tensor kda_state_argument(const char* where, const char* name, const at::Tensor& t,
+                              const char* layout, const std::vector<int64_t>& shape,
+                              const at::Device& device) {
+  if (!t.defined()) return t;
+  TORCH_CHECK(t.sizes() == at::IntArrayRef(shape), where, ": ", name, " must be ", layout, " = ",
+              at::IntArrayRef(shape), ", got ", t.sizes());
+  check_cuda(where, name, t, device);
+  return t.to(at::kFloat).contiguous();
+}
+
+// The token inputs as the launchers read them: contiguous, g in fp32, beta in q's dtype.
+struct KdaLaunchInputs {
+  at::Tensor q, k, v, g, beta;
+};
+KdaLaunchInputs kda_launch_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  const at::Tensor& g, const at::Tensor& beta) {
+  return {q.contiguous(), k.contiguous(), v.contiguous(), g.to(at::kFloat).contiguous(),
+          beta.to(q.scalar_type()).contiguous()};
+}
+
+struct KdaSequenceSizes {
+  int64_t batch, length, heads, key, value;
+};
+
+// kda_chunked and its backward: q, k, g [B, T, H, K], v [B, T, H, V], beta [B, T, H] and, when
+// defined, d_o shaped like v; the checks of check_kda_inputs; K and V widths of the kernels.
+KdaSequenceSizes check_kda_sequence(const char* where, const at::Tensor& q, const at::Tensor& k,
+                                    const at::Tensor& v, const at::Tensor& g,
+                                    const at::Tensor& beta, const at::Tensor& d_o) {
+  TORCH_CHECK(q.dim() == 4, where, ": q must be [B, T, H, K], got ", q.sizes());
+  NamedTensors tensors = {{"q", &q}, {"k", &k}, {"v", &v}, {"g", &g}, {"beta", &beta}};
+  if (d_o.defined()) tensors.emplace_back("d_o", &d_o);
+  check_kda_inputs(where, q.device(), tensors, q, k, v);
+  TORCH_CHECK(k.sizes() == q.sizes() && g.sizes() == q.sizes(), where,
+              ": k and g must match q ", q.sizes(), ", got ", k.sizes(), " and ", g.sizes());
+  const int64_t batch = q.size(0), length = q.size(1), heads = q.size(2), key = q.size(3);
+  TORCH_CHECK(v.dim() == 4 && v.size(0) == batch && v.size(1) == length && v.size(2) == heads,
+              where, ": v must be [B, T, H, V] with B, T, H of q ", q.sizes(), ", got ",
+              v.sizes());
+  const int64_t value = v.size(3);
+  TORCH_CHECK(!d_o.defined() || d_o.sizes() == v.sizes(), where,
+              ": d_o must match o = v's shape ", v.sizes(), ", got ", d_o.sizes());
+  TORCH_CHECK(beta.dim() == 3 && beta.size(0) == batch && beta.size(1) == length &&
+                  beta.size(2) == heads,
+              where, ": beta must be [B, T, H] of q ", q.sizes(), ", got ", beta.sizes());
+  TORCH_CHECK(kda_width_supported(key) && kda_width_supported(value), where,
+              ": K and V must be 32, 64 or 128, got K = ", key, ", V = ", value,
+              " (use kda::chunked_reference)");
+  return {batch, length, heads, key, value};
+}
+
 }  // namespace
 
 bool kda_chunked_supported(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            const at::Tensor& g, const at::Tensor& beta,
                            const at::Tensor& initial_state, int64_t chunk) {
   if (chunk != 16 || !q.defined() || !q.is_cuda() || q.dim() != 4 || v.dim() != 4) return false;
-  if (!is_kernel_dtype(q.scalar_type()) || k.scalar_type() != q.scalar_type() ||
-      v.scalar_type() != q.scalar_type()) {
-    return false;
-  }
-  const int64_t key = q.size(3), value = v.size(3);
-  if ((key != 64 && key != 128) || (value != 64 && value != 128)) return false;
-  for (const at::Tensor* t : {&k, &v, &g, &beta}) {
-    if (!t->is_cuda() || t->device() != q.device()) return false;
-  }
+  if (!kda_dtypes_supported(q, k, v)) return false;
+  if (!kda_width_supported(q.size(3)) || !kda_width_supported(v.size(3))) return false;
+  if (!kda_on_device(q.device(), {&k, &v, &g, &beta})) return false;
   if (initial_state.defined() &&
       (!initial_state.is_cuda() || initial_state.device() != q.device() ||
        !at::isFloatingType(initial_state.scalar_type()))) {
@@ -57,31 +139,9 @@ KdaChunkedOutput kda_chunked(const at::Tensor& q, const at::Tensor& k, const at:
                              const at::Tensor& cu_seqlens, int64_t segment_length,
                              bool prefetch) {
   constexpr const char* where = "kernels::kda_chunked";
-  TORCH_CHECK(q.dim() == 4, where, ": q must be [B, T, H, K], got ", q.sizes());
+  const auto [batch, length, heads, key, value] =
+      check_kda_sequence(where, q, k, v, g, beta, /*d_o=*/at::Tensor());
   const at::Device device = q.device();
-  check_cuda(where, "q", q, device);
-  check_cuda(where, "k", k, device);
-  check_cuda(where, "v", v, device);
-  check_cuda(where, "g", g, device);
-  check_cuda(where, "beta", beta, device);
-  TORCH_CHECK(is_kernel_dtype(q.scalar_type()), where, ": q must be bf16 or fp32, got ",
-              q.scalar_type());
-  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), where,
-              ": q, k, v must have one dtype, got ", q.scalar_type(), ", ", k.scalar_type(), ", ",
-              v.scalar_type());
-  TORCH_CHECK(k.sizes() == q.sizes() && g.sizes() == q.sizes(), where,
-              ": k and g must match q ", q.sizes(), ", got ", k.sizes(), " and ", g.sizes());
-  const int64_t batch = q.size(0), length = q.size(1), heads = q.size(2), key = q.size(3);
-  TORCH_CHECK(v.dim() == 4 && v.size(0) == batch && v.size(1) == length && v.size(2) == heads,
-              where, ": v must be [B, T, H, V] with B, T, H of q ", q.sizes(), ", got ",
-              v.sizes());
-  const int64_t value = v.size(3);
-  TORCH_CHECK(beta.dim() == 3 && beta.size(0) == batch && beta.size(1) == length &&
-                  beta.size(2) == heads,
-              where, ": beta must be [B, T, H] of q ", q.sizes(), ", got ", beta.sizes());
-  TORCH_CHECK((key == 64 || key == 128) && (value == 64 || value == 128), where,
-              ": K and V must be 64 or 128, got K = ", key, ", V = ", value,
-              " (use kda::chunked_reference)");
 
   int64_t sequences = batch;
   at::Tensor offsets;
@@ -106,19 +166,11 @@ KdaChunkedOutput kda_chunked(const at::Tensor& q, const at::Tensor& k, const at:
     offsets = cu_seqlens.to(device, at::kInt).contiguous();
   }
   const std::vector<int64_t> state_shape = {sequences, heads, key, value};
-  at::Tensor state_in;
-  if (initial_state.defined()) {
-    TORCH_CHECK(initial_state.sizes() == at::IntArrayRef(state_shape), where,
-                ": initial_state must be [N, H, K, V] = ", at::IntArrayRef(state_shape), ", got ",
-                initial_state.sizes());
-    check_cuda(where, "initial_state", initial_state, device);
-    state_in = initial_state.to(at::kFloat).contiguous();
-  }
+  const at::Tensor state_in = kda_state_argument(where, "initial_state", initial_state,
+                                                 "[N, H, K, V]", state_shape, device);
 
   const c10::cuda::CUDAGuard guard(device);
-  const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
-  const at::Tensor gc = g.to(at::kFloat).contiguous();
-  const at::Tensor bc = beta.to(q.scalar_type()).contiguous();
+  const KdaLaunchInputs c = kda_launch_inputs(q, k, v, g, beta);
   at::Tensor o = at::empty({batch, length, heads, value}, q.options());
   at::Tensor final_state = at::empty(state_shape, q.options().dtype(at::kFloat));
   TORCH_CHECK(segment_length <= 0 || segment_length % 16 == 0, where,
@@ -136,8 +188,8 @@ KdaChunkedOutput kda_chunked(const at::Tensor& q, const at::Tensor& k, const at:
     options.workspace_bytes = workspace_bytes;
   }
   check_launch(
-      kda_chunked_forward(kernel_dtype(q.scalar_type()), qc.data_ptr(), kc.data_ptr(),
-                          vc.data_ptr(), gc.data_ptr<float>(), bc.data_ptr(),
+      kda_chunked_forward(kernel_dtype(q.scalar_type()), c.q.data_ptr(), c.k.data_ptr(),
+                          c.v.data_ptr(), c.g.data_ptr<float>(), c.beta.data_ptr(),
                           state_in.defined() ? state_in.data_ptr<float>() : nullptr,
                           o.data_ptr(), final_state.data_ptr<float>(),
                           offsets.defined() ? offsets.data_ptr<int32_t>() : nullptr, sequences,
@@ -153,55 +205,17 @@ KdaChunkedGradients kda_chunked_backward(const at::Tensor& q, const at::Tensor& 
                                          const at::Tensor& d_o, const at::Tensor& d_final_state,
                                          double scale) {
   constexpr const char* where = "kernels::kda_chunked_backward";
-  TORCH_CHECK(q.dim() == 4, where, ": q must be [B, T, H, K], got ", q.sizes());
+  TORCH_CHECK(d_o.defined(), where, ": d_o must be defined (the gradient of o)");
+  const auto [batch, length, heads, key, value] = check_kda_sequence(where, q, k, v, g, beta, d_o);
   const at::Device device = q.device();
-  check_cuda(where, "q", q, device);
-  check_cuda(where, "k", k, device);
-  check_cuda(where, "v", v, device);
-  check_cuda(where, "g", g, device);
-  check_cuda(where, "beta", beta, device);
-  check_cuda(where, "d_o", d_o, device);
-  TORCH_CHECK(is_kernel_dtype(q.scalar_type()), where, ": q must be bf16 or fp32, got ",
-              q.scalar_type());
-  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), where,
-              ": q, k, v must have one dtype, got ", q.scalar_type(), ", ", k.scalar_type(), ", ",
-              v.scalar_type());
-  TORCH_CHECK(k.sizes() == q.sizes() && g.sizes() == q.sizes(), where,
-              ": k and g must match q ", q.sizes(), ", got ", k.sizes(), " and ", g.sizes());
-  const int64_t batch = q.size(0), length = q.size(1), heads = q.size(2), key = q.size(3);
-  TORCH_CHECK(v.dim() == 4 && v.size(0) == batch && v.size(1) == length && v.size(2) == heads,
-              where, ": v must be [B, T, H, V] with B, T, H of q ", q.sizes(), ", got ",
-              v.sizes());
-  const int64_t value = v.size(3);
-  TORCH_CHECK(d_o.sizes() == v.sizes(), where, ": d_o must match o = v's shape ", v.sizes(),
-              ", got ", d_o.sizes());
-  TORCH_CHECK(beta.dim() == 3 && beta.size(0) == batch && beta.size(1) == length &&
-                  beta.size(2) == heads,
-              where, ": beta must be [B, T, H] of q ", q.sizes(), ", got ", beta.sizes());
-  TORCH_CHECK((key == 64 || key == 128) && (value == 64 || value == 128), where,
-              ": K and V must be 64 or 128, got K = ", key, ", V = ", value,
-              " (use kda::chunked_reference)");
   const std::vector<int64_t> state_shape = {batch, heads, key, value};
-  at::Tensor state_in, d_state_out;
-  if (initial_state.defined()) {
-    TORCH_CHECK(initial_state.sizes() == at::IntArrayRef(state_shape), where,
-                ": initial_state must be [B, H, K, V] = ", at::IntArrayRef(state_shape), ", got ",
-                initial_state.sizes());
-    check_cuda(where, "initial_state", initial_state, device);
-    state_in = initial_state.to(at::kFloat).contiguous();
-  }
-  if (d_final_state.defined()) {
-    TORCH_CHECK(d_final_state.sizes() == at::IntArrayRef(state_shape), where,
-                ": d_final_state must be [B, H, K, V] = ", at::IntArrayRef(state_shape),
-                ", got ", d_final_state.sizes());
-    check_cuda(where, "d_final_state", d_final_state, device);
-    d_state_out = d_final_state.to(at::kFloat).contiguous();
-  }
+  const at::Tensor state_in = kda_state_argument(where, "initial_state", initial_state,
+                                                 "[B, H, K, V]", state_shape, device);
+  const at::Tensor d_state_out = kda_state_argument(where, "d_final_state", d_final_state,
+                                                    "[B, H, K, V]", state_shape, device);
 
   const c10::cuda::CUDAGuard guard(device);
-  const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
-  const at::Tensor gc = g.to(at::kFloat).contiguous();
-  const at::Tensor bc = beta.to(q.scalar_type()).contiguous();
+  const KdaLaunchInputs c = kda_launch_inputs(q, k, v, g, beta);
   const at::Tensor doc = d_o.to(q.scalar_type()).contiguous();
   const auto f32 = q.options().dtype(at::kFloat);
   at::Tensor dq = at::empty(q.sizes(), f32), dk = at::empty(q.sizes(), f32);
@@ -216,8 +230,8 @@ KdaChunkedGradients kda_chunked_backward(const at::Tensor& q, const at::Tensor& 
   }
   check_launch(
       kernels::kda_chunked_backward(
-          kernel_dtype(q.scalar_type()), qc.data_ptr(), kc.data_ptr(), vc.data_ptr(),
-          gc.data_ptr<float>(), bc.data_ptr(),
+          kernel_dtype(q.scalar_type()), c.q.data_ptr(), c.k.data_ptr(), c.v.data_ptr(),
+          c.g.data_ptr<float>(), c.beta.data_ptr(),
           state_in.defined() ? state_in.data_ptr<float>() : nullptr, doc.data_ptr(),
           d_state_out.defined() ? d_state_out.data_ptr<float>() : nullptr, dq.data_ptr<float>(),
           dk.data_ptr<float>(), dv.data_ptr<float>(), dg.data_ptr<float>(),
@@ -239,16 +253,10 @@ KdaChunkedGradients kda_chunked_backward(const at::Tensor& q, const at::Tensor& 
 bool kda_step_supported(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                         const at::Tensor& g, const at::Tensor& beta, const at::Tensor& state) {
   if (!q.defined() || !q.is_cuda() || state.dim() != 4 || v.dim() != 3) return false;
-  if (!is_kernel_dtype(q.scalar_type()) || k.scalar_type() != q.scalar_type() ||
-      v.scalar_type() != q.scalar_type()) {
-    return false;
-  }
+  if (!kda_dtypes_supported(q, k, v)) return false;
   if (state.scalar_type() != at::kFloat || !state.is_contiguous()) return false;
-  for (const at::Tensor* t : {&k, &v, &g, &beta, &state}) {
-    if (!t->is_cuda() || t->device() != q.device()) return false;
-  }
-  const int64_t key = state.size(2), value = state.size(3);
-  return (key == 64 || key == 128) && value % 32 == 0 && value >= 32 && value <= 256 &&
+  if (!kda_on_device(q.device(), {&k, &v, &g, &beta, &state})) return false;
+  return kda_width_supported(state.size(2)) && kda_step_value_supported(state.size(3)) &&
          state.size(0) <= 65535 && state.size(1) <= 65535;
 }
 
@@ -258,12 +266,9 @@ at::Tensor kda_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   constexpr const char* where = "kernels::kda_step";
   TORCH_CHECK(state.dim() == 4, where, ": state must be [B, H, K, V], got ", state.sizes());
   const at::Device device = state.device();
-  check_cuda(where, "state", state, device);
-  check_cuda(where, "q", q, device);
-  check_cuda(where, "k", k, device);
-  check_cuda(where, "v", v, device);
-  check_cuda(where, "g", g, device);
-  check_cuda(where, "beta", beta, device);
+  check_kda_inputs(where, device,
+                   {{"state", &state}, {"q", &q}, {"k", &k}, {"v", &v}, {"g", &g}, {"beta", &beta}},
+                   q, k, v);
   TORCH_CHECK(state.scalar_type() == at::kFloat && state.is_contiguous(), where,
               ": state must be contiguous fp32 (it is updated in place), got ",
               state.scalar_type(), state.is_contiguous() ? "" : " (non-contiguous)");
@@ -278,21 +283,15 @@ at::Tensor kda_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
               where, ": v must be [B, H, V] of state ", state.sizes(), ", got ", v.sizes());
   TORCH_CHECK(beta.dim() == 2 && beta.size(0) == batch && beta.size(1) == heads, where,
               ": beta must be [B, H], got ", beta.sizes());
-  TORCH_CHECK(is_kernel_dtype(q.scalar_type()) && k.scalar_type() == q.scalar_type() &&
-                  v.scalar_type() == q.scalar_type(),
-              where, ": q, k, v must be one dtype of bf16 / fp32, got ", q.scalar_type(), ", ",
-              k.scalar_type(), ", ", v.scalar_type());
-  TORCH_CHECK((key == 64 || key == 128) && value % 32 == 0 && value >= 32 && value <= 256, where,
-              ": K must be 64 or 128 and V a multiple of 32 up to 256, got K = ", key,
+  TORCH_CHECK(kda_width_supported(key) && kda_step_value_supported(value), where,
+              ": K must be 32, 64 or 128 and V a multiple of 32 up to 256, got K = ", key,
               ", V = ", value, " (use kda::step_reference)");
 
   const c10::cuda::CUDAGuard guard(device);
-  const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
-  const at::Tensor gc = g.to(at::kFloat).contiguous();
-  const at::Tensor bc = beta.to(q.scalar_type()).contiguous();
+  const KdaLaunchInputs c = kda_launch_inputs(q, k, v, g, beta);
   at::Tensor o = at::empty({batch, heads, value}, q.options());
-  check_launch(kda_decode_step(kernel_dtype(q.scalar_type()), qc.data_ptr(), kc.data_ptr(),
-                               vc.data_ptr(), gc.data_ptr<float>(), bc.data_ptr(),
+  check_launch(kda_decode_step(kernel_dtype(q.scalar_type()), c.q.data_ptr(), c.k.data_ptr(),
+                               c.v.data_ptr(), c.g.data_ptr<float>(), c.beta.data_ptr(),
                                state.data_ptr<float>(), o.data_ptr(), batch, heads, key, value,
                                static_cast<float>(scale),
                                at::cuda::getCurrentCUDAStream(device.index()).stream()),

@@ -17,7 +17,7 @@ struct KdaChunkedOutput {
 };
 
 // Whether kda_chunked can run these inputs (shapes as in model/kda.h): CUDA tensors on one
-// device, q, k, v in one dtype of bf16 / fp32, K and V in {64, 128}, chunk 16, an undefined or
+// device, q, k, v in one dtype of bf16 / fp32, K and V in {32, 64, 128}, chunk 16, an undefined or
 // floating-point initial state. Any dtype of g and beta is accepted (converted).
 bool kda_chunked_supported(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            const at::Tensor& g, const at::Tensor& beta,
@@ -50,7 +50,7 @@ KdaChunkedGradients kda_chunked_backward(const at::Tensor& q, const at::Tensor& 
                                          const at::Tensor& d_o, const at::Tensor& d_final_state,
                                          double scale);
 
-// Whether kda_step can run these: CUDA, q k v of one dtype bf16 / fp32, K in {64, 128}, V a
+// Whether kda_step can run these: CUDA, q k v of one dtype bf16 / fp32, K in {32, 64, 128}, V a
 // multiple of 32 up to 256, state fp32 and contiguous (it is updated in place).
 bool kda_step_supported(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                         const at::Tensor& g, const at::Tensor& beta, const at::Tensor& state);

@@ -69,7 +69,7 @@ Output recurrent(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 //
 // Built with the CUDA kernels (-DODYSSEY_CUDA=ON), chunked runs kernels/kda.h's chunked forward
 // when the inputs are CUDA tensors the kernel supports (q, k, v bf16 or fp32, K and V in
-// {64, 128}, chunk 16, fp32/fp64 initial state); the kernel assumes g in [-5, 0]. When a
+// {32, 64, 128}, chunk 16, fp32/fp64 initial state); the kernel assumes g in [-5, 0]. When a
 // gradient is needed (grad mode on and an input requires grad) it is recorded for autograd with
 // the backward kernel (kda_chunked_backward) as its backward, saving only the inputs; the
 // gradients of the gate parameters behind g come from autograd through the ops that made g.
@@ -88,7 +88,7 @@ Output chunked_reference(const at::Tensor& q, const at::Tensor& k, const at::Ten
 // One decode token for a batch: q, k, g [B, H, K], v [B, H, V], beta [B, H]; state
 // [B, H, K, V] (fp32 or fp64, contiguous or not) is updated in place. Inputs are cast to the
 // state's dtype. Returns o [B, H, V] in q's dtype. Built with the CUDA kernels, a contiguous
-// fp32 CUDA state with q, k, v bf16 or fp32, K in {64, 128} and V a multiple of 32 up to 256
+// fp32 CUDA state with q, k, v bf16 or fp32, K in {32, 64, 128} and V a multiple of 32 up to 256
 // runs kernels/kda.h's decode step (fp32 throughout); otherwise step_reference.
 at::Tensor step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                 const at::Tensor& g, const at::Tensor& beta, at::Tensor& state, double scale);

@@ -6,7 +6,9 @@
 // The backward kernel: the gradients of every input (q, k, v, g, beta, initial state) against
 // autograd through the fp64 chunked reference, and a layer's parameter gradients through the
 // kernels against the fp64 reference layer.
-// Every comparison prints its max abs error. Skipped without a CUDA device.
+// Head widths: K, V in {32, 64, 128} (32 is the tiny model's, walked by 2-warp CTAs of 32 value
+// columns; kernels/README.md), equal and mixed. Every comparison prints its max abs error.
+// Skipped without a CUDA device.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -101,6 +103,21 @@ void expect_close(const char* what, const KdaChunkedOutput& got, const kda::Outp
 
 constexpr double kBf16Tolerance = 2e-2;
 
+// "B2 T100 H3 K128 V64 bf16": a case's shape and dtype, for the printed lines and failures.
+std::string shape_name(int64_t batch, int64_t length, int64_t heads, int64_t key, int64_t value,
+                       at::ScalarType dtype) {
+  return "B" + std::to_string(batch) + " T" + std::to_string(length) + " H" +
+         std::to_string(heads) + " K" + std::to_string(key) + " V" + std::to_string(value) +
+         (dtype == at::kBFloat16 ? " bf16" : " fp32");
+}
+
+// K x V shapes beside the main 128 x 128 for the tests that otherwise run one shape: the tiny
+// model's 32 x 32 (2-warp CTAs, groups of 2 chunks, half the lanes preparing key columns).
+struct HeadShape {
+  int64_t key, value;
+};
+const HeadShape kMainAndTinyShapes[] = {{128, 128}, {32, 32}};
+
 class KdaKernel : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -118,14 +135,14 @@ TEST_F(KdaKernel, ChunkedMatchesFp64RecurrenceOnRandomInputs) {
       {2, 100, 3, 128, 128, at::kBFloat16, true}, {2, 100, 3, 128, 128, at::kFloat, true},
       {1, 64, 2, 128, 128, at::kBFloat16, false}, {2, 77, 2, 64, 64, at::kBFloat16, true},
       {1, 50, 2, 128, 64, at::kBFloat16, true},   {1, 50, 2, 64, 128, at::kFloat, false},
+      {2, 100, 2, 32, 32, at::kBFloat16, true},   {2, 77, 3, 32, 32, at::kFloat, false},
+      {1, 50, 2, 32, 128, at::kFloat, true},      {1, 50, 2, 128, 32, at::kBFloat16, true},
+      {1, 45, 3, 32, 64, at::kBFloat16, true},    {1, 45, 2, 64, 32, at::kFloat, true},
   };
   for (const Case& c : cases) {
     const Inputs in = make_inputs(c.batch, c.length, c.heads, c.key, c.value, c.dtype,
                                   Gates::kRandom, c.with_state, /*seed=*/7 + c.length);
-    const std::string name = "B" + std::to_string(c.batch) + " T" + std::to_string(c.length) +
-                             " H" + std::to_string(c.heads) + " K" + std::to_string(c.key) +
-                             " V" + std::to_string(c.value) +
-                             (c.dtype == at::kBFloat16 ? " bf16" : " fp32") +
+    const std::string name = shape_name(c.batch, c.length, c.heads, c.key, c.value, c.dtype) +
                              (c.with_state ? " +state" : "");
     expect_close(name.c_str(), kda_chunked(in.q, in.k, in.v, in.g, in.beta, in.state, in.scale),
                  reference(in), kBf16Tolerance);
@@ -155,12 +172,14 @@ TEST_F(KdaKernel, AlphaOneMatches) {
 }
 
 TEST_F(KdaKernel, PartlyFilledLastChunksMatch) {
-  for (int64_t length : {1, 5, 15, 16, 17, 31, 33, 63, 65}) {
-    const Inputs in = make_inputs(1, length, 2, 128, 128, at::kBFloat16, Gates::kRandom, true,
-                                  100 + length);
-    const std::string name = "T = " + std::to_string(length);
-    expect_close(name.c_str(), kda_chunked(in.q, in.k, in.v, in.g, in.beta, in.state, in.scale),
-                 reference(in), kBf16Tolerance);
+  for (const HeadShape& shape : kMainAndTinyShapes) {
+    for (int64_t length : {1, 5, 15, 16, 17, 31, 33, 63, 65}) {
+      const Inputs in = make_inputs(1, length, 2, shape.key, shape.value, at::kBFloat16,
+                                    Gates::kRandom, true, 100 + length);
+      const std::string name = shape_name(1, length, 2, shape.key, shape.value, at::kBFloat16);
+      expect_close(name.c_str(), kda_chunked(in.q, in.k, in.v, in.g, in.beta, in.state, in.scale),
+                   reference(in), kBf16Tolerance);
+    }
   }
 }
 
@@ -254,29 +273,34 @@ TEST_F(KdaKernel, PackedVariableLengthsEqualSeparateCalls) {
 // T = 4096 + 37: with 256-token segments P = 17 and the last segment holds 37 tokens (a partly
 // filled last chunk); 400-token segments (25 chunks) end in a partly filled group of 4 chunks;
 // 4128-token segments leave a last segment of 5 tokens (one partial chunk); 0 is the automatic
-// choice (context parallel on an H200 for 8 chains of 4133 tokens). Each result is compared with
-// the serial walk (segment_length = -1) and the fp64 chunked reference.
+// choice (context parallel on an H200 for 8 chains of 4133 tokens at K = V = 128, 4 at 32). Each
+// result is compared with the serial walk (segment_length = -1) and the fp64 chunked reference.
+// Both at K = V = 128 and at the tiny model's 32 (CTAs of 2 warps, groups of 2 chunks).
 TEST_F(KdaKernel, ContextParallelMatchesSerialAndFp64) {
   const int64_t length = 4096 + 37;
   const struct {
     Gates gates;
     const char* name;
   } gate_cases[] = {{Gates::kRandom, "random g"}, {Gates::kSaturated, "g = -5"}, {Gates::kOne, "g = 0"}};
-  for (const auto& gc : gate_cases) {
-    const Inputs in = make_inputs(2, length, 2, 128, 128, at::kBFloat16, gc.gates, true, 71);
-    const kda::Output expected = reference(in, /*token_by_token=*/false);
-    const KdaChunkedOutput serial = kda_chunked(in.q, in.k, in.v, in.g, in.beta, in.state,
-                                                in.scale, at::Tensor(), /*segment_length=*/-1);
-    expect_close((std::string(gc.name) + ", serial vs fp64").c_str(), serial, expected,
-                 kBf16Tolerance);
-    for (int64_t segment : {256, 400, 4128, 0}) {
-      const KdaChunkedOutput parallel = kda_chunked(in.q, in.k, in.v, in.g, in.beta, in.state,
-                                                    in.scale, at::Tensor(), segment);
-      const std::string name = std::string(gc.name) + ", segments of " +
-                               (segment ? std::to_string(segment) : std::string("auto"));
-      expect_close((name + " vs fp64").c_str(), parallel, expected, kBf16Tolerance);
-      expect_close((name + " vs serial").c_str(), parallel, {serial.o, serial.final_state},
-                   kBf16Tolerance);
+  for (const HeadShape& shape : kMainAndTinyShapes) {
+    for (const auto& gc : gate_cases) {
+      const Inputs in = make_inputs(2, length, 2, shape.key, shape.value, at::kBFloat16, gc.gates,
+                                    true, 71);
+      const kda::Output expected = reference(in, /*token_by_token=*/false);
+      const KdaChunkedOutput serial = kda_chunked(in.q, in.k, in.v, in.g, in.beta, in.state,
+                                                  in.scale, at::Tensor(), /*segment_length=*/-1);
+      const std::string prefix = "K" + std::to_string(shape.key) + " V" +
+                                 std::to_string(shape.value) + " " + gc.name;
+      expect_close((prefix + ", serial vs fp64").c_str(), serial, expected, kBf16Tolerance);
+      for (int64_t segment : {256, 400, 4128, 0}) {
+        const KdaChunkedOutput parallel = kda_chunked(in.q, in.k, in.v, in.g, in.beta, in.state,
+                                                      in.scale, at::Tensor(), segment);
+        const std::string name = prefix + ", segments of " +
+                                 (segment ? std::to_string(segment) : std::string("auto"));
+        expect_close((name + " vs fp64").c_str(), parallel, expected, kBf16Tolerance);
+        expect_close((name + " vs serial").c_str(), parallel, {serial.o, serial.final_state},
+                     kBf16Tolerance);
+      }
     }
   }
 }
@@ -288,19 +312,21 @@ TEST_F(KdaKernel, ContextParallelCoversEveryShapeAndDtype) {
     bool with_state;
     int64_t segment;
   };
+  // The last case is the automatic choice at the tiny model's widths (2-warp CTAs; on an H200,
+  // 2 chains of 4133 tokens: context parallel).
   const std::vector<Case> cases = {
       {1, 1000, 2, 64, 64, at::kFloat, true, 160},     {2, 700, 1, 128, 64, at::kBFloat16, true, 64},
       {1, 555, 3, 64, 128, at::kBFloat16, false, 96},  {1, 300, 2, 128, 128, at::kFloat, false, 16},
+      {1, 1000, 2, 32, 32, at::kBFloat16, true, 160},  {2, 700, 1, 32, 128, at::kFloat, true, 64},
+      {1, 555, 3, 128, 32, at::kBFloat16, false, 96},  {1, 300, 2, 32, 64, at::kBFloat16, true, 16},
+      {1, 4133, 2, 32, 32, at::kBFloat16, true, 0},
   };
   for (const Case& c : cases) {
     const Inputs in = make_inputs(c.batch, c.length, c.heads, c.key, c.value, c.dtype,
                                   Gates::kRandom, c.with_state, /*seed=*/81 + c.length);
-    const std::string name = "B" + std::to_string(c.batch) + " T" + std::to_string(c.length) +
-                             " H" + std::to_string(c.heads) + " K" + std::to_string(c.key) +
-                             " V" + std::to_string(c.value) +
-                             (c.dtype == at::kBFloat16 ? " bf16" : " fp32") +
+    const std::string name = shape_name(c.batch, c.length, c.heads, c.key, c.value, c.dtype) +
                              (c.with_state ? " +state" : "") + " segments of " +
-                             std::to_string(c.segment);
+                             (c.segment ? std::to_string(c.segment) : std::string("auto"));
     expect_close(name.c_str(),
                  kda_chunked(in.q, in.k, in.v, in.g, in.beta, in.state, in.scale, at::Tensor(),
                              c.segment),
@@ -341,21 +367,29 @@ TEST_F(KdaKernel, L2PrefetchChangesNothing) {
   // The prefetch of the next group's rows is a hint: serial and context-parallel results are
   // bit for bit those without it (T = 1000 with 64-token groups: 15 prefetches, the last of a
   // partly filled group).
-  const Inputs in = make_inputs(2, 1000, 2, 128, 128, at::kBFloat16, Gates::kRandom, true, 95);
-  for (int64_t segment : {-1, 192}) {
-    const KdaChunkedOutput on = kda_chunked(in.q, in.k, in.v, in.g, in.beta, in.state, in.scale,
-                                            at::Tensor(), segment, /*prefetch=*/true);
-    const KdaChunkedOutput off = kda_chunked(in.q, in.k, in.v, in.g, in.beta, in.state, in.scale,
-                                             at::Tensor(), segment, /*prefetch=*/false);
-    EXPECT_EQ(max_error(on.o, off.o), 0.0) << "segment_length " << segment;
-    EXPECT_EQ(max_error(on.final_state, off.final_state), 0.0) << "segment_length " << segment;
+  // At K = V = 32 a row's q, k and value slices are half a 128-byte line (bf16).
+  for (const HeadShape& shape : kMainAndTinyShapes) {
+    const Inputs in = make_inputs(2, 1000, 2, shape.key, shape.value, at::kBFloat16,
+                                  Gates::kRandom, true, 95);
+    for (int64_t segment : {-1, 192}) {
+      const KdaChunkedOutput on = kda_chunked(in.q, in.k, in.v, in.g, in.beta, in.state,
+                                              in.scale, at::Tensor(), segment, /*prefetch=*/true);
+      const KdaChunkedOutput off = kda_chunked(in.q, in.k, in.v, in.g, in.beta, in.state,
+                                               in.scale, at::Tensor(), segment, /*prefetch=*/false);
+      const std::string name = "K" + std::to_string(shape.key) + " V" +
+                               std::to_string(shape.value) + " segment_length " +
+                               std::to_string(segment);
+      EXPECT_EQ(max_error(on.o, off.o), 0.0) << name;
+      EXPECT_EQ(max_error(on.final_state, off.final_state), 0.0) << name;
+    }
   }
 }
 
 TEST_F(KdaKernel, DecodeStepMatchesFp64Step) {
+  const HeadShape shapes[] = {{64, 128}, {128, 128}, {32, 32}, {32, 128}, {128, 32}, {32, 64}};
   for (at::ScalarType dtype : {at::kBFloat16, at::kFloat}) {
-    for (int64_t key : {64, 128}) {
-      const Inputs in = make_inputs(5, 1, 3, key, 128, dtype, Gates::kRandom, true, 41 + key);
+    for (const auto& [key, value] : shapes) {
+      const Inputs in = make_inputs(5, 1, 3, key, value, dtype, Gates::kRandom, true, 41 + key);
       at::Tensor state = in.state.clone();
       at::Tensor expected_state = in.state.to(at::kDouble);
       auto d = [](const at::Tensor& t) { return t.select(1, 0).to(at::kDouble); };
@@ -364,9 +398,9 @@ TEST_F(KdaKernel, DecodeStepMatchesFp64Step) {
       const at::Tensor o = kda_step(in.q.select(1, 0), in.k.select(1, 0), in.v.select(1, 0),
                                     in.g.select(1, 0), in.beta.select(1, 0), state, in.scale);
       const double o_error = max_error(o, expected), s_error = max_error(state, expected_state);
-      std::printf("  decode K%-3lld %s: max|o - ref| %.3e, max|S - ref| %.3e\n",
-                  static_cast<long long>(key), dtype == at::kFloat ? "fp32" : "bf16", o_error,
-                  s_error);
+      std::printf("  decode K%-3lld V%-3lld %s: max|o - ref| %.3e, max|S - ref| %.3e\n",
+                  static_cast<long long>(key), static_cast<long long>(value),
+                  dtype == at::kFloat ? "fp32" : "bf16", o_error, s_error);
       // fp32 throughout; a bf16 output carries its own rounding.
       EXPECT_LE(o_error, dtype == at::kFloat ? 1e-5 : 1e-2 * max_abs(expected));
       EXPECT_LE(s_error, 1e-4);
@@ -376,46 +410,58 @@ TEST_F(KdaKernel, DecodeStepMatchesFp64Step) {
 
 TEST_F(KdaKernel, DecodeContinuesAChunkedPrefill) {
   const int64_t prefill = 20, steps = 5;
-  const Inputs in = make_inputs(3, prefill + steps, 2, 128, 128, at::kBFloat16, Gates::kRandom,
-                                true, 51);
-  const KdaChunkedOutput whole = kda_chunked(in.q, in.k, in.v, in.g, in.beta, in.state, in.scale);
-  auto head = [&](const at::Tensor& t) { return t.slice(1, 0, prefill); };
-  at::Tensor state = kda_chunked(head(in.q), head(in.k), head(in.v), head(in.g), head(in.beta),
-                                 in.state, in.scale)
-                         .final_state;
-  std::vector<at::Tensor> outputs;
-  for (int64_t t = prefill; t < prefill + steps; ++t) {
-    outputs.push_back(kda_step(in.q.select(1, t), in.k.select(1, t), in.v.select(1, t),
-                               in.g.select(1, t), in.beta.select(1, t), state, in.scale));
+  for (const HeadShape& shape : kMainAndTinyShapes) {
+    const Inputs in = make_inputs(3, prefill + steps, 2, shape.key, shape.value, at::kBFloat16,
+                                  Gates::kRandom, true, 51);
+    const KdaChunkedOutput whole =
+        kda_chunked(in.q, in.k, in.v, in.g, in.beta, in.state, in.scale);
+    auto head = [&](const at::Tensor& t) { return t.slice(1, 0, prefill); };
+    at::Tensor state = kda_chunked(head(in.q), head(in.k), head(in.v), head(in.g), head(in.beta),
+                                   in.state, in.scale)
+                           .final_state;
+    std::vector<at::Tensor> outputs;
+    for (int64_t t = prefill; t < prefill + steps; ++t) {
+      outputs.push_back(kda_step(in.q.select(1, t), in.k.select(1, t), in.v.select(1, t),
+                                 in.g.select(1, t), in.beta.select(1, t), state, in.scale));
+    }
+    const at::Tensor decoded = at::stack(outputs, 1);
+    const KdaChunkedOutput got{decoded, state};
+    const kda::Output expected{whole.o.slice(1, prefill), whole.final_state};
+    const std::string name = "K" + std::to_string(shape.key) + " V" +
+                             std::to_string(shape.value) + " prefill 20 + decode 5 vs chunked 25";
+    expect_close(name.c_str(), got, expected, kBf16Tolerance);
   }
-  const at::Tensor decoded = at::stack(outputs, 1);
-  const KdaChunkedOutput got{decoded, state};
-  const kda::Output expected{whole.o.slice(1, prefill), whole.final_state};
-  expect_close("prefill 20 + decode 5 vs chunked 25", got, expected, kBf16Tolerance);
 }
 
 TEST_F(KdaKernel, ModelDispatchesToTheKernelWithAndWithoutGradients) {
-  const Inputs in = make_inputs(1, 40, 2, 128, 128, at::kFloat, Gates::kRandom, true, 61);
-  const KdaChunkedOutput kernel = kda_chunked(in.q, in.k, in.v, in.g, in.beta, in.state, in.scale);
-  {
-    const kda::Output out = kda::chunked(in.q, in.k, in.v, in.g, in.beta, in.state, in.scale);
-    EXPECT_EQ(max_error(out.o, kernel.o), 0.0) << "kda::chunked on CUDA without grad";
-  }
-  {
-    // With a gradient wanted: the forward kernel (bit for bit), recorded with the backward
-    // kernel as its backward.
-    const at::Tensor q = in.q.clone().requires_grad_(true);
-    const kda::Output out = kda::chunked(q, in.k, in.v, in.g, in.beta, in.state, in.scale);
-    ASSERT_TRUE(out.o.requires_grad()) << "with grad, kda::chunked must record for autograd";
-    EXPECT_EQ(max_error(out.o.detach(), kernel.o), 0.0) << "kda::chunked on CUDA with grad";
-    EXPECT_EQ(max_error(out.final_state.detach(), kernel.final_state), 0.0);
-    out.o.sum().backward();
-    ASSERT_TRUE(q.grad().defined());
-    const at::Tensor expected =
-        kda_chunked_backward(in.q, in.k, in.v, in.g, in.beta, in.state,
-                             at::ones_like(kernel.o), at::Tensor(), in.scale)
-            .dq;
-    EXPECT_EQ(max_error(q.grad(), expected), 0.0) << "q.grad is the backward kernel's dq";
+  for (const HeadShape& shape : kMainAndTinyShapes) {
+    const std::string name = "K" + std::to_string(shape.key) + " V" + std::to_string(shape.value);
+    const Inputs in =
+        make_inputs(1, 40, 2, shape.key, shape.value, at::kFloat, Gates::kRandom, true, 61);
+    const KdaChunkedOutput kernel =
+        kda_chunked(in.q, in.k, in.v, in.g, in.beta, in.state, in.scale);
+    {
+      const kda::Output out = kda::chunked(in.q, in.k, in.v, in.g, in.beta, in.state, in.scale);
+      EXPECT_EQ(max_error(out.o, kernel.o), 0.0) << name << ": kda::chunked on CUDA without grad";
+    }
+    {
+      // With a gradient wanted: the forward kernel (bit for bit), recorded with the backward
+      // kernel as its backward.
+      const at::Tensor q = in.q.clone().requires_grad_(true);
+      const kda::Output out = kda::chunked(q, in.k, in.v, in.g, in.beta, in.state, in.scale);
+      ASSERT_TRUE(out.o.requires_grad()) << "with grad, kda::chunked must record for autograd";
+      EXPECT_EQ(max_error(out.o.detach(), kernel.o), 0.0)
+          << name << ": kda::chunked on CUDA with grad";
+      EXPECT_EQ(max_error(out.final_state.detach(), kernel.final_state), 0.0) << name;
+      out.o.sum().backward();
+      ASSERT_TRUE(q.grad().defined());
+      const at::Tensor expected =
+          kda_chunked_backward(in.q, in.k, in.v, in.g, in.beta, in.state,
+                               at::ones_like(kernel.o), at::Tensor(), in.scale)
+              .dq;
+      EXPECT_EQ(max_error(q.grad(), expected), 0.0)
+          << name << ": q.grad is the backward kernel's dq";
+    }
   }
 }
 
@@ -505,17 +551,22 @@ TEST_F(KdaKernel, BackwardMatchesAutogradOfTheFp64Reference) {
       {1, 50, 2, 128, 64, at::kBFloat16, Gates::kRandom, false, true},
       {1, 64, 2, 64, 128, at::kFloat, Gates::kRandom, true, false},
       {2, 48, 2, 128, 128, at::kFloat, Gates::kRandom, false, false},
+      {2, 100, 2, 32, 32, at::kBFloat16, Gates::kRandom, true, true},
+      {2, 100, 2, 32, 32, at::kFloat, Gates::kRandom, true, true},
+      {1, 90, 2, 32, 32, at::kFloat, Gates::kSaturated, true, true},
+      {1, 90, 2, 32, 32, at::kBFloat16, Gates::kOne, true, true},
+      {1, 50, 3, 32, 128, at::kFloat, Gates::kRandom, true, false},
+      {1, 64, 2, 128, 32, at::kBFloat16, Gates::kRandom, false, true},
+      {1, 37, 2, 32, 64, at::kFloat, Gates::kRandom, true, true},
+      {1, 45, 2, 64, 32, at::kFloat, Gates::kRandom, true, true},
   };
   const char* gate_names[] = {"random g", "g = -5", "g = 0"};
   for (const Case& c : cases) {
     const Inputs in = make_inputs(c.batch, c.length, c.heads, c.key, c.value, c.dtype, c.gates,
                                   c.with_state, /*seed=*/200 + c.length + c.key);
     const auto [d_o, d_final] = output_gradients(in, c.with_final, 300 + c.length);
-    const std::string name = "B" + std::to_string(c.batch) + " T" + std::to_string(c.length) +
-                             " H" + std::to_string(c.heads) + " K" + std::to_string(c.key) +
-                             " V" + std::to_string(c.value) +
-                             (c.dtype == at::kBFloat16 ? " bf16 " : " fp32 ") +
-                             gate_names[static_cast<int>(c.gates)] +
+    const std::string name = shape_name(c.batch, c.length, c.heads, c.key, c.value, c.dtype) +
+                             " " + gate_names[static_cast<int>(c.gates)] +
                              (c.with_state ? " +state" : "") + (c.with_final ? " +dS_final" : "");
     expect_gradients(name, kernel_gradients(in, d_o, d_final),
                      reference_gradients(in, d_o, d_final));
@@ -523,21 +574,27 @@ TEST_F(KdaKernel, BackwardMatchesAutogradOfTheFp64Reference) {
 }
 
 TEST_F(KdaKernel, BackwardOfPartlyFilledLastChunksMatches) {
-  for (int64_t length : {1, 5, 15, 16, 17, 33, 37, 50, 63, 65}) {
-    const Inputs in = make_inputs(1, length, 2, 128, 128, at::kFloat, Gates::kRandom, true,
-                                  400 + length);
-    const auto [d_o, d_final] = output_gradients(in, /*with_final=*/true, 500 + length);
-    expect_gradients("T = " + std::to_string(length), kernel_gradients(in, d_o, d_final),
-                     reference_gradients(in, d_o, d_final));
+  for (const HeadShape& shape : kMainAndTinyShapes) {
+    for (int64_t length : {1, 5, 15, 16, 17, 33, 37, 50, 63, 65}) {
+      const Inputs in = make_inputs(1, length, 2, shape.key, shape.value, at::kFloat,
+                                    Gates::kRandom, true, 400 + length);
+      const auto [d_o, d_final] = output_gradients(in, /*with_final=*/true, 500 + length);
+      expect_gradients(shape_name(1, length, 2, shape.key, shape.value, at::kFloat),
+                       kernel_gradients(in, d_o, d_final), reference_gradients(in, d_o, d_final));
+    }
   }
 }
 
 TEST_F(KdaKernel, BackwardOfALongSequenceMatches) {
-  // 125 chunks: 31 full groups of 4 and a partly filled one in the reverse walk.
-  const Inputs in = make_inputs(1, 2000, 2, 128, 128, at::kBFloat16, Gates::kRandom, true, 13);
-  const auto [d_o, d_final] = output_gradients(in, /*with_final=*/true, 14);
-  expect_gradients("T = 2000 bf16", kernel_gradients(in, d_o, d_final),
-                   reference_gradients(in, d_o, d_final));
+  // 125 chunks: 31 full groups of 4 and a partly filled one in the reverse walk (62 full groups
+  // of 2 and a partly filled one at K = V = 32).
+  for (const HeadShape& shape : kMainAndTinyShapes) {
+    const Inputs in = make_inputs(1, 2000, 2, shape.key, shape.value, at::kBFloat16,
+                                  Gates::kRandom, true, 13);
+    const auto [d_o, d_final] = output_gradients(in, /*with_final=*/true, 14);
+    expect_gradients(shape_name(1, 2000, 2, shape.key, shape.value, at::kBFloat16),
+                     kernel_gradients(in, d_o, d_final), reference_gradients(in, d_o, d_final));
+  }
 }
 
 TEST_F(KdaKernel, BackwardOfAnEmptySequencePassesTheStateGradientThrough) {
@@ -549,18 +606,83 @@ TEST_F(KdaKernel, BackwardOfAnEmptySequencePassesTheStateGradientThrough) {
   EXPECT_EQ(max_error(d.d_initial_state, d_final), 0.0);
 }
 
-TEST_F(KdaKernel, BackwardLauncherRejectsUnsupportedSizes) {
-  EXPECT_EQ(kda_chunked_backward(KdaDtype::kBFloat16, nullptr, nullptr, nullptr, nullptr, nullptr,
-                                 nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
-                                 nullptr, nullptr, /*batch=*/1, /*length=*/16, /*heads=*/1,
-                                 /*key_dim=*/96, /*value_dim=*/128, 1.0f, nullptr, 0, nullptr),
-            cudaErrorInvalidValue);
-  EXPECT_EQ(kda_chunked_backward(KdaDtype::kBFloat16, nullptr, nullptr, nullptr, nullptr, nullptr,
-                                 nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
-                                 nullptr, nullptr, /*batch=*/1, /*length=*/16, /*heads=*/1,
-                                 /*key_dim=*/128, /*value_dim=*/128, 1.0f, nullptr, 0, nullptr),
-            cudaErrorInvalidValue)
-      << "null inputs";
+// f() throws a c10::Error whose message contains `text` (printed).
+template <typename F>
+void expect_error(const std::string& what, F&& f, const std::string& text) {
+  try {
+    f();
+    ADD_FAILURE() << what << ": no error";
+  } catch (const c10::Error& e) {
+    const std::string message = e.what_without_backtrace();
+    std::printf("  %s: %s\n", what.c_str(), message.c_str());
+    EXPECT_NE(message.find(text), std::string::npos) << what << ": " << message;
+  }
+}
+
+TEST_F(KdaKernel, LaunchersAndBindingsRejectUnsupportedSizes) {
+  // Launchers: cudaErrorInvalidValue before anything is read (every pointer is null here).
+  const HeadShape unsupported[] = {{96, 128}, {48, 32}, {32, 48}, {16, 16}, {32, 16}, {256, 64}};
+  for (const auto& [key, value] : unsupported) {
+    const std::string name = "K" + std::to_string(key) + " V" + std::to_string(value);
+    EXPECT_EQ(kda_chunked_forward(KdaDtype::kBFloat16, nullptr, nullptr, nullptr, nullptr, nullptr,
+                                  nullptr, nullptr, nullptr, nullptr, /*batch=*/1, /*length=*/16,
+                                  /*heads=*/1, key, value, 1.0f, nullptr),
+              cudaErrorInvalidValue)
+        << name;
+    EXPECT_EQ(kda_chunked_forward_workspace_bytes(false, 1, 8192, 1, key, value, {}), 0u) << name;
+    EXPECT_EQ(kda_chunked_backward(KdaDtype::kBFloat16, nullptr, nullptr, nullptr, nullptr, nullptr,
+                                   nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
+                                   nullptr, nullptr, /*batch=*/1, /*length=*/16, /*heads=*/1, key,
+                                   value, 1.0f, nullptr, 0, nullptr),
+              cudaErrorInvalidValue)
+        << name;
+  }
+  for (const auto& [key, value] : {HeadShape{48, 32}, HeadShape{16, 32}, HeadShape{32, 16},
+                                   HeadShape{32, 48}}) {
+    EXPECT_EQ(kda_decode_step(KdaDtype::kBFloat16, nullptr, nullptr, nullptr, nullptr, nullptr,
+                              nullptr, nullptr, /*batch=*/1, /*heads=*/1, key, value, 1.0f,
+                              nullptr),
+              cudaErrorInvalidValue)
+        << "decode K" << key << " V" << value;
+  }
+  for (const auto& [key, value] : kMainAndTinyShapes) {
+    EXPECT_EQ(kda_chunked_backward(KdaDtype::kBFloat16, nullptr, nullptr, nullptr, nullptr, nullptr,
+                                   nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
+                                   nullptr, nullptr, /*batch=*/1, /*length=*/16, /*heads=*/1, key,
+                                   value, 1.0f, nullptr, 0, nullptr),
+              cudaErrorInvalidValue)
+        << "null inputs, K" << key << " V" << value;
+  }
+
+  // Bindings: not supported (kda::chunked / kda::step take the reference), and a direct call
+  // names the widths it got and what it takes.
+  for (const auto& [key, value] : {HeadShape{48, 32}, HeadShape{32, 16}}) {
+    const Inputs in = make_inputs(1, 20, 2, key, value, at::kBFloat16, Gates::kRandom, true, 3);
+    const std::string widths = "got K = " + std::to_string(key) + ", V = " + std::to_string(value);
+    EXPECT_FALSE(kda_chunked_supported(in.q, in.k, in.v, in.g, in.beta, in.state, 16)) << widths;
+    expect_error("kda_chunked " + widths,
+                 [&] { kda_chunked(in.q, in.k, in.v, in.g, in.beta, in.state, in.scale); },
+                 "K and V must be 32, 64 or 128, " + widths);
+    expect_error("kda_chunked_backward " + widths,
+                 [&] {
+                   kda_chunked_backward(in.q, in.k, in.v, in.g, in.beta, in.state,
+                                        at::zeros_like(in.v), at::Tensor(), in.scale);
+                 },
+                 "K and V must be 32, 64 or 128, " + widths);
+    at::Tensor state = in.state.clone();
+    auto first = [](const at::Tensor& t) { return t.select(1, 0); };
+    EXPECT_FALSE(kda_step_supported(first(in.q), first(in.k), first(in.v), first(in.g),
+                                    first(in.beta), state))
+        << widths;
+    expect_error("kda_step " + widths,
+                 [&] {
+                   kda_step(first(in.q), first(in.k), first(in.v), first(in.g), first(in.beta),
+                            state, in.scale);
+                 },
+                 "K must be 32, 64 or 128 and V a multiple of 32 up to 256, " + widths);
+  }
+  const Inputs tiny = make_inputs(1, 20, 2, 32, 32, at::kBFloat16, Gates::kRandom, true, 4);
+  EXPECT_TRUE(kda_chunked_supported(tiny.q, tiny.k, tiny.v, tiny.g, tiny.beta, tiny.state, 16));
 }
 
 TEST_F(KdaKernel, AutogradFunctionMatchesTheReferenceThroughAnInitialState) {
@@ -610,37 +732,43 @@ TEST_F(KdaKernel, AutogradFunctionWorksWithoutAnInitialStateAndWithFewInputsNeed
 }
 
 TEST_F(KdaKernel, LayerParametersGetTheReferenceGradientsThroughTheKernels) {
-  model::IncrementalAttentionOptions options;
-  options.hidden = 96;
-  options.heads = 2;
-  options.head_k_dim = 64;
-  options.head_v_dim = 64;
-  options.decay_rank = 16;
-  at::manual_seed(81);
-  model::IncrementalAttention layer(options);
-  layer->to(at::kCUDA);
-  const at::Tensor x = at::randn({2, 70, options.hidden}, at::TensorOptions().device(at::kCUDA));
-  const at::Tensor weight = at::randn({2, 70, options.hidden}, x.options());
+  // Head widths 64 and 32 (the tiny model's layer: 2 heads of K = V = 32).
+  for (int64_t width : {64, 32}) {
+    model::IncrementalAttentionOptions options;
+    options.hidden = 96;
+    options.heads = 2;
+    options.head_k_dim = width;
+    options.head_v_dim = width;
+    options.decay_rank = 16;
+    std::printf("  K = V = %lld\n", static_cast<long long>(width));
+    at::manual_seed(81);
+    model::IncrementalAttention layer(options);
+    layer->to(at::kCUDA);
+    const at::Tensor x = at::randn({2, 70, options.hidden}, at::TensorOptions().device(at::kCUDA));
+    const at::Tensor weight = at::randn({2, 70, options.hidden}, x.options());
 
-  // fp32 on CUDA: kda::chunked takes the kernels (forward + backward kernel).
-  (layer->forward(x) * weight).sum().backward();
-  std::vector<std::pair<std::string, at::Tensor>> kernel_grads;
-  for (const auto& p : layer->named_parameters()) {
-    ASSERT_TRUE(p.value().grad().defined()) << p.key();
-    kernel_grads.emplace_back(p.key(), p.value().grad().to(at::kDouble));
-  }
-  // fp64 on CUDA: kda::chunked is the reference (the kernels take bf16 / fp32 only).
-  layer->zero_grad();
-  layer->to(at::kDouble);
-  (layer->forward(x.to(at::kDouble)) * weight.to(at::kDouble)).sum().backward();
-  size_t i = 0;
-  for (const auto& p : layer->named_parameters()) {
-    const auto& [name, got] = kernel_grads[i++];
-    ASSERT_EQ(name, p.key());
-    const at::Tensor expected = p.value().grad();
-    const double error = max_error(got, expected), magnitude = max_abs(expected);
-    std::printf("  %-16s max|grad - ref| %.3e (|ref| <= %.3e)\n", name.c_str(), error, magnitude);
-    EXPECT_LE(error, kGradientTolerance * std::max(1e-6, magnitude)) << name;
+    // fp32 on CUDA: kda::chunked takes the kernels (forward + backward kernel).
+    (layer->forward(x) * weight).sum().backward();
+    std::vector<std::pair<std::string, at::Tensor>> kernel_grads;
+    for (const auto& p : layer->named_parameters()) {
+      ASSERT_TRUE(p.value().grad().defined()) << p.key();
+      kernel_grads.emplace_back(p.key(), p.value().grad().to(at::kDouble));
+    }
+    // fp64 on CUDA: kda::chunked is the reference (the kernels take bf16 / fp32 only).
+    layer->zero_grad();
+    layer->to(at::kDouble);
+    (layer->forward(x.to(at::kDouble)) * weight.to(at::kDouble)).sum().backward();
+    size_t i = 0;
+    for (const auto& p : layer->named_parameters()) {
+      const auto& [name, got] = kernel_grads[i++];
+      ASSERT_EQ(name, p.key());
+      const at::Tensor expected = p.value().grad();
+      const double error = max_error(got, expected), magnitude = max_abs(expected);
+      std::printf("    %-16s max|grad - ref| %.3e (|ref| <= %.3e)\n", name.c_str(), error,
+                  magnitude);
+      EXPECT_LE(error, kGradientTolerance * std::max(1e-6, magnitude)) << "K = V = " << width
+                                                                      << ": " << name;
+    }
   }
 }
 
