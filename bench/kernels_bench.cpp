@@ -6,12 +6,15 @@
 #include <cmath>
 #include <cstdio>
 #include <functional>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/core/GradMode.h>
 #include <cuda_runtime.h>
+#include <torch/autograd.h>
 #include <torch/cuda.h>
 
 #include "kernels/kda.h"
@@ -309,6 +312,476 @@ void bench_moe_routing(const KernelsBenchOptions& o, const model::MoeOptions& mo
   std::fflush(stdout);
 }
 
+// ---- MoE per-stage breakdown ------------------------------------------------------------------------
+
+// One row of a breakdown: a stage of the layer timed alone (CUDA events, best of N).
+struct Stage {
+  std::string name;
+  double ms = 0;
+  double flops = 0;     // matmul FLOPs (0: none counted)
+  double bytes = 0;     // the bytes the stage has to move at least (0: not given)
+  bool summed = true;   // false: a part of the row above or an extra, left out of the sum
+};
+
+double bytes_of(const at::Tensor& t) { return static_cast<double>(t.numel()) * t.element_size(); }
+
+at::Tensor leaf(const at::Tensor& t) { return t.detach().requires_grad_(true); }
+
+at::Tensor random_like(const at::Tensor& t) { return at::randn(t.sizes(), t.options()); }
+
+// The layer's sizes as doubles, for the FLOP and byte counts: m tokens, d = hidden, e experts,
+// top-k, l = latent, f = expert_ffn, rows = m k routed copies.
+struct MoeSizes {
+  double m, d, e, k, l, f, rows;
+};
+MoeSizes moe_sizes(const model::MoeOptions& mo, int64_t tokens) {
+  const double m = static_cast<double>(tokens);
+  return {m, static_cast<double>(mo.hidden), static_cast<double>(mo.num_experts),
+          static_cast<double>(mo.top_k), static_cast<double>(mo.latent), static_cast<double>(mo.expert_ffn),
+          m * mo.top_k};
+}
+
+std::string gemm_label(bool grouped) { return grouped ? " (at::_grouped_mm)" : " (loop over experts)"; }
+
+// The sum of the summed rows.
+double print_stages(const std::string& title, const std::vector<Stage>& stages,
+                    const std::string& layer_name, double layer_ms) {
+  std::printf("%s\n", title.c_str());
+  std::printf("  %-66s %8s %7s %8s %6s\n", "stage (indented: a part of the row above or an extra, not summed)",
+              "ms", "share", "TFLOP/s", "GB/s");
+  double sum = 0;
+  for (const Stage& s : stages) {
+    if (s.summed) sum += s.ms;
+    char tflops[32] = "", gb_per_s[32] = "";
+    if (s.flops > 0 && s.ms > 0) std::snprintf(tflops, sizeof tflops, "%.1f", s.flops / (s.ms * 1e-3) / 1e12);
+    if (s.bytes > 0 && s.ms > 0) std::snprintf(gb_per_s, sizeof gb_per_s, "%.0f", s.bytes / (s.ms * 1e-3) / 1e9);
+    const std::string name = s.summed ? s.name : "  - " + s.name;
+    std::printf("  %-66s %8.3f %6.1f%% %8s %6s\n", name.c_str(), s.ms,
+                layer_ms > 0 ? 100.0 * s.ms / layer_ms : 0.0, tflops, gb_per_s);
+  }
+  std::printf("  %-66s %8.3f %6.1f%%\n", "sum of the stages", sum, layer_ms > 0 ? 100.0 * sum / layer_ms : 0.0);
+  std::printf("  %-66s %8.3f %6.1f%%\n", layer_name.c_str(), layer_ms, 100.0);
+  std::printf("  %-66s %8.3f %6.1f%%\n", "gap: launches, allocations, host and autograd overhead",
+              layer_ms - sum, layer_ms > 0 ? 100.0 * (layer_ms - sum) / layer_ms : 0.0);
+  std::fflush(stdout);
+  return sum;
+}
+
+// The layer's values on one input as MoeImpl::forward computes them on CUDA (model/moe.cpp), without
+// autograd: each stage of the breakdown is then timed alone on its real inputs.
+struct MoeValues {
+  at::Tensor tokens, scores, z, rows, gate, up, h, expert_out, u, normed, y_latent;
+  kernels::MoeRouterTopk topk;
+  kernels::MoePermutation perm;
+  kernels::MoeExpertGroups groups;
+  at::Tensor w_gate, w_up, w_down;  // the stacked expert weights as the forward's GEMMs take them
+  int64_t shared_inner = 0;         // 0: no shared experts
+  at::Tensor shared_gate, shared_up, shared_h;
+};
+
+// The shared experts' weights as MoeImpl::forward forms them (StackedExperts::sum_all as one MLP).
+at::Tensor shared_gate_weight(model::MoeImpl& layer, int64_t inner) {
+  return layer.shared_experts->gate_proj.reshape({inner, layer.options().hidden}).t();
+}
+at::Tensor shared_up_weight(model::MoeImpl& layer, int64_t inner) {
+  return layer.shared_experts->up_proj.reshape({inner, layer.options().hidden}).t();
+}
+at::Tensor shared_down_weight(model::MoeImpl& layer, int64_t inner) {  // a copy, every forward
+  return layer.shared_experts->down_proj.permute({1, 0, 2}).reshape({layer.options().hidden, inner}).t();
+}
+
+MoeValues moe_values(model::MoeImpl& layer, const at::Tensor& x, bool grouped) {
+  const model::MoeOptions& mo = layer.options();
+  MoeValues v;
+  v.tokens = x.reshape({-1, mo.hidden});
+  v.scores = layer.router->forward(v.tokens);
+  v.topk = kernels::moe_router_topk(v.scores, layer.router->bias, mo.top_k);
+  v.z = layer.latent_down->forward(v.tokens).contiguous();
+  v.perm = kernels::moe_permutation(v.topk.ids, mo.num_experts);
+  v.rows = kernels::moe_gather_rows(v.z, v.perm.token);
+  v.groups = kernels::moe_expert_groups(v.perm.tokens_per_expert, v.perm.group_ends, grouped);
+  v.w_gate = layer.experts->gate_proj.transpose(1, 2);
+  v.w_up = layer.experts->up_proj.transpose(1, 2);
+  v.w_down = layer.experts->down_proj.transpose(1, 2);
+  v.gate = kernels::moe_expert_rows_times(v.rows, v.w_gate, v.groups);
+  v.up = kernels::moe_expert_rows_times(v.rows, v.w_up, v.groups);
+  v.h = kernels::situ_glu(v.gate, v.up, mo.situ_beta1, mo.situ_beta2);
+  v.expert_out = kernels::moe_expert_rows_times(v.h, v.w_down, v.groups);
+  v.u = kernels::moe_unpermute(v.expert_out, v.perm, v.topk.weights, at::kFloat);
+  v.normed = layer.latent_norm->forward(v.u).to(x.scalar_type());
+  v.y_latent = layer.latent_up->forward(v.normed);
+  if (!layer.shared_experts.is_empty()) {
+    v.shared_inner = layer.shared_experts->count() * layer.shared_experts->gate_proj.size(1);
+    v.shared_gate = at::matmul(v.tokens, shared_gate_weight(layer, v.shared_inner)).contiguous();
+    v.shared_up = at::matmul(v.tokens, shared_up_weight(layer, v.shared_inner)).contiguous();
+    v.shared_h = kernels::situ_glu(v.shared_gate, v.shared_up, mo.situ_beta1, mo.situ_beta2);
+  }
+  return v;
+}
+
+// The forward (no autograd, as moe_forward_ms runs it), stage by stage.
+std::vector<Stage> moe_forward_stages(const KernelsBenchOptions& o, model::MoeImpl& layer,
+                                      const MoeValues& v, bool grouped) {
+  const model::MoeOptions& mo = layer.options();
+  const auto [m, d, e, k, l, f, rows] = moe_sizes(mo, v.tokens.size(0));
+  const double b1 = mo.situ_beta1, b2 = mo.situ_beta2;
+  auto best = [&](const std::function<void()>& fn) { return time_cuda(fn, o.warmup, o.repeats).best_ms; };
+  const std::string gemm = gemm_label(grouped);
+  std::vector<Stage> s;
+  s.push_back({"router: x to fp32, x W_r^T in fp32, sigmoid", best([&] { layer.router->forward(v.tokens); }),
+               2 * m * d * e, 0});
+  s.push_back({"top-k with the bias + p (moe_router_topk)",
+               best([&] { kernels::moe_router_topk(v.scores, layer.router->bias, mo.top_k); }), 0,
+               bytes_of(v.scores) + rows * (8 + 4)});
+  {
+    model::QuantileBalancerOptions bo;
+    bo.num_experts = mo.num_experts;
+    bo.top_k = mo.top_k;
+    const model::QuantileBalancer balancer(bo);
+    const std::pair<double, double> range = balancer.histogram_range();
+    if (kernels::moe_quantile_histogram_supported(v.scores, mo.top_k)) {
+      s.push_back({"quantile histogram (the balancer's, once a step; not in the layer)",
+                   best([&] {
+                     kernels::moe_quantile_histogram(v.scores, layer.router->bias, mo.top_k, bo.histogram_bins,
+                                                     range.first, range.second, bo.literal_alpha);
+                   }),
+                   0, bytes_of(v.scores), /*summed=*/false});
+    }
+  }
+  s.push_back({"latent down z = x W_down^T", best([&] { layer.latent_down->forward(v.tokens).contiguous(); }),
+               2 * m * d * l, 0});
+  s.push_back({"permutation: count, scan, place (moe_permutation)",
+               best([&] { kernels::moe_permutation(v.topk.ids, mo.num_experts); }), 0, rows * 8 * 5});
+  s.push_back({"gather rows z[token] (moe_gather_rows)", best([&] { kernels::moe_gather_rows(v.z, v.perm.token); }),
+               0, 2 * bytes_of(v.rows) + rows * 8});
+  s.push_back({"experts gate GEMM X W_gate^T" + gemm,
+               best([&] { kernels::moe_expert_rows_times(v.rows, v.w_gate, v.groups); }), 2 * rows * l * f, 0});
+  s.push_back({"experts up GEMM X W_up^T" + gemm,
+               best([&] { kernels::moe_expert_rows_times(v.rows, v.w_up, v.groups); }), 2 * rows * l * f, 0});
+  s.push_back({"experts SiTU-GLU (fused kernel)", best([&] { kernels::situ_glu(v.gate, v.up, b1, b2); }), 0,
+               3 * bytes_of(v.gate)});
+  s.push_back({"experts down GEMM H W_down^T" + gemm,
+               best([&] { kernels::moe_expert_rows_times(v.h, v.w_down, v.groups); }), 2 * rows * f * l, 0});
+  s.push_back({"un-permute u = sum_k p out (moe_unpermute, fp32 out)",
+               best([&] { kernels::moe_unpermute(v.expert_out, v.perm, v.topk.weights, at::kFloat); }), 0,
+               bytes_of(v.expert_out) + bytes_of(v.u) + rows * (8 + 4)});
+  s.push_back({"latent RMSNorm (fp32) + cast", best([&] { layer.latent_norm->forward(v.u).to(v.tokens.scalar_type()); }),
+               0, bytes_of(v.u) + bytes_of(v.normed)});
+  s.push_back({"latent up W_up RMSNorm(u)", best([&] { layer.latent_up->forward(v.normed); }), 2 * m * l * d, 0});
+  if (v.shared_inner > 0) {
+    const double inner = static_cast<double>(v.shared_inner);
+    const at::Tensor gate_w = shared_gate_weight(layer, v.shared_inner), up_w = shared_up_weight(layer, v.shared_inner);
+    s.push_back({"shared gate and up GEMMs (two)",
+                 best([&] {
+                   at::matmul(v.tokens, gate_w).contiguous();
+                   at::matmul(v.tokens, up_w).contiguous();
+                 }),
+                 2 * 2 * m * d * inner, 0});
+    s.push_back({"shared SiTU-GLU (fused kernel)",
+                 best([&] { kernels::situ_glu(v.shared_gate, v.shared_up, b1, b2); }), 0,
+                 3 * bytes_of(v.shared_gate)});
+    s.push_back({"shared down GEMM (weight permuted by a copy) + add to y",
+                 best([&] { (void)(v.y_latent + at::matmul(v.shared_h, shared_down_weight(layer, v.shared_inner))); }),
+                 2 * m * inner * d, 0});
+  }
+  return s;
+}
+
+// Times autograd's backward of a recorded graph (retained, so it runs again and again); the
+// gradients are returned, not accumulated into .grad.
+double time_backward(const KernelsBenchOptions& o, const std::vector<at::Tensor>& outputs,
+                     const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& grads) {
+  return time_cuda(
+             [&] {
+               torch::autograd::grad(outputs, inputs, grads, /*retain_graph=*/true, /*create_graph=*/false,
+                                     /*allow_unused=*/true);
+             },
+             o.warmup, o.repeats)
+      .best_ms;
+}
+
+// The backward, stage by stage: each stage's forward recorded once on leaves made of its real
+// inputs (the same ops MoeImpl::forward records), then its backward alone, with a random gradient
+// of its output's shape. Then the routed experts' backward step by step (no autograd).
+std::vector<Stage> moe_backward_stages(const KernelsBenchOptions& o, model::MoeImpl& layer,
+                                       const MoeValues& v, const at::Tensor& dy, bool grouped) {
+  const model::MoeOptions& mo = layer.options();
+  const auto [m, d, e, k, l, f, rows] = moe_sizes(mo, v.tokens.size(0));
+  const double b1 = mo.situ_beta1, b2 = mo.situ_beta2;
+  auto best = [&](const std::function<void()>& fn) { return time_cuda(fn, o.warmup, o.repeats).best_ms; };
+  const std::string gemm = gemm_label(grouped);
+  const at::Tensor dy2d = dy.reshape({-1, mo.hidden});
+  std::vector<Stage> s;
+  const c10::AutoGradMode grad_mode(true);
+  if (v.shared_inner > 0) {
+    const double inner = static_cast<double>(v.shared_inner);
+    {
+      const at::Tensor h = leaf(v.shared_h);
+      const at::Tensor y = at::matmul(h, shared_down_weight(layer, v.shared_inner));
+      s.push_back({"shared down GEMM backward: d H, d W (and the weight copy's)",
+                   time_backward(o, {y}, {h, layer.shared_experts->down_proj}, {dy2d}), 2 * 2 * m * inner * d, 0});
+    }
+    {
+      const at::Tensor g = leaf(v.shared_gate), u = leaf(v.shared_up);
+      const at::Tensor h = kernels::situ_glu_autograd(g, u, b1, b2);
+      s.push_back({"shared SiTU-GLU backward (fused kernel)", time_backward(o, {h}, {g, u}, {random_like(h)}), 0,
+                   5 * bytes_of(v.shared_gate)});
+    }
+    {
+      const at::Tensor t = leaf(v.tokens);
+      const at::Tensor g = at::matmul(t, shared_gate_weight(layer, v.shared_inner)).contiguous();
+      const at::Tensor u = at::matmul(t, shared_up_weight(layer, v.shared_inner)).contiguous();
+      s.push_back({"shared gate and up GEMMs backward: d x (two, added), d W_gate, d W_up",
+                   time_backward(o, {g, u}, {t, layer.shared_experts->gate_proj, layer.shared_experts->up_proj},
+                                 {random_like(g), random_like(u)}),
+                   2 * 2 * 2 * m * d * inner, 0});
+    }
+  }
+  {
+    const at::Tensor n = leaf(v.normed);
+    const at::Tensor y = layer.latent_up->forward(n);
+    s.push_back({"latent up backward: d RMSNorm(u), d W_up",
+                 time_backward(o, {y}, {n, layer.latent_up->weight}, {dy2d}), 2 * 2 * m * l * d, 0});
+  }
+  {
+    const at::Tensor u = leaf(v.u);
+    const at::Tensor n = layer.latent_norm->forward(u).to(v.tokens.scalar_type());
+    s.push_back({"latent RMSNorm + cast backward (fp32)",
+                 time_backward(o, {n}, {u, layer.latent_norm->weight}, {random_like(n)}), 0,
+                 2 * bytes_of(v.u) + bytes_of(v.normed)});
+  }
+  {
+    const at::Tensor out = leaf(v.expert_out), p = leaf(v.topk.weights);
+    const at::Tensor u = kernels::moe_unpermute_autograd(out, v.perm, p);
+    s.push_back({"un-permute backward: d copies, d p (one pass)",
+                 time_backward(o, {u}, {out, p}, {random_like(u)}), 0,
+                 bytes_of(v.u) + 2 * bytes_of(v.expert_out) + rows * (8 + 4 + 4)});
+  }
+  {
+    const at::Tensor x = leaf(v.rows);
+    const at::Tensor y = kernels::moe_experts_autograd(x, layer.experts->gate_proj, layer.experts->up_proj,
+                                                       layer.experts->down_proj, v.perm, b1, b2);
+    s.push_back({"routed experts backward (MoeExpertsFunction, all below)",
+                 time_backward(o, {y}, {x, layer.experts->gate_proj, layer.experts->up_proj, layer.experts->down_proj},
+                               {random_like(y)}),
+                 2 * 3 * 2 * rows * l * f, 0});
+  }
+  {  // The experts' backward step by step, as MoeExpertsFunction::backward runs it.
+    const c10::NoGradGuard no_grad;
+    const kernels::MoeExpertGroups& g = v.groups;
+    const at::Tensor d_out = random_like(v.expert_out);
+    const at::Tensor dh = kernels::moe_expert_rows_times(d_out, layer.experts->down_proj, g);
+    const kernels::SituGluBackwardWithH ds = kernels::situ_glu_backward_with_h(v.gate, v.up, dh, b1, b2);
+    s.push_back({"dH = dY W_down" + gemm,
+                 best([&] { kernels::moe_expert_rows_times(d_out, layer.experts->down_proj, g); }),
+                 2 * rows * l * f, 0, false});
+    s.push_back({"SiTU-GLU backward, recomputing H in the same pass",
+                 best([&] { kernels::situ_glu_backward_with_h(v.gate, v.up, dh, b1, b2); }), 0,
+                 6 * bytes_of(v.gate), false});
+    s.push_back({"the two passes it replaced: situ_glu (H), then situ_glu_backward",
+                 best([&] {
+                   kernels::situ_glu(v.gate, v.up, b1, b2);
+                   kernels::situ_glu_backward(v.gate, v.up, dh, b1, b2);
+                 }),
+                 0, 8 * bytes_of(v.gate), false});
+    s.push_back({"dX = dG W_gate + dU W_up (two GEMMs, added in place)" + gemm,
+                 best([&] {
+                   at::Tensor dx = kernels::moe_expert_rows_times(ds.d_gate, layer.experts->gate_proj, g);
+                   dx.add_(kernels::moe_expert_rows_times(ds.d_up, layer.experts->up_proj, g));
+                 }),
+                 2 * 2 * rows * f * l, 0, false});
+    s.push_back({"dW_gate, dW_up, dW_down (2d x 2d, empty experts zeroed)" + gemm,
+                 best([&] {
+                   kernels::moe_expert_weight_grad(ds.d_gate, v.rows, g);
+                   kernels::moe_expert_weight_grad(ds.d_up, v.rows, g);
+                   kernels::moe_expert_weight_grad(d_out, ds.h, g);
+                 }),
+                 3 * 2 * rows * l * f, 0, false});
+  }
+  {
+    const at::Tensor z = leaf(v.z);
+    const at::Tensor r = kernels::moe_permute_autograd(z, v.perm);
+    s.push_back({"gather backward: each token's copies summed (moe_unpermute)",
+                 time_backward(o, {r}, {z}, {random_like(r)}), 0, bytes_of(v.rows) + bytes_of(v.z) + rows * 8});
+  }
+  {
+    const at::Tensor t = leaf(v.tokens);
+    const at::Tensor z = layer.latent_down->forward(t).contiguous();
+    s.push_back({"latent down backward: d x, d W_down",
+                 time_backward(o, {z}, {t, layer.latent_down->weight}, {random_like(z)}), 2 * 2 * m * d * l, 0});
+  }
+  {
+    const at::Tensor scores = leaf(v.scores);
+    const at::Tensor chosen = scores.gather(/*dim=*/1, v.topk.ids);
+    const at::Tensor p = chosen / chosen.sum(/*dim=*/{-1}, /*keepdim=*/true);
+    s.push_back({"p on the autograd tape backward (gather, sum, divide)",
+                 time_backward(o, {p}, {scores}, {random_like(p)}), 0, bytes_of(v.scores)});
+  }
+  {
+    const at::Tensor t = leaf(v.tokens);
+    const at::Tensor scores = layer.router->forward(t);
+    s.push_back({"router backward: sigmoid, fp32 GEMMs d x and d W_r, cast",
+                 time_backward(o, {scores}, {t, layer.router->weight}, {random_like(scores)}), 2 * 2 * m * d * e, 0});
+  }
+  return s;
+}
+
+// The routed experts' GEMMs on their exact grouped shapes (tokens per expert as routed; and the
+// same rows spread evenly over the experts) against one dense matmul of the same shape and FLOPs.
+void moe_grouped_gemm_comparison(const KernelsBenchOptions& o, model::MoeImpl& layer, const MoeValues& v,
+                                 bool grouped) {
+  const c10::NoGradGuard no_grad;
+  const model::MoeOptions& mo = layer.options();
+  const int64_t experts = mo.num_experts, rows = v.rows.size(0);
+  const double l = mo.latent, f = mo.expert_ffn, r = static_cast<double>(rows);
+  auto best = [&](const std::function<void()>& fn) { return time_cuda(fn, o.warmup, o.repeats).best_ms; };
+  const at::Tensor counts = v.perm.tokens_per_expert.cpu();
+  const int64_t fewest = counts.min().item<int64_t>(), most = counts.max().item<int64_t>();
+  const int64_t empty = (counts == 0).sum().item<int64_t>();
+  // Even groups: rows / E each, the first rows % E experts one more.
+  at::Tensor even = at::full({experts}, rows / experts, at::kLong);
+  even.narrow(0, 0, rows % experts).add_(1);
+  const at::Tensor even_counts = even.to(v.rows.device());
+  const at::Tensor even_ends = at::cumsum(even, 0).to(at::kInt).to(v.rows.device());
+  const kernels::MoeExpertGroups balanced = kernels::moe_expert_groups(even_counts, even_ends, grouped);
+  std::printf("moe expert GEMMs on their grouped shapes: %s, %ld groups, rows per expert as routed min %ld / mean "
+              "%.1f / max %ld, %ld experts without rows; vs one dense at::mm of the same shape and FLOPs\n",
+              grouped ? "at::_grouped_mm" : "per-expert loop (at::_grouped_mm does not apply here)",
+              static_cast<long>(experts), static_cast<long>(fewest), r / experts, static_cast<long>(most),
+              static_cast<long>(empty));
+  std::printf("  %-40s %22s %22s %22s %7s\n", "product", "grouped as routed", "grouped, even rows", "dense",
+              "ratio");
+  const at::Tensor d_out = random_like(v.expert_out);
+  const at::Tensor dh = kernels::moe_expert_rows_times(d_out, layer.experts->down_proj, v.groups);
+  const kernels::SituGluBackwardWithH ds =
+      kernels::situ_glu_backward_with_h(v.gate, v.up, dh, mo.situ_beta1, mo.situ_beta2);
+  struct Product {
+    std::string name;
+    std::function<void(const kernels::MoeExpertGroups&)> run_grouped;
+    std::function<void()> dense;
+    double flops;
+  };
+  const at::Tensor& gate_proj = layer.experts->gate_proj;
+  const at::Tensor& down_proj = layer.experts->down_proj;
+  const std::vector<Product> products = {
+      {"X W_gate^T [R, L] x [E: L, F] (fwd)",
+       [&](const kernels::MoeExpertGroups& g) { kernels::moe_expert_rows_times(v.rows, v.w_gate, g); },
+       [&] { at::mm(v.rows, v.w_gate.select(0, 0)); }, 2 * r * l * f},
+      {"H W_down^T [R, F] x [E: F, L] (fwd)",
+       [&](const kernels::MoeExpertGroups& g) { kernels::moe_expert_rows_times(v.h, v.w_down, g); },
+       [&] { at::mm(v.h, v.w_down.select(0, 0)); }, 2 * r * f * l},
+      {"dY W_down [R, L] x [E: L, F] (bwd dH)",
+       [&](const kernels::MoeExpertGroups& g) { kernels::moe_expert_rows_times(d_out, down_proj, g); },
+       [&] { at::mm(d_out, down_proj.select(0, 0)); }, 2 * r * l * f},
+      {"dG W_gate [R, F] x [E: F, L] (bwd dX)",
+       [&](const kernels::MoeExpertGroups& g) { kernels::moe_expert_rows_times(ds.d_gate, gate_proj, g); },
+       [&] { at::mm(ds.d_gate, gate_proj.select(0, 0)); }, 2 * r * f * l},
+      {"dG^T X [E: F, R_e] x [R_e, L] (bwd dW)",
+       [&](const kernels::MoeExpertGroups& g) { kernels::moe_expert_weight_grad(ds.d_gate, v.rows, g); },
+       [&] { at::mm(ds.d_gate.t(), v.rows); }, 2 * r * f * l},
+      {"dY^T H [E: L, R_e] x [R_e, F] (bwd dW)",
+       [&](const kernels::MoeExpertGroups& g) { kernels::moe_expert_weight_grad(d_out, ds.h, g); },
+       [&] { at::mm(d_out.t(), ds.h); }, 2 * r * l * f},
+  };
+  auto cell = [](double ms, double flops) {
+    char text[64];
+    std::snprintf(text, sizeof text, "%.3f ms %6.1f TF/s", ms, flops / (ms * 1e-3) / 1e12);
+    return std::string(text);
+  };
+  for (const Product& p : products) {
+    const double routed_ms = best([&] { p.run_grouped(v.groups); });
+    const double even_ms = best([&] { p.run_grouped(balanced); });
+    const double dense_ms = best([&] { p.dense(); });
+    std::printf("  %-40s %22s %22s %22s %7.2f\n", p.name.c_str(), cell(routed_ms, p.flops).c_str(),
+                cell(even_ms, p.flops).c_str(), cell(dense_ms, p.flops).c_str(), dense_ms / routed_ms);
+  }
+  std::printf("  (ratio: the dense matmul's time over the grouped one's as routed; 1 = as fast as dense)\n");
+  std::fflush(stdout);
+}
+
+// The router's matmul as the layer runs it (fp32 operands on CUDA cores) against the same product
+// in bf16: what an fp32 router costs in a layer whose other matmuls are bf16.
+void moe_router_precision(const KernelsBenchOptions& o, model::MoeImpl& layer, const MoeValues& v) {
+  const c10::NoGradGuard no_grad;
+  const double flops = 2.0 * v.tokens.size(0) * v.tokens.size(1) * layer.router->weight.size(0);
+  const at::Tensor x32 = v.tokens.to(at::kFloat), w32 = layer.router->weight.to(at::kFloat);
+  const at::Tensor w16 = w32.to(v.tokens.scalar_type());
+  const double fp32_ms = time_cuda([&] { at::matmul(x32, w32.t()); }, o.warmup, o.repeats).best_ms;
+  const double bf16_ms = time_cuda([&] { at::matmul(v.tokens, w16.t()); }, o.warmup, o.repeats).best_ms;
+  std::printf("moe router matmul [%ld, %ld] x [%ld, %ld] (%.1f GFLOP; the backward has two more): fp32 as the "
+              "layer runs it %.3f ms (%.1f TFLOP/s), the same in bf16 %.3f ms (%.1f TFLOP/s): %.1fx; W_r split into "
+              "3 bf16 parts (x is bf16: products exact, fp32 sums) would cost about 3x the bf16 time\n",
+              static_cast<long>(v.tokens.size(0)), static_cast<long>(v.tokens.size(1)),
+              static_cast<long>(v.tokens.size(1)), static_cast<long>(layer.router->weight.size(0)), flops / 1e9,
+              fp32_ms, flops / (fp32_ms * 1e-3) / 1e12, bf16_ms, flops / (bf16_ms * 1e-3) / 1e12, fp32_ms / bf16_ms);
+  std::fflush(stdout);
+}
+
+// Runs one part of the breakdown; a failure is printed and the bench goes on (the final lines stay).
+void breakdown_part(const char* what, const std::function<void()>& part) {
+  try {
+    part();
+  } catch (const c10::Error& e) {
+    std::printf("moe breakdown: %s failed: %s\n", what, e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    std::printf("moe breakdown: %s failed: %s\n", what, e.what());
+  }
+  std::fflush(stdout);
+}
+
+// Where the layer's time goes: forward and backward stage by stage on the same inputs, each against
+// the layer's measured time, the grouped GEMMs against dense matmuls, the router's precision.
+void bench_moe_breakdown(const KernelsBenchOptions& o, model::MoeImpl& layer, const at::Tensor& x,
+                         const at::Tensor& dy, bool grouped, KernelsBenchResult& r) {
+  const c10::NoGradGuard no_grad;
+  MoeValues v;
+  breakdown_part("the layer's values", [&] { v = moe_values(layer, x, grouped); });
+  if (!v.y_latent.defined()) return;
+  double tape_ms = 0;
+  breakdown_part("forward", [&] {
+    const std::vector<Stage> stages = moe_forward_stages(o, layer, v, grouped);
+    char title[200];
+    std::snprintf(title, sizeof title,
+                  "moe breakdown: forward (no autograd), each stage alone on the layer's inputs, best of %d",
+                  o.repeats);
+    r.moe_forward_stages_ms = print_stages(title, stages, "layer forward (moe_forward_ms above)", r.moe_forward_ms);
+    tape_ms = time_cuda(
+                  [&] {
+                    const at::Tensor chosen = v.scores.gather(/*dim=*/1, v.topk.ids);
+                    (void)(chosen / chosen.sum(/*dim=*/{-1}, /*keepdim=*/true));
+                  },
+                  o.warmup, o.repeats)
+                  .best_ms;
+  });
+  breakdown_part("backward", [&] {
+    {  // The layer's backward alone: autograd's backward of one recorded forward, retained.
+      const c10::AutoGradMode grad_mode(true);
+      const at::Tensor input = leaf(x);
+      const model::MoeOutput out = layer.forward(input);
+      std::vector<at::Tensor> inputs = {input};
+      for (const at::Tensor& p : layer.parameters()) inputs.push_back(p);
+      r.moe_backward_ms = time_backward(o, {out.y}, inputs, {dy});
+    }
+    const std::vector<Stage> stages = moe_backward_stages(o, layer, v, dy, grouped);
+    char title[200];
+    std::snprintf(title, sizeof title,
+                  "moe breakdown: backward, each stage's autograd backward alone (its forward recorded once), "
+                  "best of %d",
+                  o.repeats);
+    r.moe_backward_stages_ms =
+        print_stages(title, stages, "layer backward (autograd of one recorded forward)", r.moe_backward_ms);
+    const double stages_ms = r.moe_forward_stages_ms + tape_ms + r.moe_backward_stages_ms;
+    std::printf("moe breakdown: forward + backward: forward stages %.3f + p on the autograd tape %.3f + backward "
+                "stages %.3f = %.3f ms vs the layer's %.3f ms (moe_train_ms; gap %.3f ms); layer forward %.3f + "
+                "backward %.3f = %.3f ms\n",
+                r.moe_forward_stages_ms, tape_ms, r.moe_backward_stages_ms, stages_ms, r.moe_train_ms,
+                r.moe_train_ms - stages_ms, r.moe_forward_ms, r.moe_backward_ms,
+                r.moe_forward_ms + r.moe_backward_ms);
+  });
+  breakdown_part("grouped GEMMs vs dense", [&] { moe_grouped_gemm_comparison(o, layer, v, grouped); });
+  breakdown_part("router precision", [&] { moe_router_precision(o, layer, v); });
+}
+
 void bench_moe(const KernelsBenchOptions& o, KernelsBenchResult& r) {
   const model::MoeOptions mo = small_moe_options();
   const int64_t tokens = o.moe_tokens;
@@ -366,6 +839,7 @@ void bench_moe(const KernelsBenchOptions& o, KernelsBenchResult& r) {
                 ref_forward.best_ms, ref_forward.best_ms / forward.best_ms, ref_train.best_ms,
                 ref_train.best_ms / train.best_ms);
   }
+  bench_moe_breakdown(o, *layer, x, dy, grouped, r);
   std::printf("moe_forward_ms: %.3f\n", r.moe_forward_ms);
   std::printf("moe_train_ms: %.3f\n", r.moe_train_ms);
   std::printf("moe_vs_dense: %.3f\n", r.moe_vs_dense);

@@ -23,6 +23,20 @@
 //               [latent down] + k 3 L F [routed experts] + L d [latent up] + S 3 d Fs [shared]);
 //               forward + backward = 3x the forward; the elementwise work, top-k and
 //               permutation are not counted.
+//   moe breakdown (suite moe, before the final lines) where the layer's time goes, on the same
+//               inputs in the same run: the forward's stages (router, top-k, latent down,
+//               permutation, gather, the experts' gate / up / down GEMMs and SiTU-GLU, un-permute,
+//               RMSNorm, latent up, shared experts; the balancer's histogram as an extra), each
+//               timed alone without autograd; the backward's stages, each the autograd backward of
+//               that stage's recorded forward (the routed experts' also step by step: dH, the
+//               SiTU-GLU backward with H recomputed in its pass and the two-pass form it replaced,
+//               dX, dW); per row ms, share of the layer's time, TFLOP/s (matmuls) and GB/s
+//               (bytes the stage must move), then the sum of the stages against the layer's time
+//               (the gap: launches, allocations, host and autograd overhead). Then each expert
+//               GEMM on its exact grouped shape (rows per expert as routed, and spread evenly)
+//               against one dense at::mm of the same shape and FLOPs, and the router's fp32
+//               matmul against the same product in bf16. A part that fails prints why and the
+//               bench goes on.
 // Suites (--suite): kda, moe or all (default). Each suite ends with `name: value` lines: kda
 // with `kda_backward_ms: Y (Rx the forward)` then `kda_forward_ms: X` (the kernel's best time at
 // B=2, T=16K, H=64); moe with `moe_forward_ms`, `moe_train_ms` and `moe_vs_dense: X` (the
@@ -65,6 +79,11 @@ struct KernelsBenchResult {
   double moe_vs_dense = 0;              // moe_train_tflops / moe_dense_tflops
   double moe_reference_forward_ms = 0;  // MoeImpl::forward_reference, best
   double moe_reference_train_ms = 0;
+  // The breakdown (0 when not run): sums of the stages timed alone, and the layer's backward alone
+  // (autograd's backward of one recorded forward, retained), best.
+  double moe_forward_stages_ms = 0;
+  double moe_backward_stages_ms = 0;
+  double moe_backward_ms = 0;
 };
 
 Result<KernelsBenchResult> run_kernels_bench(const KernelsBenchOptions& options);

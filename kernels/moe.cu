@@ -42,6 +42,23 @@ int64_t blocks_for(int64_t work, int64_t threads, int64_t cap = 65535LL * 32) {
   return blocks < 1 ? 1 : (blocks > cap ? cap : blocks);
 }
 
+// The elementwise kernels' loop: body(i) for every i in [0, count), the grid striding over the
+// range (a grid of blocks_for(count, ...) blocks, possibly capped).
+template <typename Body>
+__device__ __forceinline__ void for_each_index(int64_t count, const Body& body) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
+       i += stride) {
+    body(i);
+  }
+}
+
+// Threads of a CTA that walks one row of `width` columns: one column each where the row fits in
+// 1024 (a whole number of warps), else 1024 striding over the row.
+int row_threads(int64_t width) {
+  return width >= 1024 ? 1024 : static_cast<int>((width + 31) / 32 * 32);
+}
+
 // ---- warp top-k over one row ----------------------------------------------------------------------
 // Lane l holds the row's experts l, l + 32, l + 64, ... (VPL of them: coalesced loads). `taken`
 // marks the experts already selected (and the slots past n). Each round the warp reduces every
@@ -196,14 +213,22 @@ constexpr int64_t kPermuteBlock = 1024;  // copies per block of the count / plac
 
 int64_t permute_blocks(int64_t copies) { return (copies + kPermuteBlock - 1) / kPermuteBlock; }
 
+// The copies [begin, end) of this CTA's block: kPermuteBlock of them, fewer in the last block.
+struct BlockCopies {
+  int64_t begin, end;
+};
+__device__ __forceinline__ BlockCopies block_copies(int64_t copies) {
+  const int64_t begin = static_cast<int64_t>(blockIdx.x) * kPermuteBlock;
+  return {begin, begin + kPermuteBlock < copies ? begin + kPermuteBlock : copies};
+}
+
 __global__ void permute_count_kernel(const int64_t* __restrict__ ids, int64_t copies, int n,
                                      int32_t* __restrict__ block_counts) {
   extern __shared__ int32_t shared_counts[];
   for (int e = threadIdx.x; e < n; e += blockDim.x) shared_counts[e] = 0;
   __syncthreads();
-  const int64_t begin = static_cast<int64_t>(blockIdx.x) * kPermuteBlock;
-  const int64_t end = begin + kPermuteBlock < copies ? begin + kPermuteBlock : copies;
-  for (int64_t c = begin + threadIdx.x; c < end; c += blockDim.x) {
+  const BlockCopies block = block_copies(copies);
+  for (int64_t c = block.begin + threadIdx.x; c < block.end; c += blockDim.x) {
     const int64_t e = ids[c];
     if (e >= 0 && e < n) atomicAdd(shared_counts + e, 1);
   }
@@ -218,20 +243,38 @@ __global__ void permute_count_kernel(const int64_t* __restrict__ ids, int64_t co
 // experts.
 constexpr int kScanThreads = 1024;
 
+// A scan thread walks its expert's column of block_base ([blocks, n]: entry b at column[b * n])
+// alone, in order. It loads kScanBatch entries before storing any, so it waits for one memory
+// round trip per batch instead of one per block (128 blocks at 8K tokens x top-16).
+constexpr int kScanBatch = 8;
+
+// exclusive: replaces each entry by the sum of the entries before it; else adds base to each.
+// Returns the column's total (of the entries as they were).
+__device__ int32_t walk_column(int32_t* column, int64_t blocks, int n, bool exclusive,
+                               int32_t base) {
+  int32_t running = 0;
+  for (int64_t b0 = 0; b0 < blocks; b0 += kScanBatch) {
+    int32_t c[kScanBatch];
+#pragma unroll
+    for (int j = 0; j < kScanBatch; ++j) c[j] = b0 + j < blocks ? column[(b0 + j) * n] : 0;
+#pragma unroll
+    for (int j = 0; j < kScanBatch; ++j) {
+      if (b0 + j < blocks) column[(b0 + j) * n] = exclusive ? running : c[j] + base;
+      running += c[j];
+    }
+  }
+  return running;
+}
+
 __global__ void permute_scan_kernel(int32_t* __restrict__ block_base, int64_t blocks, int n,
                                     int64_t* __restrict__ counts, int64_t* __restrict__ offsets,
                                     int32_t* __restrict__ group_ends) {
   extern __shared__ int32_t expert_sum[];  // n entries, then kScanThreads partial sums
   int32_t* partial = expert_sum + n;
   for (int e = threadIdx.x; e < n; e += blockDim.x) {
-    int32_t running = 0;
-    for (int64_t b = 0; b < blocks; ++b) {
-      const int32_t c = block_base[b * n + e];
-      block_base[b * n + e] = running;
-      running += c;
-    }
-    expert_sum[e] = running;
-    counts[e] = running;
+    const int32_t total = walk_column(block_base + e, blocks, n, /*exclusive=*/true, 0);
+    expert_sum[e] = total;
+    counts[e] = total;
   }
   __syncthreads();
   // Thread t owns experts [t * per, (t + 1) * per).
@@ -258,15 +301,18 @@ __global__ void permute_scan_kernel(int32_t* __restrict__ block_base, int64_t bl
   if (threadIdx.x == kScanThreads - 1) offsets[n] = partial[kScanThreads - 1];
   __syncthreads();
   for (int e = threadIdx.x; e < n; e += blockDim.x) {
-    const int32_t base = expert_sum[e];
-    for (int64_t b = 0; b < blocks; ++b) block_base[b * n + e] += base;
+    walk_column(block_base + e, blocks, n, /*exclusive=*/false, expert_sum[e]);
   }
 }
 
 // One warp per block of copies, 32 at a time in order: lanes with the same expert find each other
 // (__match_any_sync), rank among themselves by lane (popcount of the lower peers), take rows from
 // the expert's running counter in shared memory, and the lowest peer advances it. Stable: a copy's
-// row is its expert's first row + the number of that expert's copies before it.
+// row is its expert's first row + the number of that expert's copies before it. A lane loads all
+// of its kPermuteBlock / 32 ids before the walk (independent loads in flight together), so the
+// ordered walk does not wait for memory at every step.
+constexpr int kPlaceSteps = static_cast<int>(kPermuteBlock / 32);
+
 __global__ void permute_place_kernel(const int64_t* __restrict__ ids, int64_t copies, int n,
                                      int64_t top_k, const int32_t* __restrict__ block_base,
                                      int64_t* __restrict__ source, int64_t* __restrict__ token,
@@ -274,13 +320,19 @@ __global__ void permute_place_kernel(const int64_t* __restrict__ ids, int64_t co
   extern __shared__ int32_t running[];
   const int lane = threadIdx.x;
   for (int e = lane; e < n; e += 32) running[e] = block_base[static_cast<int64_t>(blockIdx.x) * n + e];
+  const BlockCopies block = block_copies(copies);
+  int64_t lane_ids[kPlaceSteps];
+#pragma unroll
+  for (int step = 0; step < kPlaceSteps; ++step) {
+    const int64_t c = block.begin + 32 * step + lane;
+    lane_ids[step] = c < block.end ? ids[c] : -1;
+  }
   __syncwarp();
-  const int64_t begin = static_cast<int64_t>(blockIdx.x) * kPermuteBlock;
-  const int64_t end = begin + kPermuteBlock < copies ? begin + kPermuteBlock : copies;
-  for (int64_t start = begin; start < end; start += 32) {
-    const int64_t c = start + lane;
-    const bool in_range = c < end;
-    const int64_t e = in_range ? ids[c] : -1;
+#pragma unroll
+  for (int step = 0; step < kPlaceSteps; ++step) {
+    const int64_t c = block.begin + 32 * step + lane;
+    const bool in_range = c < block.end;
+    const int64_t e = lane_ids[step];
     const bool valid = in_range && e >= 0 && e < n;
     const int key = valid ? static_cast<int>(e) : -1;
     const unsigned peers = __match_any_sync(kFullMask, key);
@@ -305,12 +357,10 @@ __global__ void permute_place_kernel(const int64_t* __restrict__ ids, int64_t co
 template <typename V>
 __global__ void gather_rows_kernel(const V* __restrict__ in, const int64_t* __restrict__ index,
                                    V* __restrict__ out, int64_t rows, int64_t vectors_per_row) {
-  const int64_t total = rows * vectors_per_row;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+  for_each_index(rows * vectors_per_row, [&](int64_t i) {
     const int64_t r = i / vectors_per_row, c = i - r * vectors_per_row;
     out[i] = in[index[r] * vectors_per_row + c];
-  }
+  });
 }
 
 template <typename V>
@@ -343,41 +393,32 @@ __global__ void unpermute_kernel(const T* __restrict__ copies, const float* __re
   }
 }
 
-// One CTA per permuted row, threads over the columns.
+// One warp per copy c (its permuted row inverse[c], its token c / top_k), both gradients in one
+// pass over the token's d_out row: d_copies[row] = weights[c] d_out[token] (one rounding to T) and
+// d_weights[c] = <d_out[token], copies[row]> in fp32 (either output may be nullptr). The warps of a
+// token's k copies are neighbours, so its d_out row is read from memory about once.
 template <typename T>
-__global__ void unpermute_backward_copies_kernel(const float* __restrict__ weights,
-                                                 const int64_t* __restrict__ source,
-                                                 const float* __restrict__ d_out,
-                                                 T* __restrict__ d_copies, int64_t rows,
-                                                 int64_t top_k, int64_t width) {
-  const int64_t r = blockIdx.x;
-  if (r >= rows) return;
-  const int64_t c = source[r];
-  const float w = weights != nullptr ? weights[c] : 1.f;
-  const float* d = d_out + (c / top_k) * width;
-  for (int64_t col = threadIdx.x; col < width; col += blockDim.x) {
-    store_f32(d_copies, r * width + col, w * d[col]);
-  }
-}
-
-// One warp per copy: <d_out[token], copies[row]> in fp32.
-template <typename T>
-__global__ void unpermute_backward_weights_kernel(const T* __restrict__ copies,
-                                                  const int64_t* __restrict__ inverse,
-                                                  const float* __restrict__ d_out,
-                                                  float* __restrict__ d_weights, int64_t n_copies,
-                                                  int64_t top_k, int64_t width) {
+__global__ void unpermute_backward_kernel(const T* __restrict__ copies,
+                                          const float* __restrict__ weights,
+                                          const int64_t* __restrict__ inverse,
+                                          const float* __restrict__ d_out, T* __restrict__ d_copies,
+                                          float* __restrict__ d_weights, int64_t n_copies,
+                                          int64_t top_k, int64_t width) {
   const int lane = threadIdx.x & 31;
   const int64_t c = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   if (c >= n_copies) return;
   const int64_t row = inverse[c];
   float acc = 0.f;
   if (row >= 0) {
+    const float w = weights != nullptr ? weights[c] : 1.f;
     const float* d = d_out + (c / top_k) * width;
     for (int64_t col = lane; col < width; col += 32) {
-      acc = fmaf(d[col], load_f32(copies, row * width + col), acc);
+      const float grad = d[col];
+      if (d_copies != nullptr) store_f32(d_copies, row * width + col, w * grad);
+      if (d_weights != nullptr) acc = fmaf(grad, load_f32(copies, row * width + col), acc);
     }
   }
+  if (d_weights == nullptr) return;  // uniform across the warp
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1) acc += __shfl_xor_sync(kFullMask, acc, offset);
   if (lane == 0) d_weights[c] = acc;
@@ -387,32 +428,49 @@ __global__ void unpermute_backward_weights_kernel(const T* __restrict__ copies,
 
 __device__ __forceinline__ float sigmoid_f32(float x) { return 1.f / (1.f + expf(-x)); }
 
+// The terms of one element, fp32: the caps' tanh, the capped gate and up, sigma(g).
+struct SituTerms {
+  float t1, t2, c1, c2, sg;
+};
+
+__device__ __forceinline__ SituTerms situ_terms(float g, float u, float beta1, float beta2) {
+  SituTerms s;
+  s.t1 = tanhf(g / beta1);
+  s.t2 = tanhf(u / beta2);
+  s.c1 = beta1 * s.t1;
+  s.c2 = beta2 * s.t2;
+  s.sg = sigmoid_f32(g);
+  return s;
+}
+
+// h = [beta1 tanh(g / beta1) sigma(g)] [beta2 tanh(u / beta2)]. The forward and the backward's
+// recomputation of h both take it from here, so they agree bit for bit.
+__device__ __forceinline__ float situ_h(const SituTerms& s) { return s.c1 * s.sg * s.c2; }
+
 template <typename T>
 __global__ void situ_forward_kernel(const T* __restrict__ gate, const T* __restrict__ up,
                                     T* __restrict__ h, int64_t count, float beta1, float beta2) {
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const float g = load_f32(gate, i), u = load_f32(up, i);
-    const float c1 = beta1 * tanhf(g / beta1), c2 = beta2 * tanhf(u / beta2);
-    store_f32(h, i, c1 * sigmoid_f32(g) * c2);
-  }
+  for_each_index(count, [&](int64_t i) {
+    store_f32(h, i, situ_h(situ_terms(load_f32(gate, i), load_f32(up, i), beta1, beta2)));
+  });
 }
 
+// h (may be nullptr): the forward's output recomputed in the same pass, for a caller that did not
+// keep it.
 template <typename T>
 __global__ void situ_backward_kernel(const T* __restrict__ gate, const T* __restrict__ up,
                                      const T* __restrict__ dh, T* __restrict__ d_gate,
-                                     T* __restrict__ d_up, int64_t count, float beta1,
-                                     float beta2) {
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const float g = load_f32(gate, i), u = load_f32(up, i), d = load_f32(dh, i);
-    const float t1 = tanhf(g / beta1), t2 = tanhf(u / beta2);
-    const float c1 = beta1 * t1, c2 = beta2 * t2, sg = sigmoid_f32(g);
-    const float dc1 = 1.f - t1 * t1;  // d(beta1 tanh(g / beta1)) / dg
-    const float dc2 = 1.f - t2 * t2;
-    store_f32(d_gate, i, d * c2 * (dc1 * sg + c1 * sg * (1.f - sg)));
-    store_f32(d_up, i, d * c1 * sg * dc2);
-  }
+                                     T* __restrict__ d_up, T* __restrict__ h, int64_t count,
+                                     float beta1, float beta2) {
+  for_each_index(count, [&](int64_t i) {
+    const float d = load_f32(dh, i);
+    const SituTerms s = situ_terms(load_f32(gate, i), load_f32(up, i), beta1, beta2);
+    const float dc1 = 1.f - s.t1 * s.t1;  // d(beta1 tanh(g / beta1)) / dg
+    const float dc2 = 1.f - s.t2 * s.t2;
+    store_f32(d_gate, i, d * s.c2 * (dc1 * s.sg + s.c1 * s.sg * (1.f - s.sg)));
+    store_f32(d_up, i, d * s.c1 * s.sg * dc2);
+    if (h != nullptr) store_f32(h, i, situ_h(s));
+  });
 }
 
 template <typename V>
@@ -421,13 +479,27 @@ __global__ void zero_empty_groups_kernel(V* __restrict__ data, const int64_t* __
   const int64_t g = blockIdx.y;
   if (counts[g] != 0) return;
   V* row = data + g * vectors_per_group;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-       i < vectors_per_group; i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    row[i] = V{};
-  }
+  for_each_index(vectors_per_group, [&](int64_t i) { row[i] = V{}; });
 }
 
 bool valid_dtype(MoeDtype d) { return d == MoeDtype::kBFloat16 || d == MoeDtype::kFloat32; }
+
+// launch(T{}) with T the element type of a valid dtype: __nv_bfloat16 or float.
+template <typename Launch>
+void with_element_type(MoeDtype dtype, const Launch& launch) {
+  if (dtype == MoeDtype::kBFloat16) {
+    launch(__nv_bfloat16{});
+  } else {
+    launch(float{});
+  }
+}
+
+// The elementwise SiTU-GLU launches: their checks and their grid.
+bool situ_arguments_valid(MoeDtype dtype, int64_t count, float beta1, float beta2) {
+  return valid_dtype(dtype) && count >= 0 && beta1 > 0.f && beta2 > 0.f;
+}
+constexpr int kSituThreads = 256;
+int64_t situ_blocks(int64_t count) { return blocks_for(count, kSituThreads, 132 * 32); }
 
 }  // namespace
 
@@ -537,27 +609,17 @@ cudaError_t moe_unpermute(MoeDtype dtype, const void* copies, const float* weigh
     return cudaErrorInvalidValue;
   }
   if (m == 0 || width == 0) return cudaSuccess;
-  const int threads = width >= 256 ? 256 : static_cast<int>((width + 31) / 32 * 32);
+  const int threads = row_threads(width);
   const dim3 grid(static_cast<unsigned>(m));
   const int k = static_cast<int>(top_k);
-  using bf16 = __nv_bfloat16;
-  if (dtype == MoeDtype::kBFloat16) {
-    if (out_dtype == MoeDtype::kFloat32) {
-      unpermute_kernel<bf16, float><<<grid, threads, 0, stream>>>(
-          static_cast<const bf16*>(copies), weights, inverse, static_cast<float*>(out), m, k, width);
-    } else {
-      unpermute_kernel<bf16, bf16><<<grid, threads, 0, stream>>>(
-          static_cast<const bf16*>(copies), weights, inverse, static_cast<bf16*>(out), m, k, width);
-    }
-  } else {
-    if (out_dtype == MoeDtype::kFloat32) {
-      unpermute_kernel<float, float><<<grid, threads, 0, stream>>>(
-          static_cast<const float*>(copies), weights, inverse, static_cast<float*>(out), m, k, width);
-    } else {
-      unpermute_kernel<float, bf16><<<grid, threads, 0, stream>>>(
-          static_cast<const float*>(copies), weights, inverse, static_cast<bf16*>(out), m, k, width);
-    }
-  }
+  with_element_type(dtype, [&](auto copy_zero) {
+    using T = decltype(copy_zero);
+    with_element_type(out_dtype, [&](auto out_zero) {
+      using O = decltype(out_zero);
+      unpermute_kernel<T, O><<<grid, threads, 0, stream>>>(
+          static_cast<const T*>(copies), weights, inverse, static_cast<O*>(out), m, k, width);
+    });
+  });
   return cudaGetLastError();
 }
 
@@ -565,79 +627,55 @@ cudaError_t moe_unpermute_backward(MoeDtype dtype, const void* copies, const flo
                                    const int64_t* source, const int64_t* inverse,
                                    const float* d_out, void* d_copies, float* d_weights,
                                    int64_t m, int64_t top_k, int64_t width, cudaStream_t stream) {
+  (void)source;  // the copies are walked through inverse (see moe.h)
   if (!valid_dtype(dtype) || m < 0 || top_k < 1 || width < 0) return cudaErrorInvalidValue;
   const int64_t rows = m * top_k;
-  if (rows == 0) return cudaSuccess;
-  using bf16 = __nv_bfloat16;
-  const int threads = 256;
-  if (d_copies != nullptr && width > 0) {
-    if (rows > INT_MAX) return cudaErrorInvalidValue;
-    const int row_threads = width >= 256 ? 256 : static_cast<int>((width + 31) / 32 * 32);
-    const dim3 grid(static_cast<unsigned>(rows));
-    if (dtype == MoeDtype::kBFloat16) {
-      unpermute_backward_copies_kernel<bf16><<<grid, row_threads, 0, stream>>>(
-          weights, source, d_out, static_cast<bf16*>(d_copies), rows, top_k, width);
-    } else {
-      unpermute_backward_copies_kernel<float><<<grid, row_threads, 0, stream>>>(
-          weights, source, d_out, static_cast<float*>(d_copies), rows, top_k, width);
-    }
-  }
-  if (d_weights != nullptr) {
-    const int warps = threads / 32;
-    const int64_t grid = (rows + warps - 1) / warps;
-    if (dtype == MoeDtype::kBFloat16) {
-      unpermute_backward_weights_kernel<bf16><<<grid, threads, 0, stream>>>(
-          static_cast<const bf16*>(copies), inverse, d_out, d_weights, rows, top_k, width);
-    } else {
-      unpermute_backward_weights_kernel<float><<<grid, threads, 0, stream>>>(
-          static_cast<const float*>(copies), inverse, d_out, d_weights, rows, top_k, width);
-    }
-  }
+  if (rows == 0 || (d_copies == nullptr && d_weights == nullptr)) return cudaSuccess;
+  const int threads = 256, warps = threads / 32;
+  const int64_t grid = (rows + warps - 1) / warps;
+  if (grid > INT_MAX) return cudaErrorInvalidValue;
+  with_element_type(dtype, [&](auto zero) {
+    using T = decltype(zero);
+    unpermute_backward_kernel<T><<<static_cast<unsigned>(grid), threads, 0, stream>>>(
+        static_cast<const T*>(copies), weights, inverse, d_out, static_cast<T*>(d_copies),
+        d_weights, rows, top_k, width);
+  });
   return cudaGetLastError();
 }
 
 cudaError_t situ_glu_forward(MoeDtype dtype, const void* gate, const void* up, void* h,
                              int64_t count, float beta1, float beta2, cudaStream_t stream) {
-  if (!valid_dtype(dtype) || count < 0 || !(beta1 > 0.f) || !(beta2 > 0.f)) {
-    return cudaErrorInvalidValue;
-  }
+  if (!situ_arguments_valid(dtype, count, beta1, beta2)) return cudaErrorInvalidValue;
   if (count == 0) return cudaSuccess;
-  const int threads = 256;
-  const int64_t grid = blocks_for(count, threads, 132 * 32);
-  if (dtype == MoeDtype::kBFloat16) {
-    using bf16 = __nv_bfloat16;
-    situ_forward_kernel<bf16><<<grid, threads, 0, stream>>>(
-        static_cast<const bf16*>(gate), static_cast<const bf16*>(up), static_cast<bf16*>(h), count,
-        beta1, beta2);
-  } else {
-    situ_forward_kernel<float><<<grid, threads, 0, stream>>>(
-        static_cast<const float*>(gate), static_cast<const float*>(up), static_cast<float*>(h),
-        count, beta1, beta2);
-  }
+  with_element_type(dtype, [&](auto zero) {
+    using T = decltype(zero);
+    situ_forward_kernel<T><<<situ_blocks(count), kSituThreads, 0, stream>>>(
+        static_cast<const T*>(gate), static_cast<const T*>(up), static_cast<T*>(h), count, beta1,
+        beta2);
+  });
+  return cudaGetLastError();
+}
+
+cudaError_t situ_glu_backward_with_h(MoeDtype dtype, const void* gate, const void* up,
+                                     const void* dh, void* d_gate, void* d_up, void* h,
+                                     int64_t count, float beta1, float beta2,
+                                     cudaStream_t stream) {
+  if (!situ_arguments_valid(dtype, count, beta1, beta2)) return cudaErrorInvalidValue;
+  if (count == 0) return cudaSuccess;
+  with_element_type(dtype, [&](auto zero) {
+    using T = decltype(zero);
+    situ_backward_kernel<T><<<situ_blocks(count), kSituThreads, 0, stream>>>(
+        static_cast<const T*>(gate), static_cast<const T*>(up), static_cast<const T*>(dh),
+        static_cast<T*>(d_gate), static_cast<T*>(d_up), static_cast<T*>(h), count, beta1, beta2);
+  });
   return cudaGetLastError();
 }
 
 cudaError_t situ_glu_backward(MoeDtype dtype, const void* gate, const void* up, const void* dh,
                               void* d_gate, void* d_up, int64_t count, float beta1, float beta2,
                               cudaStream_t stream) {
-  if (!valid_dtype(dtype) || count < 0 || !(beta1 > 0.f) || !(beta2 > 0.f)) {
-    return cudaErrorInvalidValue;
-  }
-  if (count == 0) return cudaSuccess;
-  const int threads = 256;
-  const int64_t grid = blocks_for(count, threads, 132 * 32);
-  if (dtype == MoeDtype::kBFloat16) {
-    using bf16 = __nv_bfloat16;
-    situ_backward_kernel<bf16><<<grid, threads, 0, stream>>>(
-        static_cast<const bf16*>(gate), static_cast<const bf16*>(up), static_cast<const bf16*>(dh),
-        static_cast<bf16*>(d_gate), static_cast<bf16*>(d_up), count, beta1, beta2);
-  } else {
-    situ_backward_kernel<float><<<grid, threads, 0, stream>>>(
-        static_cast<const float*>(gate), static_cast<const float*>(up),
-        static_cast<const float*>(dh), static_cast<float*>(d_gate), static_cast<float*>(d_up),
-        count, beta1, beta2);
-  }
-  return cudaGetLastError();
+  return situ_glu_backward_with_h(dtype, gate, up, dh, d_gate, d_up, /*h=*/nullptr, count, beta1,
+                                  beta2, stream);
 }
 
 cudaError_t moe_zero_empty_groups(MoeDtype dtype, void* data, const int64_t* counts,

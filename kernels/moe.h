@@ -86,7 +86,8 @@ cudaError_t moe_gather_rows(const void* in, const int64_t* index, void* out, int
                             int64_t width, int64_t element_size, cudaStream_t stream);
 
 // Un-permute: out[t, :] = sum over slots s of weights[t, s] * copies[inverse[t * top_k + s], :],
-// summed in fp32 in slot order, no atomics (each token reads its own top_k copies).
+// summed in fp32 in slot order, no atomics (each token reads its own top_k copies; one CTA per
+// token, one thread per column up to 1024 columns).
 //   copies  T [m * top_k, width]   weights f32 [m, top_k] or nullptr (all 1: the backward of
 //   permute)   inverse int64 [m * top_k]   out: out_dtype [m, width]
 // Copies without a row (inverse < 0) contribute nothing.
@@ -96,9 +97,13 @@ cudaError_t moe_unpermute(MoeDtype dtype, const void* copies, const float* weigh
 
 // The backward of moe_unpermute with respect to copies and weights, from d_out f32 [m, width]:
 //   d_copies[r, :]  = weights[source[r]] * d_out[source[r] / top_k, :]  (T [m * top_k, width],
-//                     rounded once from fp32)
+//                     rounded once from fp32; or nullptr when not wanted)
 //   d_weights[c]    = <d_out[c / top_k, :], copies[inverse[c], :]>     (f32 [m * top_k], or
-//                     nullptr when not wanted; fp32 dot product, one warp per copy)
+//                     nullptr when not wanted; fp32 dot product)
+// One pass, one warp per copy c, both outputs from one read of its token's d_out row; the copies
+// are reached through inverse (row r = inverse[c] is the copy source[r] = c), so source is not
+// read (the parameter stays for callers). Rows that no copy maps to (ids outside [0, n)) are not
+// written.
 cudaError_t moe_unpermute_backward(MoeDtype dtype, const void* copies, const float* weights,
                                    const int64_t* source, const int64_t* inverse,
                                    const float* d_out, void* d_copies, float* d_weights,
@@ -115,6 +120,14 @@ cudaError_t situ_glu_forward(MoeDtype dtype, const void* gate, const void* up, v
 cudaError_t situ_glu_backward(MoeDtype dtype, const void* gate, const void* up, const void* dh,
                               void* d_gate, void* d_up, int64_t count, float beta1, float beta2,
                               cudaStream_t stream);
+// The same backward that also writes h (T [count], or nullptr), the forward's output recomputed
+// from gate and up in the same pass, equal to situ_glu_forward's bit for bit: for a caller that
+// did not keep h (the routed experts' backward needs it for dW_down), one read of gate and up
+// and one launch instead of two.
+cudaError_t situ_glu_backward_with_h(MoeDtype dtype, const void* gate, const void* up,
+                                     const void* dh, void* d_gate, void* d_up, void* h,
+                                     int64_t count, float beta1, float beta2,
+                                     cudaStream_t stream);
 
 // Zeroes the rows of experts with no tokens in a stacked [groups, row_elements] tensor (weight
 // gradients of grouped GEMMs over an empty token range); counts int64 [groups].

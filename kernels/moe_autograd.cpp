@@ -4,8 +4,11 @@
 #include <vector>
 
 #include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <torch/autograd.h>
 #include <torch/version.h>
+
+#include "kernels/moe.h"
 
 // at::_grouped_mm (2d x 3d and 2d x 2d with offsets) exists from LibTorch 2.8 on; the local
 // compile check builds against 1.13 headers, which have neither the op nor its header.
@@ -112,77 +115,19 @@ class SituGluFunction : public torch::autograd::Function<SituGluFunction> {
 
 // ---- grouped GEMMs ----------------------------------------------------------------------------------
 
-// The groups of rows: on the device for at::_grouped_mm, on the host for the loop.
-struct Groups {
-  bool grouped = false;
-  at::Tensor counts;            // int64 [E], device
-  at::Tensor ends;              // int32 [E], device (grouped only)
-  std::vector<int64_t> host;    // counts on the host (loop only)
-};
-
-// x [R, K] grouped by rows, w [E, K, N] (any strides) -> [R, N]: row block e times w[e].
-at::Tensor rows_times(const at::Tensor& x, const at::Tensor& w, const Groups& g) {
-#if ODYSSEY_HAVE_GROUPED_MM
-  if (g.grouped) return at::_grouped_mm(x, w, g.ends);
-#endif
-  at::Tensor out = at::empty({x.size(0), w.size(2)}, x.options());
-  int64_t start = 0;
-  for (size_t e = 0; e < g.host.size(); ++e) {
-    const int64_t count = g.host[e];
-    if (count == 0) continue;
-    at::Tensor slice = out.narrow(0, start, count);
-    at::mm_out(slice, x.narrow(0, start, count), w.select(0, static_cast<int64_t>(e)));
-    start += count;
-  }
-  return out;
-}
-
-// a [R, M], b [R, N] grouped by rows -> [E, M, N]: a_e^T b_e (zeros for experts without rows).
-at::Tensor weight_grad(const at::Tensor& a, const at::Tensor& b, const Groups& g) {
-  const int64_t experts = g.counts.size(0);
-#if ODYSSEY_HAVE_GROUPED_MM
-  if (g.grouped) {
-    at::Tensor out = at::_grouped_mm(a.t(), b, g.ends).contiguous();
-    moe_zero_empty_groups(out, g.counts);
-    return out;
-  }
-#endif
-  at::Tensor out = at::zeros({experts, a.size(1), b.size(1)}, a.options());
-  int64_t start = 0;
-  for (size_t e = 0; e < g.host.size(); ++e) {
-    const int64_t count = g.host[e];
-    if (count == 0) continue;
-    at::Tensor slice = out.select(0, static_cast<int64_t>(e));
-    at::mm_out(slice, a.narrow(0, start, count).t(), b.narrow(0, start, count));
-    start += count;
-  }
-  return out;
-}
-
-Groups make_groups(const MoePermutation& p, bool grouped) {
-  Groups g;
-  g.grouped = grouped;
-  g.counts = p.tokens_per_expert;
-  g.ends = p.group_ends;
-  if (!grouped) {
-    const at::Tensor host = p.tokens_per_expert.to(at::kCPU, at::kLong).contiguous();
-    g.host.assign(host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + host.numel());
-  }
-  return g;
-}
-
 class MoeExpertsFunction : public torch::autograd::Function<MoeExpertsFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& rows,
                                const at::Tensor& gate_proj, const at::Tensor& up_proj,
                                const at::Tensor& down_proj, const MoePermutation& permutation,
                                double beta1, double beta2, bool grouped) {
-    const Groups g = make_groups(permutation, grouped);
+    const MoeExpertGroups g =
+        moe_expert_groups(permutation.tokens_per_expert, permutation.group_ends, grouped);
     const at::Tensor x = rows.contiguous();
-    const at::Tensor gate = rows_times(x, gate_proj.transpose(1, 2), g);
-    const at::Tensor up = rows_times(x, up_proj.transpose(1, 2), g);
+    const at::Tensor gate = moe_expert_rows_times(x, gate_proj.transpose(1, 2), g);
+    const at::Tensor up = moe_expert_rows_times(x, up_proj.transpose(1, 2), g);
     const at::Tensor h = situ_glu(gate, up, beta1, beta2);
-    at::Tensor y = rows_times(h, down_proj.transpose(1, 2), g);
+    at::Tensor y = moe_expert_rows_times(h, down_proj.transpose(1, 2), g);
     save_permutation(ctx, permutation);
     ctx->save_for_backward({x, gate_proj, up_proj, down_proj, gate, up});
     ctx->saved_data["beta1"] = beta1;
@@ -200,23 +145,26 @@ class MoeExpertsFunction : public torch::autograd::Function<MoeExpertsFunction> 
                      &down_proj = saved[3], &gate = saved[4], &up = saved[5];
     const double beta1 = ctx->saved_data["beta1"].toDouble();
     const double beta2 = ctx->saved_data["beta2"].toDouble();
-    Groups g;
+    MoeExpertGroups g;
     g.grouped = ctx->saved_data["grouped"].toBool();
     g.counts = ctx->saved_data["tokens_per_expert"].toTensor();
     g.ends = ctx->saved_data["group_ends"].toTensor();
     if (!g.grouped) g.host = ctx->saved_data["host_counts"].toIntVector();
 
     const at::Tensor dy = grads[0].to(x.scalar_type()).contiguous();
-    const at::Tensor h = situ_glu(gate, up, beta1, beta2);  // recomputed, not saved
-    const at::Tensor dh = rows_times(dy, down_proj, g);     // dY W_down: [R, F]
-    const SituGluGradients d = situ_glu_backward(gate, up, dh, beta1, beta2);
+    const at::Tensor dh = moe_expert_rows_times(dy, down_proj, g);  // dY W_down: [R, F]
+    // H (for dW_down) is not saved: the SiTU-GLU backward recomputes it in its own pass.
+    const bool want_down = ctx->needs_input_grad(3);
+    const SituGluBackwardWithH d = situ_glu_backward_with_h(gate, up, dh, beta1, beta2, want_down);
     variable_list out(8);
     if (ctx->needs_input_grad(0)) {
-      out[0] = rows_times(d.d_gate, gate_proj, g) + rows_times(d.d_up, up_proj, g);
+      // dX = dG W_gate + dU W_up, the second product added into the first (no third [R, L]).
+      out[0] = moe_expert_rows_times(d.d_gate, gate_proj, g);
+      out[0].add_(moe_expert_rows_times(d.d_up, up_proj, g));
     }
-    if (ctx->needs_input_grad(1)) out[1] = weight_grad(d.d_gate, x, g);
-    if (ctx->needs_input_grad(2)) out[2] = weight_grad(d.d_up, x, g);
-    if (ctx->needs_input_grad(3)) out[3] = weight_grad(dy, h, g);
+    if (ctx->needs_input_grad(1)) out[1] = moe_expert_weight_grad(d.d_gate, x, g);
+    if (ctx->needs_input_grad(2)) out[2] = moe_expert_weight_grad(d.d_up, x, g);
+    if (want_down) out[3] = moe_expert_weight_grad(dy, d.h, g);
     return out;
   }
 };
@@ -252,6 +200,91 @@ bool moe_grouped_mm_applies(const at::Tensor& rows, const at::Tensor& gate_proj,
   (void)down_proj;
   return false;
 #endif
+}
+
+MoeExpertGroups moe_expert_groups(const at::Tensor& counts, const at::Tensor& ends, bool grouped) {
+  TORCH_CHECK(counts.defined() && counts.dim() == 1 && counts.scalar_type() == at::kLong,
+              "kernels::moe_expert_groups: counts must be int64 [experts]");
+  TORCH_CHECK(!grouped || (ends.defined() && ends.dim() == 1 && ends.size(0) == counts.size(0) &&
+                           ends.scalar_type() == at::kInt && ends.device() == counts.device()),
+              "kernels::moe_expert_groups: the grouped GEMMs need int32 group ends [", counts.size(0),
+              "] on the counts' device");
+  MoeExpertGroups g;
+  g.grouped = grouped;
+  g.counts = counts;
+  g.ends = ends;
+  if (!grouped) {
+    const at::Tensor host = counts.to(at::kCPU, at::kLong).contiguous();
+    g.host.assign(host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + host.numel());
+  }
+  return g;
+}
+
+at::Tensor moe_expert_rows_times(const at::Tensor& x, const at::Tensor& w,
+                                 const MoeExpertGroups& g) {
+#if ODYSSEY_HAVE_GROUPED_MM
+  if (g.grouped) return at::_grouped_mm(x, w, g.ends);
+#endif
+  TORCH_CHECK(!g.grouped, "kernels::moe_expert_rows_times: at::_grouped_mm is not compiled in");
+  at::Tensor out = at::empty({x.size(0), w.size(2)}, x.options());
+  int64_t start = 0;
+  for (size_t e = 0; e < g.host.size(); ++e) {
+    const int64_t count = g.host[e];
+    if (count == 0) continue;
+    at::Tensor slice = out.narrow(0, start, count);
+    at::mm_out(slice, x.narrow(0, start, count), w.select(0, static_cast<int64_t>(e)));
+    start += count;
+  }
+  return out;
+}
+
+at::Tensor moe_expert_weight_grad(const at::Tensor& a, const at::Tensor& b,
+                                  const MoeExpertGroups& g) {
+  const int64_t experts = g.counts.size(0);
+#if ODYSSEY_HAVE_GROUPED_MM
+  if (g.grouped) {
+    at::Tensor out = at::_grouped_mm(a.t(), b, g.ends).contiguous();
+    moe_zero_empty_groups(out, g.counts);
+    return out;
+  }
+#endif
+  TORCH_CHECK(!g.grouped, "kernels::moe_expert_weight_grad: at::_grouped_mm is not compiled in");
+  at::Tensor out = at::zeros({experts, a.size(1), b.size(1)}, a.options());
+  int64_t start = 0;
+  for (size_t e = 0; e < g.host.size(); ++e) {
+    const int64_t count = g.host[e];
+    if (count == 0) continue;
+    at::Tensor slice = out.select(0, static_cast<int64_t>(e));
+    at::mm_out(slice, a.narrow(0, start, count).t(), b.narrow(0, start, count));
+    start += count;
+  }
+  return out;
+}
+
+SituGluBackwardWithH situ_glu_backward_with_h(const at::Tensor& gate, const at::Tensor& up,
+                                              const at::Tensor& dh, double beta1, double beta2,
+                                              bool want_h) {
+  constexpr const char* where = "kernels::situ_glu_backward_with_h";
+  TORCH_CHECK(situ_glu_supported(gate, up), where,
+              ": gate and up must be CUDA tensors of one shape and one dtype of bf16 / fp32");
+  TORCH_CHECK(dh.defined() && dh.sizes() == gate.sizes() && dh.device() == gate.device(), where,
+              ": dh must match gate ", gate.sizes(), " on ", gate.device());
+  TORCH_CHECK(beta1 > 0 && beta2 > 0, where, ": caps must be positive, got ", beta1, " and ", beta2);
+  const c10::cuda::CUDAGuard guard(gate.device());
+  const at::Tensor g = gate.contiguous(), u = up.contiguous();
+  const at::Tensor d = dh.to(g.scalar_type()).contiguous();
+  SituGluBackwardWithH out;
+  out.d_gate = at::empty(g.sizes(), g.options());
+  out.d_up = at::empty(g.sizes(), g.options());
+  if (want_h) out.h = at::empty(g.sizes(), g.options());
+  const MoeDtype dtype = g.scalar_type() == at::kBFloat16 ? MoeDtype::kBFloat16 : MoeDtype::kFloat32;
+  const cudaError_t error = situ_glu_backward_with_h(
+      dtype, g.data_ptr(), u.data_ptr(), d.data_ptr(), out.d_gate.data_ptr(), out.d_up.data_ptr(),
+      want_h ? out.h.data_ptr() : nullptr, g.numel(), static_cast<float>(beta1),
+      static_cast<float>(beta2), at::cuda::getCurrentCUDAStream(g.device().index()).stream());
+  TORCH_CHECK(error == cudaSuccess, where, ": CUDA error ", cudaGetErrorName(error), " (",
+              cudaGetErrorString(error), ")");
+  return out;
 }
 
 at::Tensor moe_permute_autograd(const at::Tensor& tokens, const MoePermutation& permutation) {

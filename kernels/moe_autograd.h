@@ -22,6 +22,9 @@
 // Function loops over experts with at::mm on host-side counts (one device-to-host copy).
 #pragma once
 
+#include <cstdint>
+#include <vector>
+
 #include <ATen/ATen.h>
 
 #include "kernels/torch_bindings.h"
@@ -55,10 +58,43 @@ at::Tensor situ_glu_autograd(const at::Tensor& gate, const at::Tensor& up, doubl
 // StackedExperts::forward with autograd: rows [R, L] grouped by expert as permutation says
 // (R = m k), gate_proj / up_proj [E, F, L], down_proj [E, L, F], all one dtype (bf16 or fp32);
 // SiTU-GLU between the GEMMs fused. Returns [R, L] in rows' dtype. Saves rows and the gate and up
-// activations ([R, F] each); H is recomputed in the backward.
+// activations ([R, F] each); H is recomputed in the backward, inside the SiTU-GLU backward's pass.
 at::Tensor moe_experts_autograd(const at::Tensor& rows, const at::Tensor& gate_proj,
                                 const at::Tensor& up_proj, const at::Tensor& down_proj,
                                 const MoePermutation& permutation, double beta1, double beta2,
                                 MoeGemm gemm = MoeGemm::kAuto);
+
+// ---- the steps of moe_experts_autograd one at a time --------------------------------------------
+// Exactly what MoeExpertsFunction runs (no autograd), for the bench's per-stage breakdown
+// (bench/kernels_bench.cpp) and the tests.
+
+// The groups of rows the expert GEMMs multiply: expert e owns rows [ends[e] - counts[e], ends[e]).
+struct MoeExpertGroups {
+  bool grouped = false;       // at::_grouped_mm; else a loop of at::mm_out over host-side counts
+  at::Tensor counts;          // int64 [E], device
+  at::Tensor ends;            // int32 [E], device: inclusive prefix sums of counts (grouped only)
+  std::vector<int64_t> host;  // counts on the host (loop only)
+};
+// grouped: at::_grouped_mm (the caller checked moe_grouped_mm_applies), no host synchronisation;
+// otherwise copies counts to the host (one synchronisation).
+MoeExpertGroups moe_expert_groups(const at::Tensor& counts, const at::Tensor& ends, bool grouped);
+// x [R, K] grouped by rows, w [E, K, N] (any strides) -> [R, N]: row block e times w[e].
+at::Tensor moe_expert_rows_times(const at::Tensor& x, const at::Tensor& w,
+                                 const MoeExpertGroups& groups);
+// a [R, M], b [R, N] grouped by rows -> [E, M, N]: a_e^T b_e, exactly zero for experts without
+// rows.
+at::Tensor moe_expert_weight_grad(const at::Tensor& a, const at::Tensor& b,
+                                  const MoeExpertGroups& groups);
+
+struct SituGluBackwardWithH {
+  at::Tensor h;  // situ_glu(gate, up) bit for bit; undefined unless want_h
+  at::Tensor d_gate, d_up;
+};
+// kernels::situ_glu_backward (same checks, same gradients bit for bit) that also returns h from
+// the same pass (moe.h, situ_glu_backward_with_h): the experts' backward needs h for dW_down and
+// does not save it. (A tensor binding; it belongs in torch_bindings.{h,cpp} with the others.)
+SituGluBackwardWithH situ_glu_backward_with_h(const at::Tensor& gate, const at::Tensor& up,
+                                              const at::Tensor& dh, double beta1, double beta2,
+                                              bool want_h = true);
 
 }  // namespace odyssey::kernels

@@ -248,16 +248,28 @@ TEST_F(MoeKernel, PermutationEqualsPermuteTokensExactly) {
   EXPECT_EQ(none.offsets.cpu()[64].item<int64_t>(), 0);
 }
 
+// The top-k routing of m random tokens over n experts (no bias): p and both permutations.
+struct Routing {
+  at::Tensor weights;
+  MoePermutation perm;
+  model::TokenPermutation ref;
+};
+
+Routing random_routing(int64_t m, int64_t n, int64_t k) {
+  const at::Tensor scores = at::sigmoid(at::randn({m, n}, cuda()));
+  const at::Tensor selected = model::select_experts(scores, at::zeros({n}, cuda()), k);
+  const at::Tensor chosen = scores.gather(1, selected);
+  return {chosen / chosen.sum(-1, true), moe_permutation(selected, n), model::permute_tokens(selected, n)};
+}
+
 TEST_F(MoeKernel, PermuteAndUnpermuteMatchTheReferenceWithGradients) {
   const int64_t m = 777, n = 64, k = 4, width = 96;
   for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
     at::manual_seed(3);
-    const at::Tensor scores = at::sigmoid(at::randn({m, n}, cuda()));
-    const at::Tensor selected = model::select_experts(scores, at::zeros({n}, cuda()), k);
-    const at::Tensor chosen = scores.gather(1, selected);
-    const at::Tensor weights = chosen / chosen.sum(-1, true);
-    const MoePermutation perm = moe_permutation(selected, n);
-    const model::TokenPermutation ref = model::permute_tokens(selected, n);
+    const Routing routing = random_routing(m, n, k);
+    const at::Tensor& weights = routing.weights;
+    const MoePermutation& perm = routing.perm;
+    const model::TokenPermutation& ref = routing.ref;
     const std::string tag = dtype == at::kFloat ? " fp32" : " bf16";
 
     const at::Tensor tokens = at::randn({m, width}, cuda(dtype));
@@ -288,6 +300,42 @@ TEST_F(MoeKernel, PermuteAndUnpermuteMatchTheReferenceWithGradients) {
   }
 }
 
+TEST_F(MoeKernel, UnpermuteAndItsBackwardMatchTheReferenceAtEveryWidth) {
+  // Widths below a warp, not a multiple of 32, the layer's 384 and above the 1024 threads a CTA
+  // can have: every column once, whatever the CTA's shape.
+  const int64_t m = 300, n = 40, k = 3;
+  at::manual_seed(4);
+  const Routing routing = random_routing(m, n, k);
+  const at::Tensor& weights = routing.weights;
+  const MoePermutation& perm = routing.perm;
+  const model::TokenPermutation& ref = routing.ref;
+  for (const int64_t width : {1, 33, 96, 384, 1100}) {
+    for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+      const std::string tag = " width " + std::to_string(width) + (dtype == at::kFloat ? " fp32" : " bf16");
+      const at::Tensor copies = at::randn({m * k, width}, cuda(dtype));
+      expect_close("unpermute" + tag, moe_unpermute(copies, perm, weights, at::kFloat),
+                   model::unpermute(copies, ref, weights), 1e-5);
+      const at::Tensor d_out = at::randn({m, width}, cuda());
+      const MoeUnpermuteGradients got = moe_unpermute_backward(copies, perm, weights, d_out, true);
+      // d copies: one fp32 product rounded once, as LibTorch rounds it: equal bit for bit.
+      const at::Tensor row_weight = weights.reshape({-1}).index_select(0, perm.source).unsqueeze(1);
+      const at::Tensor d_copies = (row_weight * d_out.index_select(0, perm.token)).to(dtype);
+      EXPECT_TRUE(at::equal(got.d_copies, d_copies)) << "d copies" << tag;
+      // d p: <d_out[token], copy> for each (token, slot).
+      const at::Tensor token_of_copy = at::arange(m * k, cuda(at::kLong)).div(k, /*rounding_mode=*/"floor");
+      const at::Tensor d_weights = (d_out.to(at::kDouble).index_select(0, token_of_copy) *
+                                    copies.to(at::kDouble).index_select(0, perm.inverse))
+                                       .sum(1)
+                                       .reshape({m, k});
+      expect_close("unpermute backward d p" + tag, got.d_weights, d_weights, 1e-5);
+      // Without d p: the same d copies, no d p.
+      const MoeUnpermuteGradients copies_only = moe_unpermute_backward(copies, perm, weights, d_out, false);
+      EXPECT_FALSE(copies_only.d_weights.defined()) << tag;
+      EXPECT_TRUE(at::equal(copies_only.d_copies, d_copies)) << "d copies without d p" << tag;
+    }
+  }
+}
+
 // ---- SiTU-GLU ----------------------------------------------------------------------------------------------
 
 TEST_F(MoeKernel, SituGluForwardAndBackwardMatchAutogradOfTheReference) {
@@ -313,6 +361,28 @@ TEST_F(MoeKernel, SituGluForwardAndBackwardMatchAutogradOfTheReference) {
     (situ_glu_autograd(g, u, 4.0, 25.0).to(at::kDouble) * dh.to(at::kDouble)).sum().backward();
     expect_close("situ_glu_autograd d gate" + tag, g.grad(), g64.grad(), tolerance);
   }
+}
+
+TEST_F(MoeKernel, SituGluBackwardWithHEqualsTheTwoPassesExactly) {
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    at::manual_seed(12);
+    const at::Tensor gate = (at::randn({777, 65}, cuda()) * 6.0).to(dtype);
+    const at::Tensor up = (at::randn({777, 65}, cuda()) * 15.0).to(dtype);
+    const at::Tensor dh = at::randn({777, 65}, cuda()).to(dtype);
+    const std::string tag = dtype == at::kFloat ? " fp32" : " bf16";
+    const SituGluBackwardWithH fused = situ_glu_backward_with_h(gate, up, dh, 4.0, 25.0);
+    const SituGluGradients separate = situ_glu_backward(gate, up, dh, 4.0, 25.0);
+    EXPECT_TRUE(at::equal(fused.h, situ_glu(gate, up, 4.0, 25.0))) << "h" << tag;
+    EXPECT_TRUE(at::equal(fused.d_gate, separate.d_gate)) << "d gate" << tag;
+    EXPECT_TRUE(at::equal(fused.d_up, separate.d_up)) << "d up" << tag;
+    const SituGluBackwardWithH without_h = situ_glu_backward_with_h(gate, up, dh, 4.0, 25.0, /*want_h=*/false);
+    EXPECT_FALSE(without_h.h.defined()) << tag;
+    EXPECT_TRUE(at::equal(without_h.d_gate, separate.d_gate)) << "d gate without h" << tag;
+    std::printf("  situ_glu_backward_with_h%s: h, d gate, d up equal to the two passes bit for bit\n", tag.c_str());
+  }
+  EXPECT_THROW(situ_glu_backward_with_h(at::zeros({4, 8}, cuda()), at::zeros({4, 9}, cuda()),
+                                        at::zeros({4, 8}, cuda()), 4.0, 25.0),
+               c10::Error);
 }
 
 // ---- expert GEMMs ------------------------------------------------------------------------------------------
@@ -379,6 +449,38 @@ TEST_F(MoeKernel, ExpertGemmsMatchTheLoopAndTheFp64Reference) {
       for (size_t i = 2; i < got.size(); ++i) {
         EXPECT_EQ(max_abs(got[i].narrow(0, 9, 3)), 0.0) << names[i] << tag;
       }
+    }
+  }
+}
+
+TEST_F(MoeKernel, ExpertGemmStepsEqualTheFunctionsForward) {
+  // The steps the bench times one at a time (moe_expert_groups / rows_times / weight_grad) are the
+  // Function's own: the same forward bit for bit, for the GEMMs kAuto picks and for the loop.
+  const int64_t m = 200, n = 12, k = 2, latent = 64, ffn = 48;
+  at::manual_seed(22);
+  at::Tensor bias = at::zeros({n}, cuda());
+  bias.narrow(0, 9, 3).fill_(-10.0);  // experts 9..11 get no rows
+  const at::Tensor selected = model::select_experts(at::sigmoid(at::randn({m, n}, cuda())), bias, k);
+  const MoePermutation perm = moe_permutation(selected, n);
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    const at::Tensor rows = at::randn({m * k, latent}, cuda(dtype));
+    const at::Tensor gate = (at::randn({n, ffn, latent}, cuda()) * 0.2).to(dtype);
+    const at::Tensor up = (at::randn({n, ffn, latent}, cuda()) * 0.2).to(dtype);
+    const at::Tensor down = (at::randn({n, latent, ffn}, cuda()) * 0.2).to(dtype);
+    std::vector<std::pair<MoeGemm, bool>> gemms = {{MoeGemm::kLoop, false}};
+    if (moe_grouped_mm_applies(rows, gate, up, down)) gemms.push_back({MoeGemm::kGrouped, true});
+    for (const auto& [gemm, grouped] : gemms) {
+      const std::string tag = std::string(grouped ? " grouped" : " loop") + (dtype == at::kFloat ? " fp32" : " bf16");
+      const c10::NoGradGuard no_grad;
+      const MoeExpertGroups g = moe_expert_groups(perm.tokens_per_expert, perm.group_ends, grouped);
+      const at::Tensor h = situ_glu(moe_expert_rows_times(rows, gate.transpose(1, 2), g),
+                                    moe_expert_rows_times(rows, up.transpose(1, 2), g), 4.0, 25.0);
+      const at::Tensor y = moe_expert_rows_times(h, down.transpose(1, 2), g);
+      EXPECT_TRUE(at::equal(y, moe_experts_autograd(rows, gate, up, down, perm, 4.0, 25.0, gemm))) << "y" << tag;
+      const at::Tensor d_down = moe_expert_weight_grad(rows, h, g);
+      ASSERT_EQ(d_down.sizes().vec(), (std::vector<int64_t>{n, latent, ffn})) << tag;
+      EXPECT_EQ(max_abs(d_down.narrow(0, 9, 3)), 0.0) << "experts without rows" << tag;
+      std::printf("  expert GEMM steps%s: forward equal to moe_experts_autograd's\n", tag.c_str());
     }
   }
 }
