@@ -428,7 +428,7 @@ std::vector<Stage> moe_forward_stages(const KernelsBenchOptions& o, model::MoeIm
   auto best = [&](const std::function<void()>& fn) { return time_cuda(fn, o.warmup, o.repeats).best_ms; };
   const std::string gemm = gemm_label(grouped);
   std::vector<Stage> s;
-  s.push_back({"router: x to fp32, x W_r^T in fp32, sigmoid", best([&] { layer.router->forward(v.tokens); }),
+  s.push_back({"router: x W_r^T (fp32 result; split bf16 GEMMs on the GPU), sigmoid", best([&] { layer.router->forward(v.tokens); }),
                2 * m * d * e, 0});
   s.push_back({"top-k with the bias + p (moe_router_topk)",
                best([&] { kernels::moe_router_topk(v.scores, layer.router->bias, mo.top_k); }), 0,
@@ -620,7 +620,7 @@ std::vector<Stage> moe_backward_stages(const KernelsBenchOptions& o, model::MoeI
   {
     const at::Tensor t = leaf(v.tokens);
     const at::Tensor scores = layer.router->forward(t);
-    s.push_back({"router backward: sigmoid, fp32 GEMMs d x and d W_r, cast",
+    s.push_back({"router backward: sigmoid, d x and d W_r (split bf16 GEMMs), casts",
                  time_backward(o, {scores}, {t, layer.router->weight}, {random_like(scores)}), 2 * 2 * m * d * e, 0});
   }
   return s;
@@ -699,8 +699,8 @@ void moe_grouped_gemm_comparison(const KernelsBenchOptions& o, model::MoeImpl& l
   std::fflush(stdout);
 }
 
-// The router's matmul as the layer runs it (fp32 operands on CUDA cores) against the same product
-// in bf16: what an fp32 router costs in a layer whose other matmuls are bf16.
+// The router's matmul as an fp32 GEMM on CUDA cores (the reference's) against the same product in
+// bf16: what the split bf16 GEMMs the layer runs on the GPU (kernels::router_logits_autograd) save.
 void moe_router_precision(const KernelsBenchOptions& o, model::MoeImpl& layer, const MoeValues& v) {
   const c10::NoGradGuard no_grad;
   const double flops = 2.0 * v.tokens.size(0) * v.tokens.size(1) * layer.router->weight.size(0);
@@ -708,9 +708,9 @@ void moe_router_precision(const KernelsBenchOptions& o, model::MoeImpl& layer, c
   const at::Tensor w16 = w32.to(v.tokens.scalar_type());
   const double fp32_ms = time_cuda([&] { at::matmul(x32, w32.t()); }, o.warmup, o.repeats).best_ms;
   const double bf16_ms = time_cuda([&] { at::matmul(v.tokens, w16.t()); }, o.warmup, o.repeats).best_ms;
-  std::printf("moe router matmul [%ld, %ld] x [%ld, %ld] (%.1f GFLOP; the backward has two more): fp32 as the "
-              "layer runs it %.3f ms (%.1f TFLOP/s), the same in bf16 %.3f ms (%.1f TFLOP/s): %.1fx; W_r split into "
-              "3 bf16 parts (x is bf16: products exact, fp32 sums) would cost about 3x the bf16 time\n",
+  std::printf("moe router matmul [%ld, %ld] x [%ld, %ld] (%.1f GFLOP; the backward has two more): one fp32 "
+              "GEMM (the reference) %.3f ms (%.1f TFLOP/s), one bf16 GEMM %.3f ms (%.1f TFLOP/s): %.1fx; the layer "
+              "runs three bf16 GEMMs with fp32 results (W_r in 3 bf16 parts; x is bf16: exact products)\n",
               static_cast<long>(v.tokens.size(0)), static_cast<long>(v.tokens.size(1)),
               static_cast<long>(v.tokens.size(1)), static_cast<long>(layer.router->weight.size(0)), flops / 1e9,
               fp32_ms, flops / (fp32_ms * 1e-3) / 1e12, bf16_ms, flops / (bf16_ms * 1e-3) / 1e12, fp32_ms / bf16_ms);

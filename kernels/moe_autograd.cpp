@@ -173,6 +173,91 @@ class MoeExpertsFunction : public torch::autograd::Function<MoeExpertsFunction> 
 
 bool moe_grouped_mm_compiled() { return ODYSSEY_HAVE_GROUPED_MM != 0; }
 
+namespace {
+
+#if ODYSSEY_HAVE_GROUPED_MM
+// a b as fp32 from bf16 operands (fp32 accumulation, no rounding of the result to bf16).
+at::Tensor mm_fp32(const at::Tensor& a, const at::Tensor& b) { return at::mm(a, b, at::kFloat); }
+
+// t (fp32) as a sum of `parts` bf16 tensors, each carrying the next 8 significant bits of what the
+// ones before left (3 parts: all 24 bits of an fp32 mantissa). A bf16 t is one part, itself.
+std::vector<at::Tensor> split_bf16(const at::Tensor& t, int parts) {
+  if (t.scalar_type() == at::kBFloat16) return {t};
+  std::vector<at::Tensor> out;
+  at::Tensor rest = t.to(at::kFloat);
+  for (int i = 0; i < parts; ++i) {
+    out.push_back(rest.to(at::kBFloat16));
+    if (i + 1 < parts) rest = rest - out.back().to(at::kFloat);
+  }
+  return out;
+}
+
+// Σ a_i b_j over the pairs with i + j < terms: the products of the leading parts, fp32 results.
+at::Tensor split_mm(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b, size_t terms) {
+  at::Tensor sum;
+  for (size_t i = 0; i < a.size(); ++i) {
+    for (size_t j = 0; j < b.size() && i + j < terms; ++j) {
+      sum = sum.defined() ? sum.add_(mm_fp32(a[i], b[j])) : mm_fp32(a[i], b[j]);
+    }
+  }
+  return sum;
+}
+
+class RouterLogitsFunction : public torch::autograd::Function<RouterLogitsFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& tokens,
+                            const at::Tensor& weight) {
+    ctx->save_for_backward({tokens, weight});
+    std::vector<at::Tensor> w = split_bf16(weight, 3);
+    for (at::Tensor& part : w) part = part.t();
+    return split_mm({tokens}, w, 3);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& tokens = saved[0];
+    const at::Tensor& weight = saved[1];
+    const at::Tensor g = grads[0].to(at::kFloat).contiguous();
+    at::Tensor d_tokens, d_weight;
+    if (ctx->needs_input_grad(0)) {  // bf16 result: the leading 16 bits of g and W are plenty
+      d_tokens = split_mm(split_bf16(g, 2), split_bf16(weight, 2), 2).to(tokens.scalar_type());
+    }
+    if (ctx->needs_input_grad(1)) {  // the weight's own precision: 3 parts of g for an fp32 W
+      std::vector<at::Tensor> gt = split_bf16(g, weight.scalar_type() == at::kBFloat16 ? 2 : 3);
+      for (at::Tensor& part : gt) part = part.t();
+      d_weight = split_mm(gt, {tokens}, 3).to(weight.scalar_type());
+    }
+    return {d_tokens, d_weight};
+  }
+};
+#endif
+
+}  // namespace
+
+bool router_logits_applies(const at::Tensor& tokens, const at::Tensor& weight) {
+#if ODYSSEY_HAVE_GROUPED_MM
+  return tokens.is_cuda() && weight.is_cuda() && tokens.dim() == 2 && weight.dim() == 2 &&
+         tokens.scalar_type() == at::kBFloat16 &&
+         (weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kFloat) &&
+         tokens.size(1) == weight.size(1);
+#else
+  (void)tokens;
+  (void)weight;
+  return false;
+#endif
+}
+
+at::Tensor router_logits_autograd(const at::Tensor& tokens, const at::Tensor& weight) {
+  TORCH_CHECK(router_logits_applies(tokens, weight), "router_logits_autograd: needs CUDA bf16 tokens [m, d] and ",
+              "an fp32 or bf16 weight [E, d] and LibTorch >= 2.8; got ", tokens.sizes(), " ", tokens.scalar_type(), " and ",
+              weight.sizes(), " ", weight.scalar_type());
+#if ODYSSEY_HAVE_GROUPED_MM
+  return RouterLogitsFunction::apply(tokens, weight);
+#else
+  return {};
+#endif
+}
+
 bool moe_grouped_mm_applies(const at::Tensor& rows, const at::Tensor& gate_proj,
                             const at::Tensor& up_proj, const at::Tensor& down_proj) {
 #if ODYSSEY_HAVE_GROUPED_MM

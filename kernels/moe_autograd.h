@@ -97,4 +97,18 @@ SituGluBackwardWithH situ_glu_backward_with_h(const at::Tensor& gate, const at::
                                               const at::Tensor& dh, double beta1, double beta2,
                                               bool want_h = true);
 
+// ---- the router's logits -------------------------------------------------------------------------
+// W_r x for bf16 tokens [m, d] and the router weight [E, d] (fp32, as a bf16 model keeps it, or
+// bf16), as fp32 [m, E], on tensor cores: W_r is split into three bf16 parts (W = W_hi + W_mid +
+// W_lo, each the next 8 significant bits: all 24 of fp32; a bf16 W is one part) and x W_part^T
+// are bf16 GEMMs with fp32 accumulation and fp32 results. A product of two bf16 numbers is exact
+// in fp32, so this is the reference's fp32 GEMM up to the order of the sums, at about a quarter
+// of its time (three 0.028 ms GEMMs for one 0.353 ms fp32 GEMM at m = 8192, d = 1024, E = 896 on
+// the H200). Backward, for the fp32 gradient g of the logits, also as split bf16 GEMMs: dx from
+// the leading 16 bits of g and W (the result is bf16), dW from all 24 bits of g for an fp32 W.
+// Whether it applies: CUDA, bf16 tokens, an fp32 or bf16 weight, LibTorch >= 2.8 (at::mm with an
+// output dtype).
+bool router_logits_applies(const at::Tensor& tokens, const at::Tensor& weight);
+at::Tensor router_logits_autograd(const at::Tensor& tokens, const at::Tensor& weight);
+
 }  // namespace odyssey::kernels

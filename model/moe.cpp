@@ -120,6 +120,12 @@ RouterImpl::RouterImpl(int64_t hidden, int64_t num_experts) {
 }
 
 torch::Tensor RouterImpl::forward(const torch::Tensor& tokens) {
+#ifdef ODYSSEY_WITH_CUDA_KERNELS
+  // bf16 tokens on the GPU: the same fp32 logits from bf16 tensor-core GEMMs (kernels/moe_autograd.h).
+  if (kernels::router_logits_applies(tokens, weight)) {
+    return at::sigmoid(kernels::router_logits_autograd(tokens, weight));
+  }
+#endif
   const at::ScalarType compute = tokens.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   return at::sigmoid(at::matmul(tokens.to(compute), weight.to(compute).t()));
 }

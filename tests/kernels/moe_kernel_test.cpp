@@ -107,6 +107,42 @@ TopkCheck check_topk(const std::string& what, const at::Tensor& scores, const at
   return check;
 }
 
+// The router's logits from bf16 GEMMs with fp32 results equal the reference's fp32 GEMM (a bf16
+// model keeps W_r in fp32: split into three bf16 parts; a bf16 W_r is one part), and the split
+// backward matches the fp32 gradients: dW to fp32 precision, dx (bf16) to bf16 rounding.
+TEST_F(MoeKernel, RouterLogitsOnTensorCoresMatchTheFp32Gemm) {
+  if (!moe_grouped_mm_compiled()) GTEST_SKIP() << "needs LibTorch >= 2.8";
+  for (const at::ScalarType weight_dtype : {at::kFloat, at::kBFloat16}) {
+    torch::manual_seed(11);
+    const auto cuda = at::TensorOptions().device(at::kCUDA);
+    const at::Tensor x = at::randn({333, 96}, cuda.dtype(at::kBFloat16)).requires_grad_(true);
+    const at::Tensor w = (at::randn({40, 96}, cuda) * 0.1).to(weight_dtype).requires_grad_(true);
+    ASSERT_TRUE(router_logits_applies(x, w));
+    const at::Tensor logits = router_logits_autograd(x, w);
+    ASSERT_EQ(logits.scalar_type(), at::kFloat);
+    const at::Tensor xr = x.detach().to(at::kDouble).requires_grad_(true);
+    const at::Tensor wr = w.detach().to(at::kDouble).requires_grad_(true);
+    const at::Tensor ref = at::mm(xr, wr.t());
+    auto rel = [](const at::Tensor& a, const at::Tensor& b) {
+      return (a.to(at::kDouble) - b).abs().max().item<double>() / b.abs().max().item<double>();
+    };
+    const double fwd = rel(logits, ref);
+    const at::Tensor g = at::randn({333, 40}, cuda);
+    (logits * g).sum().backward();
+    (ref * g.to(at::kDouble)).sum().backward();
+    const double dx = rel(x.grad(), xr.grad()), dw = rel(w.grad(), wr.grad());
+    std::printf("  router logits, %s W_r: forward %.2e, d x %.2e, d W %.2e (relative to the largest reference value)\n",
+                weight_dtype == at::kFloat ? "fp32" : "bf16", fwd, dx, dw);
+    EXPECT_LT(fwd, 2e-6);  // fp32 sums of exact products
+    EXPECT_LT(dx, 8e-3);   // a bf16 result: one rounding of 2^-9
+    EXPECT_LT(dw, weight_dtype == at::kFloat ? 2e-6 : 8e-3);
+    EXPECT_EQ(x.grad().scalar_type(), at::kBFloat16);
+    EXPECT_EQ(w.grad().scalar_type(), weight_dtype);
+  }
+  const auto cuda = at::TensorOptions().device(at::kCUDA);
+  EXPECT_FALSE(router_logits_applies(at::zeros({4, 8}, cuda), at::zeros({3, 8}, cuda)));  // fp32 tokens
+}
+
 TEST_F(MoeKernel, RouterTopkMatchesSelectExperts) {
   struct Case {
     int64_t m, n, k;
