@@ -331,19 +331,6 @@ constexpr size_t scan_shared_bytes() {
   return (2 * K * K + K * kScanColumns) * sizeof(float);
 }
 
-__device__ __forceinline__ void cp_async16(void* shared, const void* global) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(shared_address(shared)),
-               "l"(global)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
-}
-
 template <int K>
 __global__ void __launch_bounds__(K) kda_segment_scan_kernel(const float* initial_state,
                                                             const float* transition_a,

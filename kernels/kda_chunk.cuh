@@ -185,6 +185,26 @@ __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint3
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+__device__ __forceinline__ void cp_async16(void* shared, const void* global) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(shared_address(shared)),
+               "l"(global)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+// 16 bytes from global to shared, or 16 zero bytes when !valid (the source is then not read, but
+// must still be a valid address).
+__device__ __forceinline__ void cp_async16_or_zero(void* shared, const void* global, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_address(shared)),
+               "l"(global), "r"(valid ? 16 : 0)
+               : "memory");
+}
+
 // Per-lane offsets into a row-major 16 x 16 bf16 block for the three ldmatrix uses:
 //   A operand (rows = m, cols = k):                     ldmatrix_x4 at [a_row][k0 + a_col]
 //   B operands of two n-tiles, stored rows = n, cols = k:  ldmatrix_x4 at [b_row][k0 + b_col]
@@ -298,7 +318,38 @@ __device__ void prepare_chunk(const ChunkedArgs& a, ChunkSlot<K, kTile>& slot, i
   const T* k = static_cast<const T*>(a.k);
   auto key_offset = [&](int i) { return ((row0 + i) * H + h) * static_cast<int64_t>(K) + c0; };
 
-  // gamma = Gamma of the last real row.
+  // bf16 inputs: the chunk's raw rows of q, k (in place of Q^ and K~, which each lane then
+  // overwrites column by column) and v go to shared memory by cp.async, all in flight together
+  // with the loads of g (kept in registers) and beta: one round trip to L2 per chunk. fp32 inputs
+  // load row by row.
+  constexpr bool kStaged = std::is_same_v<T, bf16>;
+  float beta = 0.0f;
+  if constexpr (kStaged) {
+    constexpr int kPieces = K / 8;  // 16-byte pieces of a row of K bf16
+    const int64_t last_row = row0 + valid - 1;  // a readable address for the zero-filled rows
+#pragma unroll
+    for (int r = 0; r < kChunk * kPieces / 32; ++r) {
+      const int item = lane + 32 * r, i = item / kPieces, col = (item % kPieces) * 8;
+      const int64_t src = ((min64(row0 + i, last_row)) * H + h) * static_cast<int64_t>(K) + col;
+      if constexpr (kOutputs) cp_async16_or_zero(&slot.q_hat[i][col], q + src, i < valid);
+      cp_async16_or_zero(&slot.k_check[i][col], k + src, i < valid);
+    }
+    if (with_values) {
+      constexpr int kValuePieces = kTile / 8;
+      const bf16* vp = static_cast<const bf16*>(a.v);
+#pragma unroll
+      for (int r = 0; r < kChunk * kValuePieces / 32; ++r) {
+        const int item = lane + 32 * r, i = item / kValuePieces, col = (item % kValuePieces) * 8;
+        const int64_t src = (min64(row0 + i, last_row) * H + h) * static_cast<int64_t>(V) + v0 + col;
+        cp_async16_or_zero(&slot.v[i][col], vp + src, i < valid);
+      }
+    }
+    cp_async_commit();
+  }
+  if (lane < valid) beta = to_float(static_cast<const T*>(a.beta)[(row0 + lane) * H + h]);
+
+  // g of every row (zeros past valid) and gamma = Gamma of the last real row.
+  float g_rows[kStaged ? kChunk : 1][kCols] = {};
   float gamma[kCols] = {};
 #pragma unroll
   for (int i = 0; i < kChunk; ++i) {
@@ -306,7 +357,10 @@ __device__ void prepare_chunk(const ChunkedArgs& a, ChunkSlot<K, kTile>& slot, i
       float gi[kCols];
       load_vec(a.g + key_offset(i), gi);
 #pragma unroll
-      for (int c = 0; c < kCols; ++c) gamma[c] += gi[c];
+      for (int c = 0; c < kCols; ++c) {
+        gamma[c] += gi[c];
+        if constexpr (kStaged) g_rows[i][c] = gi[c];
+      }
     }
   }
   float decay_last[kCols];
@@ -315,13 +369,29 @@ __device__ void prepare_chunk(const ChunkedArgs& a, ChunkSlot<K, kTile>& slot, i
     decay_last[c] = __expf(gamma[c]);
     if (key_lane) slot.decay_last[c0 + c] = decay_last[c];
   }
+  if constexpr (kStaged) {
+    cp_async_wait<0>();
+    __syncwarp();
+  }
 
   // Q^, K^, K~, K_ row by row, Gamma accumulated from the chunk start.
   float cum[kCols] = {};
-#pragma unroll 4
-  for (int i = 0; i < kChunk; ++i) {
+  auto prepare_row = [&](int i) {
     float gi[kCols] = {}, qi[kCols] = {}, ki[kCols] = {};
-    if (key_lane && i < valid) {
+    if constexpr (kStaged) {
+      if (key_lane) {
+#pragma unroll
+        for (int c = 0; c < kCols; c += 2) {
+          gi[c] = g_rows[i][c], gi[c + 1] = g_rows[i][c + 1];
+          const float2 kk = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&slot.k_check[i][c0 + c]));
+          ki[c] = kk.x, ki[c + 1] = kk.y;
+          if constexpr (kOutputs) {
+            const float2 qq = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&slot.q_hat[i][c0 + c]));
+            qi[c] = qq.x, qi[c + 1] = qq.y;
+          }
+        }
+      }
+    } else if (key_lane && i < valid) {
       load_vec(a.g + key_offset(i), gi);
       if constexpr (kOutputs) load_vec(q + key_offset(i), qi);
       load_vec(k + key_offset(i), ki);
@@ -348,14 +418,22 @@ __device__ void prepare_chunk(const ChunkedArgs& a, ChunkSlot<K, kTile>& slot, i
         *reinterpret_cast<uint32_t*>(&slot.k_bar[i][c0 + c]) = pack_bf16(k_bar[c], k_bar[c + 1]);
       }
     }
+  };
+  if constexpr (kStaged) {
+#pragma unroll
+    for (int i = 0; i < kChunk; ++i) prepare_row(i);  // whole: g_rows stays in registers
+  } else {
+#pragma unroll 4
+    for (int i = 0; i < kChunk; ++i) prepare_row(i);
   }
 
-  // This CTA's value columns and beta (lane i < 16 holds row i's).
-  if (with_values) {
-    load_value_rows<T, kTile>(static_cast<const T*>(a.v), slot.v, row0, valid, h, H, V, v0, lane);
+  // fp32 inputs: this CTA's value columns (lane i < 16 holds row i's beta, loaded above).
+  if constexpr (!kStaged) {
+    if (with_values) {
+      load_value_rows<T, kTile>(static_cast<const T*>(a.v), slot.v, row0, valid, h, H, V, v0, lane);
+    }
   }
-  float beta = 0.0f;
-  if (lane < valid) beta = to_float(static_cast<const T*>(a.beta)[(row0 + lane) * H + h]);
+
   __syncwarp();
 
   const FragmentOffsets f(lane);

@@ -79,10 +79,17 @@ at::Tensor kda_state_argument(const char* where, const char* name, const at::Ten
 struct KdaLaunchInputs {
   at::Tensor q, k, v, g, beta;
 };
+// Contiguous and 16-byte aligned (kda.h; a view that starts mid-row may not be): copied if not.
+at::Tensor aligned_contiguous(const at::Tensor& t) {
+  at::Tensor c = t.contiguous();
+  if (reinterpret_cast<uintptr_t>(c.data_ptr()) % 16 != 0) c = c.clone();
+  return c;
+}
+
 KdaLaunchInputs kda_launch_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   const at::Tensor& g, const at::Tensor& beta) {
-  return {q.contiguous(), k.contiguous(), v.contiguous(), g.to(at::kFloat).contiguous(),
-          beta.to(q.scalar_type()).contiguous()};
+  return {aligned_contiguous(q), aligned_contiguous(k), aligned_contiguous(v),
+          aligned_contiguous(g.to(at::kFloat)), aligned_contiguous(beta.to(q.scalar_type()))};
 }
 
 struct KdaSequenceSizes {
