@@ -353,11 +353,14 @@ __device__ void prepare_chunk(const ChunkedArgs& a, ChunkSlot<K, kTile>& slot, i
   float gamma[kCols] = {};
 #pragma unroll
   for (int i = 0; i < kChunk; ++i) {
-    if (key_lane && i < valid) {
+    if (key_lane) {
+      // Branch-free in the row (the address clamped to a real row, the value selected): a
+      // branch per row made the compiler keep two copies of the rest of the prepare phase.
       float gi[kCols];
-      load_vec(a.g + key_offset(i), gi);
+      load_vec(a.g + key_offset(i < valid ? i : valid - 1), gi);
 #pragma unroll
       for (int c = 0; c < kCols; ++c) {
+        gi[c] = i < valid ? gi[c] : 0.0f;
         gamma[c] += gi[c];
         if constexpr (kStaged) g_rows[i][c] = gi[c];
       }
