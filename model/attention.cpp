@@ -4,6 +4,8 @@
 #include <limits>
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/version.h>
 
@@ -74,31 +76,45 @@ at::Tensor flash_forward(const at::Tensor& q, const at::Tensor& k, const at::Ten
   // With the max subtracted, every row that sees a key has running sum >= 1 (its max term is
   // exp(0)); rows that see none keep 0. clamp_min(1) therefore only touches the latter.
   at::Tensor lse = at::empty({B, G, R, 1}, opts);
-  for (int64_t r0 = 0; r0 < R; r0 += block) {
-    const RowTile t = row_tile(r0, std::min(R, r0 + block), tq, offset, block);
-    const int64_t key_end = std::min(tk, t.max_pos + 1);
-    const at::Tensor qs = q.narrow(2, r0, t.rows).to(cdt) * scale;
-    at::Tensor m = at::full({B, G, t.rows, 1}, lowest, opts);
-    at::Tensor l = at::zeros({B, G, t.rows, 1}, opts);
-    at::Tensor acc = o.narrow(2, r0, t.rows);
-    for (int64_t c0 = 0; c0 < key_end; c0 += t.key_tile) {
-      const int64_t c1 = std::min(key_end, c0 + t.key_tile);
-      const at::Tensor kb = k.narrow(2, c0, c1 - c0).to(cdt);
-      const at::Tensor vb = v.narrow(2, c0, c1 - c0).to(cdt);
-      at::Tensor s = at::matmul(qs, kb.transpose(-2, -1));
-      if (c1 - 1 > t.min_pos) {
-        s.masked_fill_(future_mask(t, c0, c1, tq, offset, q.device()), neg_inf);
+  // Row tiles are independent (each writes its own rows of o and lse). On the CPU they run in
+  // parallel, each thread taking whole tiles with single-threaded ops inside (one parallel region
+  // per call instead of one per small op), so the result is the same whatever the thread count.
+  const int64_t tiles = (R + block - 1) / block;
+  const at::ThreadLocalState caller;  // grad mode and the like, the same in every worker thread
+  auto run_tiles = [&](int64_t first, int64_t last) {
+    const at::ThreadLocalStateGuard same_state(caller);
+    for (int64_t r0 = first * block; r0 < std::min(R, last * block); r0 += block) {
+      const RowTile t = row_tile(r0, std::min(R, r0 + block), tq, offset, block);
+      const int64_t key_end = std::min(tk, t.max_pos + 1);
+      const at::Tensor qs = q.narrow(2, r0, t.rows).to(cdt) * scale;
+      at::Tensor m = at::full({B, G, t.rows, 1}, lowest, opts);
+      at::Tensor l = at::zeros({B, G, t.rows, 1}, opts);
+      at::Tensor acc = o.narrow(2, r0, t.rows);
+      for (int64_t c0 = 0; c0 < key_end; c0 += t.key_tile) {
+        const int64_t c1 = std::min(key_end, c0 + t.key_tile);
+        const at::Tensor kb = k.narrow(2, c0, c1 - c0).to(cdt);
+        const at::Tensor vb = v.narrow(2, c0, c1 - c0).to(cdt);
+        at::Tensor s = at::matmul(qs, kb.transpose(-2, -1));
+        if (c1 - 1 > t.min_pos) {
+          s.masked_fill_(future_mask(t, c0, c1, tq, offset, q.device()), neg_inf);
+        }
+        // amax, not max: max also computes the argmax, in a scalar loop.
+        const at::Tensor m_new = at::maximum(m, at::amax(s, {-1}, /*keepdim=*/true));
+        const at::Tensor p = s.sub_(m_new).exp_();
+        const at::Tensor alpha = (m - m_new).exp_();
+        l.mul_(alpha).add_(p.sum(-1, /*keepdim=*/true));
+        acc.mul_(alpha).add_(at::matmul(p, vb));
+        m = m_new;
       }
-      const at::Tensor m_new = at::maximum(m, std::get<0>(s.max(-1, /*keepdim=*/true)));
-      const at::Tensor p = s.sub_(m_new).exp_();
-      const at::Tensor alpha = (m - m_new).exp_();
-      l.mul_(alpha).add_(p.sum(-1, /*keepdim=*/true));
-      acc.mul_(alpha).add_(at::matmul(p, vb));
-      m = m_new;
+      l.clamp_min_(1.0);
+      acc.div_(l);
+      lse.narrow(2, r0, t.rows).copy_(m + l.log());
     }
-    l.clamp_min_(1.0);
-    acc.div_(l);
-    lse.narrow(2, r0, t.rows).copy_(m + l.log());
+  };
+  if (q.is_cpu()) {
+    at::parallel_for(0, tiles, 1, run_tiles);
+  } else {
+    run_tiles(0, tiles);
   }
   return lse;
 }
