@@ -86,12 +86,15 @@ at::Tensor flash_forward(const at::Tensor& q, const at::Tensor& k, const at::Ten
     for (int64_t r0 = first * block; r0 < std::min(R, last * block); r0 += block) {
       const RowTile t = row_tile(r0, std::min(R, r0 + block), tq, offset, block);
       const int64_t key_end = std::min(tk, t.max_pos + 1);
+      // Wider key tiles on the CPU: a quarter of the small ops per score (a 256 x 1024 tile is
+      // 1 MB of fp32 scores, still in a core's L2).
+      const int64_t key_tile = q.is_cpu() ? 4 * t.key_tile : t.key_tile;
       const at::Tensor qs = q.narrow(2, r0, t.rows).to(cdt) * scale;
       at::Tensor m = at::full({B, G, t.rows, 1}, lowest, opts);
       at::Tensor l = at::zeros({B, G, t.rows, 1}, opts);
       at::Tensor acc = o.narrow(2, r0, t.rows);
-      for (int64_t c0 = 0; c0 < key_end; c0 += t.key_tile) {
-        const int64_t c1 = std::min(key_end, c0 + t.key_tile);
+      for (int64_t c0 = 0; c0 < key_end; c0 += key_tile) {
+        const int64_t c1 = std::min(key_end, c0 + key_tile);
         const at::Tensor kb = k.narrow(2, c0, c1 - c0).to(cdt);
         const at::Tensor vb = v.narrow(2, c0, c1 - c0).to(cdt);
         at::Tensor s = at::matmul(qs, kb.transpose(-2, -1));
