@@ -1,7 +1,12 @@
 #include "model/attention.h"
 
 #include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <exception>
 #include <limits>
+#include <thread>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -62,6 +67,39 @@ at::Tensor future_mask(const RowTile& t, int64_t c0, int64_t c1, int64_t tq, int
   return keys.unsqueeze(0) > pos.unsqueeze(1);
 }
 
+// ODYSSEY_ATTENTION_THREADS, or 1 (attention.h).
+std::atomic<int> g_cpu_attention_threads{[] {
+  const char* env = std::getenv("ODYSSEY_ATTENTION_THREADS");
+  return env ? std::max(1, std::atoi(env)) : 1;
+}()};
+
+// tiles [0, tiles) split into `workers` contiguous ranges, the first on this thread, the others on
+// threads of their own; an exception in any is rethrown here after all have finished.
+template <typename F>
+void run_tiles_on_threads(int64_t tiles, int64_t workers, const F& run_tiles) {
+  const int64_t per = (tiles + workers - 1) / workers;
+  std::vector<std::exception_ptr> errors(static_cast<size_t>(workers));
+  std::vector<std::thread> threads;
+  for (int64_t w = 1; w < workers; ++w) {
+    threads.emplace_back([&, w] {
+      try {
+        run_tiles(std::min(tiles, w * per), std::min(tiles, (w + 1) * per));
+      } catch (...) {
+        errors[static_cast<size_t>(w)] = std::current_exception();
+      }
+    });
+  }
+  try {
+    run_tiles(0, std::min(tiles, per));
+  } catch (...) {
+    errors[0] = std::current_exception();
+  }
+  for (std::thread& t : threads) t.join();
+  for (const std::exception_ptr& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+}
+
 // Folded q [B, G, R, D], k [B, G, Tk, D], v [B, G, Tk, Dv]; writes o [B, G, R, Dv] (zeros on
 // entry, compute dtype) and returns the log-sum-exp of each row's scaled scores [B, G, R, 1]
 // (finite for every row, also one that sees no key). No autograd.
@@ -114,7 +152,10 @@ at::Tensor flash_forward(const at::Tensor& q, const at::Tensor& k, const at::Ten
       lse.narrow(2, r0, t.rows).copy_(m + l.log());
     }
   };
-  if (q.is_cpu()) {
+  const int64_t workers = q.is_cpu() ? std::min<int64_t>(cpu_attention_threads(), tiles) : 1;
+  if (workers > 1) {
+    run_tiles_on_threads(tiles, workers, run_tiles);
+  } else if (q.is_cpu()) {
     at::parallel_for(0, tiles, 1, run_tiles);
   } else {
     run_tiles(0, tiles);
@@ -198,6 +239,12 @@ struct BlockwiseAttentionFunction : torch::autograd::Function<BlockwiseAttention
 };
 
 }  // namespace
+
+void set_cpu_attention_threads(int threads) {
+  g_cpu_attention_threads.store(std::max(1, threads), std::memory_order_relaxed);
+}
+
+int cpu_attention_threads() { return g_cpu_attention_threads.load(std::memory_order_relaxed); }
 
 bool fused_attention_applies(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              int64_t causal_offset) {

@@ -57,6 +57,16 @@ at::Tensor blockwise_attention(const at::Tensor& q, const at::Tensor& k, const a
                                int64_t block = kAttentionBlock, bool keep_compute_dtype = false,
                                bool allow_fused = true);
 
+// Threads the CPU forward of blockwise_attention splits its row tiles over (the rows are
+// independent, so the result is the same for any count). Separate from LibTorch's intra-op
+// threads: with one intra-op thread (what an actor sharing a machine wants: two OpenMP threads
+// on two busy cores run the small ops of a decode step several times slower) the attention over
+// a long MLA cache, nearly all of the work at a million tokens, can still use more cores.
+// Default 1, or the environment variable ODYSSEY_ATTENTION_THREADS; process-wide; values < 1
+// mean 1. The backward (training) stays on the calling thread.
+void set_cpu_attention_threads(int threads);
+int cpu_attention_threads();
+
 // Whether blockwise_attention(q, k, v, ..., causal_offset) runs LibTorch's fused kernel.
 bool fused_attention_applies(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              int64_t causal_offset);
