@@ -330,7 +330,7 @@ __device__ void prepare_chunk(const ChunkedArgs& a, ChunkSlot<K, kTile>& slot, i
 #pragma unroll
     for (int r = 0; r < kChunk * kPieces / 32; ++r) {
       const int item = lane + 32 * r, i = item / kPieces, col = (item % kPieces) * 8;
-      const int64_t src = ((min64(row0 + i, last_row)) * H + h) * static_cast<int64_t>(K) + col;
+      const int64_t src = (min64(row0 + i, last_row) * H + h) * static_cast<int64_t>(K) + col;
       if constexpr (kOutputs) cp_async16_or_zero(&slot.q_hat[i][col], q + src, i < valid);
       cp_async16_or_zero(&slot.k_check[i][col], k + src, i < valid);
     }

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <cstdlib>
 #include <exception>
 #include <limits>
@@ -67,11 +68,8 @@ at::Tensor future_mask(const RowTile& t, int64_t c0, int64_t c1, int64_t tq, int
   return keys.unsqueeze(0) > pos.unsqueeze(1);
 }
 
-// ODYSSEY_ATTENTION_THREADS, or 1 (attention.h).
-std::atomic<int> g_cpu_attention_threads{[] {
-  const char* env = std::getenv("ODYSSEY_ATTENTION_THREADS");
-  return env ? std::max(1, std::atoi(env)) : 1;
-}()};
+// 0 until first read, then set_cpu_attention_threads' count, or ODYSSEY_ATTENTION_THREADS, or 1.
+std::atomic<int> g_cpu_attention_threads{0};
 
 // tiles [0, tiles) split into `workers` contiguous ranges, the first on this thread, the others on
 // threads of their own; an exception in any is rethrown here after all have finished.
@@ -241,10 +239,29 @@ struct BlockwiseAttentionFunction : torch::autograd::Function<BlockwiseAttention
 }  // namespace
 
 void set_cpu_attention_threads(int threads) {
-  g_cpu_attention_threads.store(std::max(1, threads), std::memory_order_relaxed);
+  g_cpu_attention_threads.store(std::clamp(threads, 1, kMaxCpuAttentionThreads),
+                                std::memory_order_relaxed);
 }
 
-int cpu_attention_threads() { return g_cpu_attention_threads.load(std::memory_order_relaxed); }
+int parse_cpu_attention_threads(const char* value) {
+  if (value == nullptr || *value == '\0') return 1;
+  char* end = nullptr;
+  errno = 0;
+  const long n = std::strtol(value, &end, 10);
+  TORCH_CHECK(*end == '\0' && errno == 0 && n >= 1 && n <= kMaxCpuAttentionThreads,
+              "ODYSSEY_ATTENTION_THREADS='", value, "': expected a whole number of threads from 1 to ",
+              kMaxCpuAttentionThreads, " (the CPU attention's threads; unset means 1)");
+  return static_cast<int>(n);
+}
+
+int cpu_attention_threads() {
+  int n = g_cpu_attention_threads.load(std::memory_order_relaxed);
+  if (n == 0) {
+    n = parse_cpu_attention_threads(std::getenv("ODYSSEY_ATTENTION_THREADS"));
+    g_cpu_attention_threads.store(n, std::memory_order_relaxed);
+  }
+  return n;
+}
 
 bool fused_attention_applies(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              int64_t causal_offset) {

@@ -62,10 +62,15 @@ at::Tensor blockwise_attention(const at::Tensor& q, const at::Tensor& k, const a
 // threads: with one intra-op thread (what an actor sharing a machine wants: two OpenMP threads
 // on two busy cores run the small ops of a decode step several times slower) the attention over
 // a long MLA cache, nearly all of the work at a million tokens, can still use more cores.
-// Default 1, or the environment variable ODYSSEY_ATTENTION_THREADS; process-wide; values < 1
-// mean 1. The backward (training) stays on the calling thread.
+// Default 1, or the environment variable ODYSSEY_ATTENTION_THREADS (read at the first call; a
+// value that is not a whole number from 1 to kMaxCpuAttentionThreads throws a c10::Error naming
+// it); process-wide; set_cpu_attention_threads clamps to [1, kMaxCpuAttentionThreads]. The
+// backward (training) stays on the calling thread.
+inline constexpr int kMaxCpuAttentionThreads = 256;
 void set_cpu_attention_threads(int threads);
 int cpu_attention_threads();
+// ODYSSEY_ATTENTION_THREADS' value as cpu_attention_threads reads it (nullptr or empty: 1).
+int parse_cpu_attention_threads(const char* value);
 
 // Whether blockwise_attention(q, k, v, ..., causal_offset) runs LibTorch's fused kernel.
 bool fused_attention_applies(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -116,6 +116,21 @@ TEST(BlockwiseAttention, RowTilesOnSeveralThreadsGiveTheSameBitsAndGradients) {
   EXPECT_EQ(cpu_attention_threads(), 1) << "counts below 1 mean 1";
 }
 
+TEST(BlockwiseAttention, AttentionThreadsFromTheEnvironmentAreCheckedAndNamed) {
+  EXPECT_EQ(parse_cpu_attention_threads(nullptr), 1);
+  EXPECT_EQ(parse_cpu_attention_threads(""), 1);
+  EXPECT_EQ(parse_cpu_attention_threads("2"), 2);
+  for (const char* bad : {"two", "0", "-1", "2x", "1.5", "100000"}) {
+    try {
+      parse_cpu_attention_threads(bad);
+      ADD_FAILURE() << "accepted '" << bad << "'";
+    } catch (const c10::Error& e) {
+      const std::string message = e.what();
+      EXPECT_NE(message.find("ODYSSEY_ATTENTION_THREADS='" + std::string(bad) + "'"), std::string::npos) << message;
+    }
+  }
+}
+
 TEST(BlockwiseAttention, GradientsMatchNaive) {
   uint64_t seed = 100;
   for (const Case& c : cases()) {
