@@ -65,15 +65,18 @@
 //        dV'^T = dS'^T K_^T + dO^T Aqk,   dS^T = dS'^T Diag(e^gamma) + dO^T Q^ - dV'^T W
 //      (mma.sync m16n8k16, bf16 operands, fp32 accumulators). The last dS is d initial_state.
 //   3. chunk gradients (kda_chunk_gradient_kernel): every chunk independent, one CTA of 16 warps
-//      per (chunk, head, sequence) with S and dS' of that chunk in shared memory: recompute the
-//      chunk in fp32, the five products with the K x V matrices (W S, K_ dS', dO S^T, V' dS'^T,
-//      dV' S^T) as mma.sync with bf16 operands, everything 16 x 16 x {16, K, V} in fp32 on CUDA
-//      cores, then dq, dk, dv, dbeta, dg as above.
+//      per chunk at a time (persistent: as many CTAs as fit, each taking every gridDim.x-th
+//      chunk and loading the next one's S, dS' and inputs while it finishes the current one),
+//      with S and dS' of that chunk in shared memory: recompute the chunk in fp32, then every
+//      product on tensor cores - the five with the K x V matrices (W S, K_ dS', dO S^T, V' dS'^T,
+//      dV' S^T) with bf16 operands, the 16 x 16 x {16, K, V} ones with fp32 operands split into
+//      bf16 hi + lo (three mmas, fp32-grade) - then dq, dk, dv, dbeta, dg as above.
 // Workspace: two bf16 [N, H, chunks, K, V] (S and dS' per chunk) plus one fp32 state.
 #include "kernels/kda.h"
 
 #include <cuda_bf16.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "kernels/kda_chunk.cuh"
@@ -219,9 +222,20 @@ __global__ void __launch_bounds__(Walk<kTile>::kThreads, 2)
 
 // ---------------------------------------------------------------------------------------------
 // Pass 3: the gradients of every chunk's inputs, chunks independent.
+//
+// Every product is an m16n8k16 tensor-core product, handed out to the CTA's 16 warps as tasks
+// (a task: one 8- or 16-column tile of one product; several independent products share a phase):
+//   - the five products with a K x V matrix (W S, K_ dS', dO S^T, V' dS'^T, dV' S^T): bf16
+//     operands (S and dS' are bf16 in the workspace; the other operand rounded, as the forward),
+//     16 output columns per task by ldmatrix;
+//   - the products of 16 x 16 x {16, K, V} (P, Aqk, dAqk, G, H, W, U, dv, dM M^T, M^T (.), dQ^,
+//     dK^, dK~ terms): fp32 operands from shared memory, each split into bf16 hi + lo, three
+//     mmas (Ah Bh + Ah Bl + Al Bh, every product exact in fp32; the dropped Al Bl is below 2^-16
+//     of the product): fp32-grade, as the dGamma cancellation needs (rounding these to bf16 gave
+//     dg 4.7e-2 relative errors at g = -5; see kernels/README.md), 8 output columns per task.
 
 constexpr int kGradientWarps = 16;
-constexpr int kGradientThreads = kGradientWarps * 32;  // = 2 x 16 x 16: two threads per C x C entry
+constexpr int kGradientThreads = kGradientWarps * 32;
 
 struct ChunkGradientArgs {
   const void *q, *k, *v, *beta, *d_o;
@@ -230,31 +244,35 @@ struct ChunkGradientArgs {
   const bf16* chunk_d_states;  // [N, H, chunks, V, K] dS' leaving each chunk
   float *dq, *dk, *dv, *dg, *dbeta;
   int64_t length;
+  int64_t items;  // chunks x heads x sequences
   int heads;
   float scale;
 };
 
-// Shared memory of one chunk (K = V = 128: 198 KB, one CTA per SM). bf16 rows padded by 8
+// Shared memory of one chunk (K = V = 128: 224 KB, one CTA per SM). bf16 rows padded by 8
 // elements, fp32 rows by 4 (ldmatrix rows in distinct bank groups; strided columns spread).
 template <int K, int V>
 struct alignas(16) GradientShared {
   static constexpr int kRowK = K + 8, kRowV = V + 8, kPadK = K + 4, kPadV = V + 4;
   static constexpr int kPadC = kChunk + 1;
+  static constexpr int kDecaySlices = kGradientThreads / 2 / (K / 2);  // of the V rows (d_decay)
   bf16 s_t[V][kRowK];          // S^T of the chunk's entering state
   bf16 ds_t[V][kRowK];         // dS'^T
-  bf16 a_w[kChunk][kRowK];     // W           (mma A operands, bf16)
+  bf16 a_w[kChunk][kRowK];     // W           (bf16 A operands of the K x V products)
   bf16 a_kbar[kChunk][kRowK];  // K_
   bf16 a_do[kChunk][kRowV];    // dO
   bf16 a_vn[kChunk][kRowV];    // V'
   bf16 a_dvn[kChunk][kRowV];   // dV'
   float gamma[kChunk][kPadK];  // Gamma; dGamma after the elementwise phase
   float q_hat[kChunk][kPadK], k_hat[kChunk][kPadK], k_check[kChunk][kPadK], k_bar[kChunk][kPadK];
-  float d_qhat[kChunk][kPadK];  // dO S^T (the state part of dQ^)
-  float d_kbar[kChunk][kPadK];  // V' dS'^T
-  float d_w[kChunk][kPadK];     // -dV' S^T
+  float d_qhat[kChunk][kPadK];    // dO S^T, then + dAqk K~ = dQ^
+  float d_kbar[kChunk][kPadK];    // V' dS'^T = dK_
+  float d_w[kChunk][kPadK];       // -dV' S^T = dW
+  float d_khat[kChunk][kPadK];    // M^T dW, then dK^ = Diag(beta) (M^T dW + dL K~)
+  float d_kcheck[kChunk][kPadK];  // dAqk^T Q^, then + (Diag(beta) dL)^T K^ = dK~
   float v[kChunk][kPadV], d_o[kChunk][kPadV];
   float vn[kChunk][kPadV];   // U, then V' = U - W S
-  float dvn[kChunk][kPadV];  // dV'
+  float dvn[kChunk][kPadV];  // K_ dS', then + Aqk^T dO = dV'
   float p[kChunk][kPadC];      // strictly_lower(K^ K~^T)
   float a_qk[kChunk][kPadC];   // lower_incl_diag(Q^ K~^T)
   float m[kChunk][kPadC];      // (I + Diag(beta) P)^-1
@@ -265,7 +283,7 @@ struct alignas(16) GradientShared {
   float x_beta[kChunk][kPadC]; // M (.) (G + H): column sums are dbeta's U and W terms
   float beta[kChunk];
   float decay[K];              // e^gamma
-  float d_decay[K];            // e^gamma * sum_v dS' (.) S  (dgamma's direct term)
+  float d_decay[kDecaySlices][K];  // sum_v dS' (.) S over slices of the V rows
 };
 
 template <int K, int V>
@@ -274,122 +292,230 @@ constexpr size_t gradient_shared_bytes() {
   return sizeof(GradientShared<K, V>);
 }
 
-// out[16][N] (+)= A[16][kdim] B, by the warps of the CTA, 16 output columns per warp at a time.
-// A: bf16 rows (stride lda). B: bf16, stored as rows = n (stride ldb, k contiguous) when
-// !kTransB, as rows = k (n contiguous) when kTransB. The result is handed to `store(i, col, x)`.
-template <int kN, int kKdim, bool kTransB, typename Store>
-__device__ __forceinline__ void mma_rows16(const bf16* a, int lda, const bf16* b, int ldb,
-                                           int warp, int lane, Store store) {
+// One 16 x 16 tile of out = A[16][kKdim] B, bf16 operands in shared memory by ldmatrix (the K x V
+// products). A: rows (stride lda). B: stored as rows = n (stride ldb, k contiguous) when !kTransB,
+// as rows = k (n contiguous) when kTransB. Each result goes to `store(i, col, x)`.
+template <int kKdim, bool kTransB, typename Store>
+__device__ __forceinline__ void mma_tile16(const bf16* a, int lda, const bf16* b, int ldb, int n0,
+                                           int lane, Store store) {
   const FragmentOffsets f(lane);
   const int g = lane >> 2, t = lane & 3;
-  for (int n0 = warp * 16; n0 < kN; n0 += kGradientWarps * 16) {
-    float acc[2][4] = {};
+  float acc[2][4] = {};
 #pragma unroll 4
-    for (int k0 = 0; k0 < kKdim; k0 += 16) {
-      uint32_t af[4], bf[4];
-      ldmatrix_x4(af, a + f.a_row * lda + k0 + f.a_col);
-      if constexpr (kTransB) {
-        ldmatrix_x4_trans(bf, b + (k0 + f.t_row) * ldb + n0 + f.t_col);
-      } else {
-        ldmatrix_x4(bf, b + (n0 + f.b_row) * ldb + k0 + f.b_col);
-      }
-      mma(acc[0], af, bf[0], bf[1]);
-      mma(acc[1], af, bf[2], bf[3]);
+  for (int k0 = 0; k0 < kKdim; k0 += 16) {
+    uint32_t af[4], bf[4];
+    ldmatrix_x4(af, a + f.a_row * lda + k0 + f.a_col);
+    if constexpr (kTransB) {
+      ldmatrix_x4_trans(bf, b + (k0 + f.t_row) * ldb + n0 + f.t_col);
+    } else {
+      ldmatrix_x4(bf, b + (n0 + f.b_row) * ldb + k0 + f.b_col);
     }
+    mma(acc[0], af, bf[0], bf[1]);
+    mma(acc[1], af, bf[2], bf[3]);
+  }
 #pragma unroll
-    for (int n = 0; n < 2; ++n) {
+  for (int n = 0; n < 2; ++n) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) store(g + (e >> 1) * 8, n0 + n * 8 + 2 * t + (e & 1), acc[n][e]);
-    }
+    for (int e = 0; e < 4; ++e) store(g + (e >> 1) * 8, n0 + n * 8 + 2 * t + (e & 1), acc[n][e]);
   }
 }
 
-// Grid (chunks, H, N); 512 threads (the tensor-core phases use 8 warps at most; the fp32 phases
-// all of them, to hide shared-memory latency with one CTA per SM).
+// (x, y) as bf16 pairs hi = bf16(x, y) and lo = bf16((x, y) - hi).
+__device__ __forceinline__ void split_bf16(float x, float y, uint32_t& hi, uint32_t& lo) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(x, y);
+  const float2 back = __bfloat1622float2(h);
+  const __nv_bfloat162 l = __floats2bfloat162_rn(x - back.x, y - back.y);
+  hi = *reinterpret_cast<const uint32_t*>(&h);
+  lo = *reinterpret_cast<const uint32_t*>(&l);
+}
+
+// One 16 x 8 tile (columns n0 .. n0 + 7) of out = A[16][kKdim] B[kKdim][*] with fp32 operands read
+// through a(i, k) and b(k, n), each split into bf16 hi + lo: Ah Bh + (Al Bh + Ah Bl), fp32
+// accumulation in two independent chains. Each result goes to `store(i, col, x)`.
+template <int kKdim, typename A, typename B, typename Store>
+__device__ __forceinline__ void mma_split_tile8(const A& a, const B& b, int n0, int lane, Store store) {
+  const int g = lane >> 2, t = lane & 3;
+  float acc[4] = {}, small[4] = {};  // two chains of mmas (Ah Bh; Al Bh + Ah Bl), added at the end
+#pragma unroll
+  for (int k0 = 0; k0 < kKdim; k0 += 16) {
+    const int c0 = k0 + 2 * t, c1 = k0 + 8 + 2 * t;
+    uint32_t ah[4], al[4], bh[2], bl[2];
+    split_bf16(a(g, c0), a(g, c0 + 1), ah[0], al[0]);
+    split_bf16(a(g + 8, c0), a(g + 8, c0 + 1), ah[1], al[1]);
+    split_bf16(a(g, c1), a(g, c1 + 1), ah[2], al[2]);
+    split_bf16(a(g + 8, c1), a(g + 8, c1 + 1), ah[3], al[3]);
+    split_bf16(b(c0, n0 + g), b(c0 + 1, n0 + g), bh[0], bl[0]);
+    split_bf16(b(c1, n0 + g), b(c1 + 1, n0 + g), bh[1], bl[1]);
+    mma(small, al, bh[0], bh[1]);
+    mma(acc, ah, bh[0], bh[1]);
+    mma(small, ah, bl[0], bl[1]);
+  }
+#pragma unroll
+  for (int e = 0; e < 4; ++e) acc[e] += small[e];
+  store(g, n0 + 2 * t, acc[0]);
+  store(g, n0 + 2 * t + 1, acc[1]);
+  store(g + 8, n0 + 2 * t, acc[2]);
+  store(g + 8, n0 + 2 * t + 1, acc[3]);
+}
+
+// A pair of warps (0 and 1) waits for each other (named barrier 1; barrier 0 is __syncthreads).
+__device__ __forceinline__ void warp_pair_barrier() { asm volatile("bar.sync 1, 64;\n" ::: "memory"); }
+
+// Persistent: grid = the CTAs that fit on the GPU at once; CTA b takes the chunks (items
+// chunk + chunks (h + H seq)) b, b + gridDim.x, ... 512 threads, one CTA per SM at K = V = 128.
+// Phases separated by barriers; within a phase every warp takes tasks warp, warp + 16, ... of the
+// phase's products. After phase 5 S^T and dS'^T are dead: the next chunk's are loaded into them
+// (cp.async) and its inputs into registers while phases 6-9 run.
+// Two CTAs per SM at K = V = 32 (48 KB of shared memory; 64 registers a thread).
+template <int K, int V>
+constexpr int gradient_ctas_per_sm() { return K == 32 && V == 32 ? 2 : 1; }
+
 template <typename T, int K, int V>
-__global__ void __launch_bounds__(kGradientThreads, 1)
+__global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>())
     kda_chunk_gradient_kernel(const ChunkGradientArgs a) {
+  using Shared = GradientShared<K, V>;
   extern __shared__ __align__(16) unsigned char shared_raw[];
-  GradientShared<K, V>& sh = *reinterpret_cast<GradientShared<K, V>*>(shared_raw);
+  Shared& sh = *reinterpret_cast<Shared*>(shared_raw);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int64_t chunk = blockIdx.x;
-  const int h = blockIdx.y, seq = blockIdx.z, H = a.heads;
+  const int H = a.heads;
   const int64_t num_chunks = (a.length + kChunk - 1) / kChunk;
-  const int64_t row0 = static_cast<int64_t>(seq) * a.length + chunk * kChunk;
-  const int valid = static_cast<int>(min64(kChunk, a.length - chunk * kChunk));
-  auto token = [&](int i) { return (row0 + i) * H + h; };  // [B, L, H] index of row i
   const T* q = static_cast<const T*>(a.q);
   const T* k = static_cast<const T*>(a.k);
   const T* v = static_cast<const T*>(a.v);
   const T* d_o = static_cast<const T*>(a.d_o);
-  const T* beta = static_cast<const T*>(a.beta);
 
-  // Phase 0: Gamma (cumulative over the chunk's rows), e^gamma, beta; S^T and dS'^T; V, dO.
-  for (int kk = tid; kk < K; kk += kGradientThreads) {
-    float acc = 0.0f;
+  struct Item {
+    int64_t chunk, row0;  // row0: the chunk's first row in [B * L]
+    int h, seq, valid;
+  };
+  auto item_at = [&](int64_t w) {
+    Item it;
+    it.chunk = w % num_chunks;
+    const int64_t head_seq = w / num_chunks;
+    it.h = static_cast<int>(head_seq % H), it.seq = static_cast<int>(head_seq / H);
+    it.row0 = static_cast<int64_t>(it.seq) * a.length + it.chunk * kChunk;
+    it.valid = static_cast<int>(min64(kChunk, a.length - it.chunk * kChunk));
+    return it;
+  };
+  int64_t w = blockIdx.x;
+  if (w >= a.items) return;
+  Item cur = item_at(w);
+  auto token = [&](int i) { return (cur.row0 + i) * H + cur.h; };  // [B, L, H] index of row i
+
+  // A thread's elements of the key-side [16][K] and value-side [16][V] arrays in phase 0 (and of
+  // the key side in phase 8): column tid % K, rows tid / K + stride r.
+  constexpr int kKeyStride = kGradientThreads / K;
+  constexpr int kKeyItems = kChunk / kKeyStride;
+  constexpr int kValueStride = kGradientThreads / V;
+  constexpr int kValueItems = kChunk / kValueStride;
+  const int kc = tid % K, kr = tid / K, vc = tid % V, vr = tid / V;
+
+  // An item's loads, all in flight at once: S^T and dS'^T by cp.async; the whole column of g this
+  // thread needs for Gamma, its elements of q, k, v, dO and (threads 0-15) beta into registers.
+  // Rows past valid read the last real row (phase 0 zeroes them).
+  float g_col[kChunk], q_in[kKeyItems], k_in[kKeyItems], v_in[kValueItems], do_in[kValueItems];
+  float beta_in = 0.0f;
+  auto issue = [&](const Item& it) {
+    const int64_t offset = ((static_cast<int64_t>(it.seq) * H + it.h) * num_chunks + it.chunk) * V * K;
+    const bf16* s = a.chunk_states + offset;
+    const bf16* ds = a.chunk_d_states + offset;
+#pragma unroll
+    for (int e0 = 0; e0 < V * K / 8; e0 += kGradientThreads) {
+      const int e = e0 + tid;
+      if (V * K / 8 % kGradientThreads == 0 || e < V * K / 8) {
+        const int row = e / (K / 8), col = (e % (K / 8)) * 8;
+        cp_async16(&sh.s_t[row][col], s + static_cast<int64_t>(e) * 8);
+        cp_async16(&sh.ds_t[row][col], ds + static_cast<int64_t>(e) * 8);
+      }
+    }
+    cp_async_commit();
+    auto real = [&](int i) { return (it.row0 + (i < it.valid ? i : it.valid - 1)) * H + it.h; };
+#pragma unroll
+    for (int i = 0; i < kChunk; ++i) g_col[i] = a.g[real(i) * K + kc];
+#pragma unroll
+    for (int r = 0; r < kKeyItems; ++r) {
+      const int i = kr + kKeyStride * r;
+      q_in[r] = to_float(q[real(i) * K + kc]);
+      k_in[r] = to_float(k[real(i) * K + kc]);
+    }
+#pragma unroll
+    for (int r = 0; r < kValueItems; ++r) {
+      const int i = vr + kValueStride * r;
+      v_in[r] = to_float(v[real(i) * V + vc]);
+      do_in[r] = to_float(d_o[real(i) * V + vc]);
+    }
+    if (tid < kChunk) beta_in = to_float(static_cast<const T*>(a.beta)[real(tid)]);
+  };
+  issue(cur);
+
+  for (;;) {
+  const int valid = cur.valid;
+
+  // Phase 0: from the registers issue() filled: Gamma (each thread from its whole column of g),
+  // Q^, K^, K~, K_, V, dO, beta; then S^T and dS'^T have landed.
+  if (tid < kChunk) sh.beta[tid] = tid < valid ? beta_in : 0.0f;
+  {
+    float cum = 0.0f, gam[kKeyItems] = {};
 #pragma unroll
     for (int i = 0; i < kChunk; ++i) {
-      if (i < valid) acc += a.g[token(i) * K + kk];
-      sh.gamma[i][kk] = acc;
+      cum += i < valid ? g_col[i] : 0.0f;
+#pragma unroll
+      for (int r = 0; r < kKeyItems; ++r) gam[r] = i == kr + kKeyStride * r ? cum : gam[r];
     }
-    sh.decay[kk] = expf(acc);
+    const float decay = expf(cum);
+    if (kr == 0) sh.decay[kc] = decay;
+#pragma unroll
+    for (int r = 0; r < kKeyItems; ++r) {
+      const int i = kr + kKeyStride * r;
+      const float qv = i < valid ? q_in[r] : 0.0f, kv = i < valid ? k_in[r] : 0.0f;
+      const float up = expf(gam[r]), down = expf(-gam[r]);
+      sh.gamma[i][kc] = gam[r];
+      sh.q_hat[i][kc] = a.scale * qv * up;
+      sh.k_hat[i][kc] = kv * up;
+      sh.k_check[i][kc] = kv * down;
+      const float kb = kv * (decay * down);
+      sh.k_bar[i][kc] = kb;
+      sh.a_kbar[i][kc] = __float2bfloat16_rn(kb);
+    }
+#pragma unroll
+    for (int r = 0; r < kValueItems; ++r) {
+      const int i = vr + kValueStride * r;
+      const float x = i < valid ? v_in[r] : 0.0f, y = i < valid ? do_in[r] : 0.0f;
+      sh.v[i][vc] = x;
+      sh.d_o[i][vc] = y;
+      sh.a_do[i][vc] = __float2bfloat16_rn(y);
+    }
   }
-  if (tid < kChunk) sh.beta[tid] = tid < valid ? to_float(beta[token(tid)]) : 0.0f;
+  cp_async_wait<0>();
+  __syncthreads();
+
+  // Phase 1: P = strictly_lower(K^ K~^T), Aqk = lower_incl_diag(Q^ K~^T); the state products that
+  // need nothing else: dV' = K_ dS' (Aqk^T dO added in phase 4) and dQ^ = dO S^T (dAqk K~ added in
+  // phase 6). B(k = kk, n = v) = dS'^T[v][kk]: stored rows = n; B(k = v, n = kk) = S^T[v][kk]: rows = k.
   {
-    const int64_t offset = ((static_cast<int64_t>(seq) * H + h) * num_chunks + chunk) * V * K;
-    const uint4* s = reinterpret_cast<const uint4*>(a.chunk_states + offset);
-    const uint4* ds = reinterpret_cast<const uint4*>(a.chunk_d_states + offset);
-    for (int e = tid; e < V * K / 8; e += kGradientThreads) {
-      const int vr = e / (K / 8), col = (e % (K / 8)) * 8;
-      *reinterpret_cast<uint4*>(&sh.s_t[vr][col]) = s[e];
-      *reinterpret_cast<uint4*>(&sh.ds_t[vr][col]) = ds[e];
-    }
-  }
-  for (int e = tid; e < kChunk * V; e += kGradientThreads) {
-    const int i = e / V, c = e % V;
-    const float x = i < valid ? to_float(v[token(i) * V + c]) : 0.0f;
-    const float y = i < valid ? to_float(d_o[token(i) * V + c]) : 0.0f;
-    sh.v[i][c] = x;
-    sh.d_o[i][c] = y;
-    sh.a_do[i][c] = __float2bfloat16_rn(y);
-  }
-  __syncthreads();
-
-  // Q^, K^, K~, K_ in fp32 (and K_ as a bf16 operand).
-  for (int e = tid; e < kChunk * K; e += kGradientThreads) {
-    const int i = e / K, c = e % K;
-    const float qv = i < valid ? to_float(q[token(i) * K + c]) : 0.0f;
-    const float kv = i < valid ? to_float(k[token(i) * K + c]) : 0.0f;
-    const float up = expf(sh.gamma[i][c]), down = expf(-sh.gamma[i][c]);
-    sh.q_hat[i][c] = a.scale * qv * up;
-    sh.k_hat[i][c] = kv * up;
-    sh.k_check[i][c] = kv * down;
-    const float kb = kv * (sh.decay[c] * down);
-    sh.k_bar[i][c] = kb;
-    sh.a_kbar[i][c] = __float2bfloat16_rn(kb);
-  }
-  __syncthreads();
-
-  // Phase 1: P and Aqk. C x C entries: two neighbouring lanes per entry (ri, rj), each summing
-  // half of a long dot product; `both` adds the pair's halves (every lane gets the sum).
-  const int half = tid & 1, ri = (tid >> 1) / kChunk, rj = (tid >> 1) % kChunk;
-  auto both = [](float x) { return x + __shfl_xor_sync(0xffffffffu, x, 1); };
-  {
-    float pp = 0.0f, aq = 0.0f;
-#pragma unroll 8
-    for (int c = half * (K / 2); c < (half + 1) * (K / 2); ++c) {
-      pp += sh.k_hat[ri][c] * sh.k_check[rj][c];
-      aq += sh.q_hat[ri][c] * sh.k_check[rj][c];
-    }
-    pp = both(pp), aq = both(aq);
-    if (half == 0) {
-      sh.p[ri][rj] = rj < ri ? pp : 0.0f;
-      sh.a_qk[ri][rj] = rj <= ri ? aq : 0.0f;
+    constexpr int kDv = V / 16, kDq = K / 16, kTasks = 4 + kDv + kDq;
+    for (int task = warp; task < kTasks; task += kGradientWarps) {
+      if (task < 2) {
+        mma_split_tile8<K>([&](int i, int c) { return sh.k_hat[i][c]; },
+                           [&](int c, int j) { return sh.k_check[j][c]; }, task * 8, lane,
+                           [&](int i, int j, float x) { sh.p[i][j] = j < i ? x : 0.0f; });
+      } else if (task < 4) {
+        mma_split_tile8<K>([&](int i, int c) { return sh.q_hat[i][c]; },
+                           [&](int c, int j) { return sh.k_check[j][c]; }, (task - 2) * 8, lane,
+                           [&](int i, int j, float x) { sh.a_qk[i][j] = j <= i ? x : 0.0f; });
+      } else if (task < 4 + kDv) {
+        mma_tile16<K, false>(&sh.a_kbar[0][0], Shared::kRowK, &sh.ds_t[0][0], Shared::kRowK,
+                             (task - 4) * 16, lane, [&](int i, int c, float x) { sh.dvn[i][c] = x; });
+      } else {
+        mma_tile16<V, true>(&sh.a_do[0][0], Shared::kRowV, &sh.s_t[0][0], Shared::kRowK,
+                            (task - 4 - kDv) * 16, lane, [&](int i, int c, float x) { sh.d_qhat[i][c] = x; });
+      }
     }
   }
   __syncthreads();
 
-  // Phase 2: M = (I + Diag(beta) P)^-1 by forward substitution in fp32, thread c owns column c.
+  // Phase 2: M = (I + Diag(beta) P)^-1 by forward substitution in fp32, thread c owns column c;
+  // beside it (warps 8-15) e^gamma's direct gradient, sum_v dS' (.) S, in slices of V rows.
   if (tid < kChunk) {
     const int c = tid;
     float col[kChunk];
@@ -401,114 +527,158 @@ __global__ void __launch_bounds__(kGradientThreads, 1)
       col[i] = s;
       sh.m[i][c] = s;
     }
-  }
-  __syncthreads();
-
-  // Phase 3: W = M Diag(beta) K^ (bf16 operand only), U = M Diag(beta) V (into vn).
-  for (int e = tid; e < kChunk * K; e += kGradientThreads) {
-    const int i = e / K, c = e % K;
-    float acc = 0.0f;
-    for (int l = 0; l <= i; ++l) acc += sh.m[i][l] * sh.beta[l] * sh.k_hat[l][c];
-    sh.a_w[i][c] = __float2bfloat16_rn(acc);
-  }
-  for (int e = tid; e < kChunk * V; e += kGradientThreads) {
-    const int i = e / V, c = e % V;
-    float acc = 0.0f;
-    for (int l = 0; l <= i; ++l) acc += sh.m[i][l] * sh.beta[l] * sh.v[l][c];
-    sh.vn[i][c] = acc;
-  }
-  __syncthreads();
-
-  // Phase 4 (tensor cores): V' = U - W S and dV' = K_ dS' (+ Aqk^T dO in phase 5).
-  // B(k = kk, n = v) = S[kk][v] = S^T[v][kk]: stored rows = n.
-  mma_rows16<V, K, false>(&sh.a_w[0][0], sh.kRowK, &sh.s_t[0][0], sh.kRowK, warp, lane,
-                          [&](int i, int c, float x) { sh.vn[i][c] -= x; });
-  mma_rows16<V, K, false>(&sh.a_kbar[0][0], sh.kRowK, &sh.ds_t[0][0], sh.kRowK, warp, lane,
-                          [&](int i, int c, float x) { sh.dvn[i][c] = x; });
-  __syncthreads();
-
-  // Phase 5: dV' += Aqk^T dO; dAqk = lower_incl_diag(dO V'^T); e^gamma sum_v dS' S.
-  for (int e = tid; e < kChunk * V; e += kGradientThreads) {
-    const int i = e / V, c = e % V;
-    float acc = sh.dvn[i][c];
-    for (int r = i; r < kChunk; ++r) acc += sh.a_qk[r][i] * sh.d_o[r][c];
-    sh.dvn[i][c] = acc;
-    sh.a_dvn[i][c] = __float2bfloat16_rn(acc);
-    sh.a_vn[i][c] = __float2bfloat16_rn(sh.vn[i][c]);
-  }
-  {
-    float acc = 0.0f;
-    if (rj <= ri) {
+  } else if (tid >= kGradientThreads / 2) {
+    constexpr int kPairs = K / 2, kRows = V / Shared::kDecaySlices;
+    const int x = tid - kGradientThreads / 2, pair = x % kPairs, slice = x / kPairs;
+    float acc0 = 0.0f, acc1 = 0.0f;
 #pragma unroll 8
-      for (int c = half * (V / 2); c < (half + 1) * (V / 2); ++c) acc += sh.d_o[ri][c] * sh.vn[rj][c];
+    for (int r = slice * kRows; r < (slice + 1) * kRows; ++r) {
+      const float2 sv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&sh.s_t[r][2 * pair]));
+      const float2 dv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&sh.ds_t[r][2 * pair]));
+      acc0 += dv.x * sv.x;
+      acc1 += dv.y * sv.y;
     }
-    acc = both(acc);
-    if (half == 0) sh.d_aqk[ri][rj] = acc;
-  }
-  for (int c = tid; c < K; c += kGradientThreads) {
-    float acc = 0.0f;
-    for (int r = 0; r < V; ++r) {
-      acc += __bfloat162float(sh.ds_t[r][c]) * __bfloat162float(sh.s_t[r][c]);
-    }
-    sh.d_decay[c] = sh.decay[c] * acc;
+    sh.d_decay[slice][2 * pair] = acc0;
+    sh.d_decay[slice][2 * pair + 1] = acc1;
   }
   __syncthreads();
 
-  // Phase 6 (tensor cores): dO S^T, V' dS'^T, -dV' S^T  [16 x K]; B(k = v, n = kk) = S^T[v][kk]:
-  // stored rows = k. Beside them: dv = Diag(beta) M^T dV' and G = dV' V^T.
-  mma_rows16<K, V, true>(&sh.a_do[0][0], sh.kRowV, &sh.s_t[0][0], sh.kRowK, warp, lane,
-                         [&](int i, int c, float x) { sh.d_qhat[i][c] = x; });
-  mma_rows16<K, V, true>(&sh.a_vn[0][0], sh.kRowV, &sh.ds_t[0][0], sh.kRowK, warp, lane,
-                         [&](int i, int c, float x) { sh.d_kbar[i][c] = x; });
-  mma_rows16<K, V, true>(&sh.a_dvn[0][0], sh.kRowV, &sh.s_t[0][0], sh.kRowK, warp, lane,
-                         [&](int i, int c, float x) { sh.d_w[i][c] = -x; });
-  for (int e = tid; e < kChunk * V; e += kGradientThreads) {
-    const int i = e / V, c = e % V;
-    float acc = 0.0f;
-    for (int r = i; r < kChunk; ++r) acc += sh.m[r][i] * sh.dvn[r][c];
-    if (i < valid) a.dv[token(i) * V + c] = sh.beta[i] * acc;
-  }
+  // Phase 3: W = M Diag(beta) K^ (as the bf16 operand) and U = M Diag(beta) V (into vn).
   {
-    float acc = 0.0f;
-#pragma unroll 8
-    for (int c = half * (V / 2); c < (half + 1) * (V / 2); ++c) acc += sh.dvn[ri][c] * sh.v[rj][c];
-    acc = both(acc);
-    if (half == 0) sh.d_m[ri][rj] = acc;  // G[t = ri][i = rj]
-  }
-  __syncthreads();
-
-  // Phase 7: H = dW K^^T; dM = (G + H) Diag(beta); M (.) (G + H) for dbeta.
-  {
-    float hh = 0.0f;
-#pragma unroll 8
-    for (int c = half * (K / 2); c < (half + 1) * (K / 2); ++c) hh += sh.d_w[ri][c] * sh.k_hat[rj][c];
-    hh = both(hh);
-    if (half == 0) {
-      const float gh = sh.d_m[ri][rj] + hh;
-      sh.d_m[ri][rj] = sh.beta[rj] * gh;
-      sh.x_beta[ri][rj] = sh.m[ri][rj] * gh;
+    auto m_beta = [&](int i, int l) { return sh.m[i][l] * sh.beta[l]; };
+    constexpr int kW = K / 8, kTasks = kW + V / 8;
+    for (int task = warp; task < kTasks; task += kGradientWarps) {
+      if (task < kW) {
+        mma_split_tile8<kChunk>(m_beta, [&](int l, int c) { return sh.k_hat[l][c]; }, task * 8, lane,
+                                [&](int i, int c, float x) { sh.a_w[i][c] = __float2bfloat16_rn(x); });
+      } else {
+        mma_split_tile8<kChunk>(m_beta, [&](int l, int c) { return sh.v[l][c]; }, (task - kW) * 8, lane,
+                                [&](int i, int c, float x) { sh.vn[i][c] = x; });
+      }
     }
   }
   __syncthreads();
-  // Phase 8: dL = -M^T dM M^T, strictly lower.
+
+  // Phase 4: V' = U - W S (B(k = kk, n = v) = S^T[v][kk]: rows = n) and dV' += Aqk^T dO; their
+  // bf16 operand copies.
   {
-    float acc = 0.0f;
-#pragma unroll
-    for (int c = half * 8; c < half * 8 + 8; ++c) acc += sh.d_m[ri][c] * sh.m[rj][c];
-    acc = both(acc);
-    if (half == 0) sh.t1[ri][rj] = acc;
-  }
-  __syncthreads();
-  {
-    float acc = 0.0f;
-#pragma unroll
-    for (int c = half * 8; c < half * 8 + 8; ++c) acc -= sh.m[c][ri] * sh.t1[c][rj];
-    acc = both(acc);
-    if (half == 0) sh.d_l[ri][rj] = rj < ri ? acc : 0.0f;
+    constexpr int kVn = V / 16, kTasks = kVn + V / 8;
+    for (int task = warp; task < kTasks; task += kGradientWarps) {
+      if (task < kVn) {
+        mma_tile16<K, false>(&sh.a_w[0][0], Shared::kRowK, &sh.s_t[0][0], Shared::kRowK, task * 16, lane,
+                             [&](int i, int c, float x) {
+                               const float y = sh.vn[i][c] - x;
+                               sh.vn[i][c] = y;
+                               sh.a_vn[i][c] = __float2bfloat16_rn(y);
+                             });
+      } else {
+        mma_split_tile8<kChunk>([&](int i, int r) { return sh.a_qk[r][i]; },
+                                [&](int r, int c) { return sh.d_o[r][c]; }, (task - kVn) * 8, lane,
+                                [&](int i, int c, float x) {
+                                  const float y = sh.dvn[i][c] + x;
+                                  sh.dvn[i][c] = y;
+                                  sh.a_dvn[i][c] = __float2bfloat16_rn(y);
+                                });
+      }
+    }
   }
   __syncthreads();
 
-  // Phase 9: dbeta.
+  // Phase 5: dAqk = lower_incl_diag(dO V'^T); G = dV' V^T (into d_m); dK_ = V' dS'^T and
+  // dW = -dV' S^T (B(k = v, n = kk): rows = k); dv = Diag(beta) M^T dV' (written out).
+  {
+    constexpr int kKb = K / 16, kDw = K / 16, kTasks = 4 + kKb + kDw + V / 8;
+    for (int task = warp; task < kTasks; task += kGradientWarps) {
+      if (task < 2) {
+        mma_split_tile8<V>([&](int i, int c) { return sh.d_o[i][c]; },
+                           [&](int c, int j) { return sh.vn[j][c]; }, task * 8, lane,
+                           [&](int i, int j, float x) { sh.d_aqk[i][j] = j <= i ? x : 0.0f; });
+      } else if (task < 4) {
+        mma_split_tile8<V>([&](int t, int c) { return sh.dvn[t][c]; },
+                           [&](int c, int i) { return sh.v[i][c]; }, (task - 2) * 8, lane,
+                           [&](int t, int i, float x) { sh.d_m[t][i] = x; });
+      } else if (task < 4 + kKb) {
+        mma_tile16<V, true>(&sh.a_vn[0][0], Shared::kRowV, &sh.ds_t[0][0], Shared::kRowK,
+                            (task - 4) * 16, lane, [&](int i, int c, float x) { sh.d_kbar[i][c] = x; });
+      } else if (task < 4 + kKb + kDw) {
+        mma_tile16<V, true>(&sh.a_dvn[0][0], Shared::kRowV, &sh.s_t[0][0], Shared::kRowK,
+                            (task - 4 - kKb) * 16, lane, [&](int i, int c, float x) { sh.d_w[i][c] = -x; });
+      } else {
+        mma_split_tile8<kChunk>([&](int i, int r) { return sh.m[r][i]; },
+                                [&](int r, int c) { return sh.dvn[r][c]; }, (task - 4 - kKb - kDw) * 8,
+                                lane, [&](int i, int c, float x) {
+                                  if (i < valid) a.dv[token(i) * V + c] = sh.beta[i] * x;
+                                });
+      }
+    }
+  }
+  __syncthreads();
+
+  // The next item's loads go out now (S^T and dS'^T are dead; phases 6-9 do not read them).
+  const int64_t next_w = w + gridDim.x;
+  const bool more = next_w < a.items;
+  Item next{};
+  if (more) {
+    next = item_at(next_w);
+    issue(next);
+  }
+
+  // Phase 6: warps 0-1 (one 8-column tile each) walk H = dW K^^T -> dM = (G + H) Diag(beta),
+  // M (.) (G + H) -> dM M^T -> dL = -M^T dM M^T (strictly lower); warps 2-15 the dq / dk terms
+  // that need no dL: dQ^ += dAqk K~, M^T dW (into d_khat), dAqk^T Q^ (into d_kcheck).
+  if (warp < 2) {
+    const int n0 = warp * 8;
+    mma_split_tile8<K>([&](int t, int c) { return sh.d_w[t][c]; },
+                       [&](int c, int i) { return sh.k_hat[i][c]; }, n0, lane, [&](int t, int i, float x) {
+                         const float gh = sh.d_m[t][i] + x;
+                         sh.d_m[t][i] = sh.beta[i] * gh;
+                         sh.x_beta[t][i] = sh.m[t][i] * gh;
+                       });
+    warp_pair_barrier();
+    mma_split_tile8<kChunk>([&](int i, int c) { return sh.d_m[i][c]; },
+                            [&](int c, int j) { return sh.m[j][c]; }, n0, lane,
+                            [&](int i, int j, float x) { sh.t1[i][j] = x; });
+    warp_pair_barrier();
+    mma_split_tile8<kChunk>([&](int i, int c) { return sh.m[c][i]; },
+                            [&](int c, int j) { return sh.t1[c][j]; }, n0, lane,
+                            [&](int i, int j, float x) { sh.d_l[i][j] = j < i ? -x : 0.0f; });
+  } else {
+    constexpr int kPer = K / 8, kTasks = 3 * kPer;
+    for (int task = warp - 2; task < kTasks; task += kGradientWarps - 2) {
+      const int n0 = (task % kPer) * 8;
+      if (task < kPer) {
+        mma_split_tile8<kChunk>([&](int i, int j) { return sh.d_aqk[i][j]; },
+                                [&](int j, int c) { return sh.k_check[j][c]; }, n0, lane,
+                                [&](int i, int c, float x) { sh.d_qhat[i][c] += x; });
+      } else if (task < 2 * kPer) {
+        mma_split_tile8<kChunk>([&](int i, int r) { return sh.m[r][i]; },
+                                [&](int r, int c) { return sh.d_w[r][c]; }, n0, lane,
+                                [&](int i, int c, float x) { sh.d_khat[i][c] = x; });
+      } else {
+        mma_split_tile8<kChunk>([&](int i, int r) { return sh.d_aqk[r][i]; },
+                                [&](int r, int c) { return sh.q_hat[r][c]; }, n0, lane,
+                                [&](int i, int c, float x) { sh.d_kcheck[i][c] = x; });
+      }
+    }
+  }
+  __syncthreads();
+
+  // Phase 7: dK^ = Diag(beta) (M^T dW + dL K~), dK~ += (Diag(beta) dL)^T K^; dbeta.
+  {
+    constexpr int kPer = K / 8;
+    for (int task = warp; task < 2 * kPer; task += kGradientWarps) {
+      const int n0 = (task % kPer) * 8;
+      if (task < kPer) {
+        mma_split_tile8<kChunk>([&](int i, int j) { return sh.d_l[i][j]; },
+                                [&](int j, int c) { return sh.k_check[j][c]; }, n0, lane,
+                                [&](int i, int c, float x) { sh.d_khat[i][c] = sh.beta[i] * (sh.d_khat[i][c] + x); });
+      } else {
+        mma_split_tile8<kChunk>([&](int i, int r) { return sh.beta[r] * sh.d_l[r][i]; },
+                                [&](int r, int c) { return sh.k_hat[r][c]; }, n0, lane,
+                                [&](int i, int c, float x) { sh.d_kcheck[i][c] += x; });
+      }
+    }
+  }
   if (tid < kChunk && tid < valid) {
     const int i = tid;
     float acc = 0.0f;
@@ -516,16 +686,13 @@ __global__ void __launch_bounds__(kGradientThreads, 1)
     for (int r = 0; r < kChunk; ++r) acc += sh.x_beta[r][i] + sh.d_l[i][r] * sh.p[i][r];
     a.dbeta[token(i)] = acc;
   }
-  // Phase 10: dQ^, dK^, dK~, dK_ per element; dq, dk; dGamma (over Gamma, by its owner).
-  for (int e = tid; e < kChunk * K; e += kGradientThreads) {
-    const int i = e / K, c = e % K;
-    float d_qhat = sh.d_qhat[i][c], d_kb = 0.0f, d_khat = 0.0f, d_kcheck = 0.0f;
-    for (int j = 0; j <= i; ++j) d_qhat += sh.d_aqk[i][j] * sh.k_check[j][c];
-    for (int r = i; r < kChunk; ++r) d_kb += sh.m[r][i] * sh.d_w[r][c];  // (M^T dW)[i]
-    for (int j = 0; j < i; ++j) d_khat += sh.d_l[i][j] * sh.k_check[j][c];
-    d_khat = sh.beta[i] * (d_kb + d_khat);
-    for (int r = i + 1; r < kChunk; ++r) d_kcheck += sh.beta[r] * sh.d_l[r][i] * sh.k_hat[r][c];
-    for (int r = i; r < kChunk; ++r) d_kcheck += sh.d_aqk[r][i] * sh.q_hat[r][c];
+  __syncthreads();
+
+  // Phase 8: dq, dk per element; dGamma (over Gamma, by its owner).
+#pragma unroll
+  for (int r = 0; r < kKeyItems; ++r) {
+    const int i = kr + kKeyStride * r, c = kc;
+    const float d_qhat = sh.d_qhat[i][c], d_khat = sh.d_khat[i][c], d_kcheck = sh.d_kcheck[i][c];
     const float d_kbar = sh.d_kbar[i][c];
     const float up = expf(sh.gamma[i][c]), down = expf(-sh.gamma[i][c]);
     if (i < valid) {
@@ -537,9 +704,12 @@ __global__ void __launch_bounds__(kGradientThreads, 1)
   }
   __syncthreads();
 
-  // Phase 11: dg = reverse cumulative sum of dGamma + dgamma.
+  // Phase 9: dg = reverse cumulative sum of dGamma + dgamma.
   for (int c = tid; c < K; c += kGradientThreads) {
-    float acc = sh.d_decay[c];
+    float acc = 0.0f;
+#pragma unroll
+    for (int s = 0; s < Shared::kDecaySlices; ++s) acc += sh.d_decay[s][c];
+    acc *= sh.decay[c];
 #pragma unroll
     for (int i = 0; i < kChunk; ++i) acc += sh.d_kbar[i][c] * sh.k_bar[i][c];
 #pragma unroll
@@ -547,6 +717,11 @@ __global__ void __launch_bounds__(kGradientThreads, 1)
       acc += sh.gamma[i][c];
       if (i < valid) a.dg[token(i) * K + c] = acc;
     }
+  }
+  if (!more) break;
+  __syncthreads();  // phase 9's reads before the next phase 0's writes
+  w = next_w;
+  cur = next;
   }
 }
 
@@ -566,16 +741,24 @@ struct BackwardLayout {
 };
 
 template <typename T, int K, int V>
-cudaError_t launch_chunk_gradients(const ChunkGradientArgs& a, int64_t batch, int64_t chunks,
+cudaError_t launch_chunk_gradients(ChunkGradientArgs a, int64_t batch, int64_t chunks,
                                    cudaStream_t stream) {
   constexpr size_t shared = gradient_shared_bytes<K, V>();
-  const cudaError_t configured = cudaFuncSetAttribute(
-      kda_chunk_gradient_kernel<T, K, V>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-      static_cast<int>(shared));
-  if (configured != cudaSuccess) return configured;
-  const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(a.heads),
-                  static_cast<unsigned>(batch));
-  kda_chunk_gradient_kernel<T, K, V><<<grid, kGradientThreads, shared, stream>>>(a);
+  const auto kernel = kda_chunk_gradient_kernel<T, K, V>;
+  cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(shared));
+  if (error != cudaSuccess) return error;
+  // Persistent: as many CTAs as fit on the GPU at once, each taking every gridDim.x-th chunk.
+  int device = 0, sms = 0, per_sm = 0;
+  if ((error = cudaGetDevice(&device)) != cudaSuccess ||
+      (error = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess ||
+      (error = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kGradientThreads, shared)) !=
+          cudaSuccess) {
+    return error;
+  }
+  a.items = chunks * a.heads * batch;
+  const int64_t ctas = std::min<int64_t>(a.items, static_cast<int64_t>(sms) * (per_sm > 0 ? per_sm : 1));
+  kernel<<<static_cast<unsigned>(ctas), kGradientThreads, shared, stream>>>(a);
   return cudaGetLastError();
 }
 

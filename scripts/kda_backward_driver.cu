@@ -1,0 +1,168 @@
+// A standalone timing driver for kernels/kda_backward.cu (not part of the CMake build): includes
+// the backward's source (so its passes can be launched and timed one by one) and links the
+// forward's (pass 1 is kda_chunked_forward):
+//   nvcc -O3 -std=c++17 -arch=sm_90 [-Ivariant] -I. scripts/kda_backward_driver.cu kernels/kda.cu \
+//       -o /tmp/kda_bwd
+//   /tmp/kda_bwd B T H [K V [save.bin | compare.bin]]      (defaults 2 16384 64 128 128)
+// -Ivariant first: a folder holding a modified kernels/kda_backward.cu is used instead.
+// Random inputs (bf16 q, k, v, beta, d_o; g in [-0.3, 0]; a d final state); prints the best and
+// median of the whole backward and of pass 1 (states), pass 2 (reverse walk) and pass 3 (chunk
+// gradients) alone. `save.bin` writes the gradients; a later run (another build) given the same
+// file as `compare.bin` prints each gradient's largest difference relative to its largest
+// magnitude: a quick check of a variant between parity-test runs (kernels_tests is the real one).
+#include "kernels/kda_backward.cu"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+using namespace odyssey::kernels;
+
+__global__ void fill_bf16(bf16* p, int64_t n, uint32_t seed, float scale) {
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+    uint32_t x = (uint32_t)i * 2654435761u ^ seed; x ^= x >> 13; x *= 0x5bd1e995; x ^= x >> 15;
+    p[i] = __float2bfloat16((x & 0xffff) / 65536.0f * 2.0f * scale - scale);
+  }
+}
+__global__ void fill_f32(float* p, int64_t n, uint32_t seed, float lo, float hi) {
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+    uint32_t x = (uint32_t)i * 2654435761u ^ seed; x ^= x >> 13; x *= 0x5bd1e995; x ^= x >> 15;
+    p[i] = lo + (hi - lo) * ((x & 0xffff) / 65536.0f);
+  }
+}
+
+static void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) { std::printf("%s: %s\n", what, cudaGetErrorString(e)); std::exit(1); }
+}
+
+int main(int argc, char** argv) {
+  const int64_t B = argc > 1 ? atoll(argv[1]) : 2, T = argc > 2 ? atoll(argv[2]) : 16384,
+                H = argc > 3 ? atoll(argv[3]) : 64, K = argc > 4 ? atoll(argv[4]) : 128,
+                V = argc > 5 ? atoll(argv[5]) : 128;
+  const std::string file = argc > 6 ? argv[6] : "";
+  const int64_t n = B * T * H, chunks = (T + kChunk - 1) / kChunk;
+  bf16 *q, *k, *v, *beta, *d_o; float *g, *d_final, *dq, *dk, *dv, *dg, *dbeta, *d_init;
+  cudaMalloc(&q, n * K * 2); cudaMalloc(&k, n * K * 2); cudaMalloc(&v, n * V * 2);
+  cudaMalloc(&d_o, n * V * 2); cudaMalloc(&beta, n * 2); cudaMalloc(&g, n * K * 4);
+  cudaMalloc(&d_final, B * H * K * V * 4); cudaMalloc(&d_init, B * H * K * V * 4);
+  cudaMalloc(&dq, n * K * 4); cudaMalloc(&dk, n * K * 4); cudaMalloc(&dg, n * K * 4);
+  cudaMalloc(&dv, n * V * 4); cudaMalloc(&dbeta, n * 4);
+  fill_bf16<<<1024, 256>>>(q, n * K, 1, 0.09f); fill_bf16<<<1024, 256>>>(k, n * K, 2, 0.09f);
+  fill_bf16<<<1024, 256>>>(v, n * V, 3, 1.0f); fill_bf16<<<1024, 256>>>(beta, n, 4, 0.5f);
+  fill_f32<<<1024, 256>>>(g, n * K, 5, -0.3f, 0.0f); fill_bf16<<<1024, 256>>>(d_o, n * V, 6, 1.0f);
+  fill_f32<<<1024, 256>>>(d_final, B * H * K * V, 7, -1.0f, 1.0f);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(K));
+  const size_t bytes = kda_chunked_backward_workspace_bytes(B, T, H, K, V);
+  unsigned char* workspace;
+  check(cudaMalloc(&workspace, bytes), "workspace");
+  check(cudaDeviceSynchronize(), "inputs");
+
+  auto backward = [&] {
+    return kda_chunked_backward(KdaDtype::kBFloat16, q, k, v, g, beta, nullptr, d_o, d_final, dq, dk, dv,
+                                dg, dbeta, d_init, B, T, H, K, V, scale, workspace, bytes, 0);
+  };
+  // The passes alone, on the workspace the whole backward fills (as kda_chunked_backward lays it out).
+  const BackwardLayout layout(B, T, H, K, V);
+  bf16* states = reinterpret_cast<bf16*>(workspace + layout.states);
+  bf16* d_states = reinterpret_cast<bf16*>(workspace + layout.d_states);
+  float* final_state = reinterpret_cast<float*>(workspace + layout.final_state);
+  auto pass1 = [&] {
+    KdaChunkedOptions options;
+    options.chunk_states = states;
+    return kda_chunked_forward(KdaDtype::kBFloat16, q, k, v, g, beta, nullptr, nullptr, final_state,
+                               nullptr, B, T, H, K, V, scale, options, 0);
+  };
+  StateGradientArgs sa{};
+  sa.forward.q = q, sa.forward.k = k, sa.forward.v = v, sa.forward.beta = beta, sa.forward.g = g;
+  sa.forward.length = T, sa.forward.heads = static_cast<int>(H), sa.forward.value_dim = static_cast<int>(V);
+  sa.forward.scale = scale, sa.forward.segment_length = T, sa.forward.segments = 1;
+  sa.d_o = d_o, sa.d_final_state = d_final, sa.d_initial_state = d_init, sa.chunk_d_states = d_states;
+  ChunkGradientArgs ca{};
+  ca.q = q, ca.k = k, ca.v = v, ca.beta = beta, ca.d_o = d_o, ca.g = g;
+  ca.chunk_states = states, ca.chunk_d_states = d_states;
+  ca.dq = dq, ca.dk = dk, ca.dv = dv, ca.dg = dg, ca.dbeta = dbeta;
+  ca.length = T, ca.heads = static_cast<int>(H), ca.scale = scale;
+  auto pass2 = [&]() -> cudaError_t {
+    return with_walk_types(KdaDtype::kBFloat16, K, V, [&](auto type, auto key, auto tile) {
+      using E = typename decltype(type)::type;
+      constexpr int kK = key(), kT = tile();
+      constexpr size_t shared = chunked_shared_bytes<kK, kT>();
+      cudaFuncSetAttribute(kda_state_gradient_kernel<E, kK, kT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(shared));
+      const dim3 grid(static_cast<unsigned>(V / kT), static_cast<unsigned>(H), static_cast<unsigned>(B));
+      kda_state_gradient_kernel<E, kK, kT><<<grid, Walk<kT>::kThreads, shared, 0>>>(sa);
+      return cudaGetLastError();
+    });
+  };
+  auto pass3 = [&]() -> cudaError_t {
+    return with_head_width(K, [&](auto key) {
+      return with_head_width(V, [&](auto value) {
+        return launch_chunk_gradients<bf16, key(), value()>(ca, B, chunks, 0);
+      });
+    });
+  };
+
+  check(backward(), "backward");
+  check(cudaDeviceSynchronize(), "backward (sync)");
+  cudaEvent_t a, b;
+  cudaEventCreate(&a); cudaEventCreate(&b);
+  auto time = [&](const char* name, const std::function<cudaError_t()>& f) {
+    std::vector<float> ms;
+    for (int r = 0; r < 10; ++r) {
+      cudaEventRecord(a); check(f(), name); cudaEventRecord(b); cudaEventSynchronize(b);
+      float t; cudaEventElapsedTime(&t, a, b); ms.push_back(t);
+    }
+    std::sort(ms.begin(), ms.end());
+    std::printf("  %-28s best %8.3f ms  median %8.3f ms\n", name, ms[0], ms[5]);
+  };
+  std::printf("kda backward B=%ld T=%ld H=%ld K=%ld V=%ld bf16 (workspace %.2f GB)\n", (long)B, (long)T,
+              (long)H, (long)K, (long)V, bytes / 1e9);
+  time("whole backward", backward);
+  time("pass 1 (states)", pass1);
+  time("pass 2 (reverse walk)", pass2);
+  time("pass 3 (chunk gradients)", pass3);
+  check(backward(), "backward");
+  check(cudaDeviceSynchronize(), "backward (sync)");
+#ifdef KDA_PHASE_PROFILE
+  {  // a variant that defines g_phase_cycles[16] (clock64 between the barriers of pass 3, thread 0)
+    unsigned long long zero[16] = {}, cycles[16];
+    cudaMemcpyToSymbol(g_phase_cycles, zero, sizeof(zero));
+    check(pass3(), "pass 3");
+    cudaMemcpyFromSymbol(cycles, g_phase_cycles, sizeof(cycles));
+    const double ctas = static_cast<double>(B * H * chunks);
+    for (int i = 0; i < 16; ++i) {
+      if (cycles[i]) std::printf("  pass 3 phase mark %2d: %8.0f cycles per CTA\n", i, cycles[i] / ctas);
+    }
+  }
+#endif
+
+  struct Out { const char* name; float* p; int64_t count; };
+  const std::vector<Out> outs = {{"dq", dq, n * K}, {"dk", dk, n * K}, {"dv", dv, n * V},
+                                 {"dg", dg, n * K}, {"dbeta", dbeta, n}, {"d_init", d_init, B * H * K * V}};
+  if (file.empty()) return 0;
+  FILE* f = std::fopen(file.c_str(), "rb");
+  const bool compare = f != nullptr;
+  if (!compare) f = std::fopen(file.c_str(), "wb");
+  for (const Out& o : outs) {
+    std::vector<float> mine(o.count), ref(o.count);
+    cudaMemcpy(mine.data(), o.p, o.count * 4, cudaMemcpyDeviceToHost);
+    if (!compare) { std::fwrite(mine.data(), 4, o.count, f); continue; }
+    if (std::fread(ref.data(), 4, o.count, f) != static_cast<size_t>(o.count)) { std::printf("short file\n"); return 1; }
+    double worst = 0, largest = 0; bool finite = true;
+    for (int64_t i = 0; i < o.count; ++i) {
+      finite = finite && std::isfinite(mine[i]);
+      worst = std::max(worst, std::fabs(static_cast<double>(mine[i]) - ref[i]));
+      largest = std::max(largest, std::fabs(static_cast<double>(ref[i])));
+    }
+    std::printf("  %-7s max |diff| %.3e of max |ref| %.3e: %.3e%s\n", o.name, worst, largest,
+                worst / std::max(largest, 1e-30), finite ? "" : " (NOT FINITE)");
+  }
+  std::fclose(f);
+  std::printf(compare ? "compared with %s\n" : "saved %s\n", file.c_str());
+  return 0;
+}
