@@ -197,7 +197,7 @@ __global__ void __launch_bounds__(Walk<kTile>::kThreads, 2)
   extern __shared__ __align__(16) unsigned char shared_raw[];
   ChunkSlot<K, kTile>* slots = reinterpret_cast<ChunkSlot<K, kTile>*>(shared_raw);
 
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31, warp = warp_index();
   const int h = blockIdx.y;
   const int H = a.heads, V = a.value_dim;
   const bool a_columns = !kForward && blockIdx.x < K / kTile;  // A_seg columns (transition)
@@ -417,7 +417,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   __shared__ float partial_r[kDecodeWarps][kDecodeColumns], partial_o[kDecodeWarps][kDecodeColumns];
   __shared__ float delta_shared[kDecodeColumns];
 
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31, warp = warp_index();
   const int v0 = blockIdx.x * kDecodeColumns, h = blockIdx.y, seq = blockIdx.z;
   const int64_t head = static_cast<int64_t>(seq) * heads + h;
   for (int i = threadIdx.x; i < K; i += blockDim.x) {

@@ -70,10 +70,10 @@ struct KdaChunkedOptions {
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
   // While one group of 4 chunks is walked, prefetch the next group's input rows into L2 (a
-  // hint: the results are bit for bit the same either way). Off by default: since the prepare
-  // phase stages bf16 rows by cp.async in one round trip, issuing the prefetches costs more than
-  // they save (B=2, T=16K, H=64: 3.35 ms without, 3.56 ms with; T=64K, H=4 equal).
-  bool prefetch = false;
+  // hint: the results are bit for bit the same either way). On by default: B=2, T=16K, H=64:
+  // 3.33 ms with it, 3.47 ms without; T=64K, H=4: 1.17 / 1.20 ms. (While the compiler kept two
+  // copies of the prepare phase, it was the other way round: kernels/README.md, ladder.)
+  bool prefetch = true;
   // For the backward (kda_chunked_backward): when set, bf16 [N, H, ceil(length / 16), V, K]
   // receives the state entering every chunk of 16 tokens, transposed (row = value column), as
   // the forward rounds it for its matmuls; o may then be nullptr (no outputs written). Not with

@@ -162,7 +162,7 @@ __global__ void __launch_bounds__(Walk<kTile>::kThreads, 2)
   ChunkSlot<K, kTile>* slots = reinterpret_cast<ChunkSlot<K, kTile>*>(shared_raw);
   const ChunkedArgs& a = b.forward;
 
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31, warp = warp_index();
   const int h = blockIdx.y, seq = blockIdx.z;
   const int H = a.heads, V = a.value_dim;
   const int v0 = blockIdx.x * kTile, v_col = v0 + warp * 16;
@@ -376,7 +376,7 @@ __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>()
   using Shared = GradientShared<K, V>;
   extern __shared__ __align__(16) unsigned char shared_raw[];
   Shared& sh = *reinterpret_cast<Shared*>(shared_raw);
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int tid = threadIdx.x, lane = tid & 31, warp = warp_index();
   const int H = a.heads;
   const int64_t num_chunks = (a.length + kChunk - 1) / kChunk;
   const T* q = static_cast<const T*>(a.q);

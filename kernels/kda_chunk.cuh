@@ -85,6 +85,15 @@ cudaError_t with_walk_types(KdaDtype dtype, int64_t key_dim, int64_t value_dim, 
 
 __device__ __forceinline__ int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
+// threadIdx.x / 32, broadcast from lane 0 (as CUTLASS's canonical_warp_idx_sync) so that the
+// compiler knows every lane of a warp holds the same value. Branches on it are then uniform, and
+// the warp-synchronous code inside them (__syncwarp, shuffles, ldmatrix, mma) is compiled once:
+// with `threadIdx.x >> 5`, ptxas guarded the prepare phase with a divergence check (BRA.DIV) and
+// kept a second, collective copy of it (253 MUFU in the forward kernel instead of 132).
+__device__ __forceinline__ int warp_index() {
+  return __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) >> 5, 0);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Element access for the two input types.
 

@@ -33,7 +33,7 @@ KdaChunkedOutput kda_chunked(const at::Tensor& q, const at::Tensor& k, const at:
                              const at::Tensor& g, const at::Tensor& beta,
                              const at::Tensor& initial_state, double scale,
                              const at::Tensor& cu_seqlens = at::Tensor(),
-                             int64_t segment_length = 0, bool prefetch = false);
+                             int64_t segment_length = 0, bool prefetch = true);
 
 // The gradients of kda_chunked (no cu_seqlens, no context-parallel options) with respect to its
 // inputs, from the gradients of its outputs: d_o [B, T, H, V] (any float dtype; converted to q's),
