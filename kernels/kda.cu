@@ -417,7 +417,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   __shared__ float partial_r[kDecodeWarps][kDecodeColumns], partial_o[kDecodeWarps][kDecodeColumns];
   __shared__ float delta_shared[kDecodeColumns];
 
-  const int lane = threadIdx.x & 31, warp = warp_index();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int v0 = blockIdx.x * kDecodeColumns, h = blockIdx.y, seq = blockIdx.z;
   const int64_t head = static_cast<int64_t>(seq) * heads + h;
   for (int i = threadIdx.x; i < K; i += blockDim.x) {

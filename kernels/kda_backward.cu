@@ -224,15 +224,19 @@ __global__ void __launch_bounds__(Walk<kTile>::kThreads, 2)
 // Pass 3: the gradients of every chunk's inputs, chunks independent.
 //
 // Every product is an m16n8k16 tensor-core product, handed out to the CTA's 16 warps as tasks
-// (a task: one 8- or 16-column tile of one product; several independent products share a phase):
+// (a task: one 16-column tile of one product; several independent products share a phase):
 //   - the five products with a K x V matrix (W S, K_ dS', dO S^T, V' dS'^T, dV' S^T): bf16
-//     operands (S and dS' are bf16 in the workspace; the other operand rounded, as the forward),
-//     16 output columns per task by ldmatrix;
+//     operands (S and dS' are bf16 in the workspace; the other operand rounded, as the forward);
 //   - the products of 16 x 16 x {16, K, V} (P, Aqk, dAqk, G, H, W, U, dv, dM M^T, M^T (.), dQ^,
-//     dK^, dK~ terms): fp32 operands from shared memory, each split into bf16 hi + lo, three
-//     mmas (Ah Bh + Ah Bl + Al Bh, every product exact in fp32; the dropped Al Bl is below 2^-16
-//     of the product): fp32-grade, as the dGamma cancellation needs (rounding these to bf16 gave
-//     dg 4.7e-2 relative errors at g = -5; see kernels/README.md), 8 output columns per task.
+//     dK^, dK~ terms): fp32-grade. Each fp32 operand is kept in shared memory as two bf16 arrays,
+//     hi = bf16(x) and lo = bf16(x - hi) (written once, where the value is made), and a product
+//     is Ah Bh + (Al Bh + Ah Bl): every product exact in fp32, the dropped Al Bl below 2^-16 of
+//     it. Rounding these products' operands to bf16 alone gave dg errors of 4.7e-2 at g = -5 (the
+//     dGamma cancellation; kernels/README.md). Operands that are exact in bf16 (bf16 v and dO)
+//     skip their lo half. The 16 x 16 left operands (M, Aqk^T, dAqk, dL, ...) are read as fp32
+//     and split in registers.
+// All operands reach the tensor cores by ldmatrix; fragments of fp32 16 x 16 matrices by scalar
+// shared-memory loads.
 
 constexpr int kGradientWarps = 16;
 constexpr int kGradientThreads = kGradientWarps * 32;
@@ -249,7 +253,22 @@ struct ChunkGradientArgs {
   float scale;
 };
 
-// Shared memory of one chunk (K = V = 128: 224 KB, one CTA per SM). bf16 rows padded by 8
+// A [16][kRow] fp32 quantity as bf16 hi and lo parts (mma operands by ldmatrix).
+template <int kRow>
+struct SplitRows {
+  bf16 hi[kChunk][kRow];
+  bf16 lo[kChunk][kRow];
+  __device__ __forceinline__ void store(int i, int c, float x) {
+    const bf16 h = __float2bfloat16_rn(x);
+    hi[i][c] = h;
+    lo[i][c] = __float2bfloat16_rn(x - __bfloat162float(h));
+  }
+  __device__ __forceinline__ float load(int i, int c) const {
+    return __bfloat162float(hi[i][c]) + __bfloat162float(lo[i][c]);
+  }
+};
+
+// Shared memory of one chunk (K = V = 128: 222 KB, one CTA per SM). bf16 rows padded by 8
 // elements, fp32 rows by 4 (ldmatrix rows in distinct bank groups; strided columns spread).
 template <int K, int V>
 struct alignas(16) GradientShared {
@@ -258,21 +277,21 @@ struct alignas(16) GradientShared {
   static constexpr int kDecaySlices = kGradientThreads / 2 / (K / 2);  // of the V rows (d_decay)
   bf16 s_t[V][kRowK];          // S^T of the chunk's entering state
   bf16 ds_t[V][kRowK];         // dS'^T
-  bf16 a_w[kChunk][kRowK];     // W           (bf16 A operands of the K x V products)
+  bf16 a_w[kChunk][kRowK];     // W    (bf16 A operands of the K x V products)
   bf16 a_kbar[kChunk][kRowK];  // K_
-  bf16 a_do[kChunk][kRowV];    // dO
-  bf16 a_vn[kChunk][kRowV];    // V'
-  bf16 a_dvn[kChunk][kRowV];   // dV'
+  SplitRows<kRowK> q_hat, k_hat, k_check;  // Q^, K^, K~
+  SplitRows<kRowK> d_w;        // -dV' S^T = dW
+  SplitRows<kRowV> d_o, v;     // dO (hi: the bf16 A operand of dO S^T), V
+  SplitRows<kRowV> vn_s;       // V' (hi: the bf16 A operand of V' dS'^T)
+  SplitRows<kRowV> dvn_s;      // dV' (hi: the bf16 A operand of dV' S^T)
   float gamma[kChunk][kPadK];  // Gamma; dGamma after the elementwise phase
-  float q_hat[kChunk][kPadK], k_hat[kChunk][kPadK], k_check[kChunk][kPadK], k_bar[kChunk][kPadK];
+  float k_bar[kChunk][kPadK];  // K_ in fp32
   float d_qhat[kChunk][kPadK];    // dO S^T, then + dAqk K~ = dQ^
   float d_kbar[kChunk][kPadK];    // V' dS'^T = dK_
-  float d_w[kChunk][kPadK];       // -dV' S^T = dW
   float d_khat[kChunk][kPadK];    // M^T dW, then dK^ = Diag(beta) (M^T dW + dL K~)
   float d_kcheck[kChunk][kPadK];  // dAqk^T Q^, then + (Diag(beta) dL)^T K^ = dK~
-  float v[kChunk][kPadV], d_o[kChunk][kPadV];
-  float vn[kChunk][kPadV];   // U, then V' = U - W S
-  float dvn[kChunk][kPadV];  // K_ dS', then + Aqk^T dO = dV'
+  float vn[kChunk][kPadV];     // U, then V' = U - W S
+  float dvn[kChunk][kPadV];    // K_ dS' (then + Aqk^T dO = dV', kept split in dvn_s)
   float p[kChunk][kPadC];      // strictly_lower(K^ K~^T)
   float a_qk[kChunk][kPadC];   // lower_incl_diag(Q^ K~^T)
   float m[kChunk][kPadC];      // (I + Diag(beta) P)^-1
@@ -292,32 +311,75 @@ constexpr size_t gradient_shared_bytes() {
   return sizeof(GradientShared<K, V>);
 }
 
-// One 16 x 16 tile of out = A[16][kKdim] B, bf16 operands in shared memory by ldmatrix (the K x V
-// products). A: rows (stride lda). B: stored as rows = n (stride ldb, k contiguous) when !kTransB,
-// as rows = k (n contiguous) when kTransB. Each result goes to `store(i, col, x)`.
-template <int kKdim, bool kTransB, typename Store>
-__device__ __forceinline__ void mma_tile16(const bf16* a, int lda, const bf16* b, int ldb, int n0,
-                                           int lane, Store store) {
-  const FragmentOffsets f(lane);
-  const int g = lane >> 2, t = lane & 3;
-  float acc[2][4] = {};
-#pragma unroll 4
-  for (int k0 = 0; k0 < kKdim; k0 += 16) {
-    uint32_t af[4], bf[4];
-    ldmatrix_x4(af, a + f.a_row * lda + k0 + f.a_col);
-    if constexpr (kTransB) {
-      ldmatrix_x4_trans(bf, b + (k0 + f.t_row) * ldb + n0 + f.t_col);
-    } else {
-      ldmatrix_x4(bf, b + (n0 + f.b_row) * ldb + k0 + f.b_col);
-    }
-    mma(acc[0], af, bf[0], bf[1]);
-    mma(acc[1], af, bf[2], bf[3]);
+// B fragments of two n-tiles (columns n0 .. n0 + 15) at k-step k0 by ldmatrix: stored rows = n
+// (k contiguous) when !kTransB, rows = k (n contiguous) when kTransB.
+template <bool kTransB>
+__device__ __forceinline__ void load_b16(uint32_t (&b)[4], const bf16* base, int ldb, int k0, int n0,
+                                         const FragmentOffsets& f) {
+  if constexpr (kTransB) {
+    ldmatrix_x4_trans(b, base + (k0 + f.t_row) * ldb + n0 + f.t_col);
+  } else {
+    ldmatrix_x4(b, base + (n0 + f.b_row) * ldb + k0 + f.b_col);
   }
+}
+
+// Hands a 16 x 16 result tile (two m16n8 accumulators) to `store(i, col, x)`.
+template <typename Store>
+__device__ __forceinline__ void store_tile16(const float (&acc)[2][4], int n0, int lane, Store store) {
+  const int g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int n = 0; n < 2; ++n) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) store(g + (e >> 1) * 8, n0 + n * 8 + 2 * t + (e & 1), acc[n][e]);
   }
+}
+
+// One 16 x 16 tile (columns n0 .. n0 + 15) of out = A[16][kKdim] B, bf16 operands by ldmatrix
+// (the K x V products). A: rows of stride lda.
+template <int kKdim, bool kTransB, typename Store>
+__device__ __forceinline__ void mma_tile16(const bf16* a, int lda, const bf16* b, int ldb, int n0,
+                                           int lane, Store store) {
+  const FragmentOffsets f(lane);
+  float acc[2][4] = {};
+#pragma unroll 4
+  for (int k0 = 0; k0 < kKdim; k0 += 16) {
+    uint32_t af[4], bf[4];
+    ldmatrix_x4(af, a + f.a_row * lda + k0 + f.a_col);
+    load_b16<kTransB>(bf, b, ldb, k0, n0, f);
+    mma(acc[0], af, bf[0], bf[1]);
+    mma(acc[1], af, bf[2], bf[3]);
+  }
+  store_tile16(acc, n0, lane, store);
+}
+
+// The same with both operands split (hi, lo arrays of one layout): Ah Bh + (Al Bh + Ah Bl) in
+// three independent chains. kSplitA / kSplitB false: that operand is exact in bf16 (lo unused).
+template <int kKdim, bool kTransB, bool kSplitA, bool kSplitB, typename Store>
+__device__ __forceinline__ void mma_split_tile16(const bf16* a_hi, const bf16* a_lo, int lda,
+                                                 const bf16* b_hi, const bf16* b_lo, int ldb,
+                                                 int n0, int lane, Store store) {
+  const FragmentOffsets f(lane);
+  float hh[2][4] = {}, lh[2][4] = {}, hl[2][4] = {};
+#pragma unroll 4
+  for (int k0 = 0; k0 < kKdim; k0 += 16) {
+    uint32_t ah[4], al[4], bh[4], bl[4];
+    ldmatrix_x4(ah, a_hi + f.a_row * lda + k0 + f.a_col);
+    if constexpr (kSplitA) ldmatrix_x4(al, a_lo + f.a_row * lda + k0 + f.a_col);
+    load_b16<kTransB>(bh, b_hi, ldb, k0, n0, f);
+    if constexpr (kSplitB) load_b16<kTransB>(bl, b_lo, ldb, k0, n0, f);
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+      mma(hh[n], ah, bh[2 * n], bh[2 * n + 1]);
+      if constexpr (kSplitA) mma(lh[n], al, bh[2 * n], bh[2 * n + 1]);
+      if constexpr (kSplitB) mma(hl[n], ah, bl[2 * n], bl[2 * n + 1]);
+    }
+  }
+#pragma unroll
+  for (int n = 0; n < 2; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) hh[n][e] += lh[n][e] + hl[n][e];
+  }
+  store_tile16(hh, n0, lane, store);
 }
 
 // (x, y) as bf16 pairs hi = bf16(x, y) and lo = bf16((x, y) - hi).
@@ -329,51 +391,78 @@ __device__ __forceinline__ void split_bf16(float x, float y, uint32_t& hi, uint3
   lo = *reinterpret_cast<const uint32_t*>(&l);
 }
 
-// One 16 x 8 tile (columns n0 .. n0 + 7) of out = A[16][kKdim] B[kKdim][*] with fp32 operands read
-// through a(i, k) and b(k, n), each split into bf16 hi + lo: Ah Bh + (Al Bh + Ah Bl), fp32
-// accumulation in two independent chains. Each result goes to `store(i, col, x)`.
-template <int kKdim, typename A, typename B, typename Store>
-__device__ __forceinline__ void mma_split_tile8(const A& a, const B& b, int n0, int lane, Store store) {
-  const int g = lane >> 2, t = lane & 3;
-  float acc[4] = {}, small[4] = {};  // two chains of mmas (Ah Bh; Al Bh + Ah Bl), added at the end
+// The m16k16 A fragment of a 16 x 16 fp32 matrix read through a(i, k), split into hi and lo.
+template <typename A>
+__device__ __forceinline__ void split_a16(const A& a, int lane, uint32_t (&hi)[4], uint32_t (&lo)[4]) {
+  const int g = lane >> 2, c0 = 2 * (lane & 3), c1 = c0 + 8;
+  split_bf16(a(g, c0), a(g, c0 + 1), hi[0], lo[0]);
+  split_bf16(a(g + 8, c0), a(g + 8, c0 + 1), hi[1], lo[1]);
+  split_bf16(a(g, c1), a(g, c1 + 1), hi[2], lo[2]);
+  split_bf16(a(g + 8, c1), a(g + 8, c1 + 1), hi[3], lo[3]);
+}
+
+// One 16 x 16 tile of out = A[16][16] B[16][*]: A a 16 x 16 fp32 matrix read through a(i, k)
+// and split in registers, B split rows (rows = k, n contiguous: ldmatrix .trans).
+template <bool kSplitB, typename A, typename Store>
+__device__ __forceinline__ void mma_small_a_tile16(const A& a, const bf16* b_hi, const bf16* b_lo,
+                                                   int ldb, int n0, int lane, Store store) {
+  const FragmentOffsets f(lane);
+  uint32_t ah[4], al[4], bh[4], bl[4];
+  split_a16(a, lane, ah, al);
+  load_b16<true>(bh, b_hi, ldb, 0, n0, f);
+  if constexpr (kSplitB) load_b16<true>(bl, b_lo, ldb, 0, n0, f);
+  float hh[2][4] = {}, lh[2][4] = {}, hl[2][4] = {};
 #pragma unroll
-  for (int k0 = 0; k0 < kKdim; k0 += 16) {
-    const int c0 = k0 + 2 * t, c1 = k0 + 8 + 2 * t;
-    uint32_t ah[4], al[4], bh[2], bl[2];
-    split_bf16(a(g, c0), a(g, c0 + 1), ah[0], al[0]);
-    split_bf16(a(g + 8, c0), a(g + 8, c0 + 1), ah[1], al[1]);
-    split_bf16(a(g, c1), a(g, c1 + 1), ah[2], al[2]);
-    split_bf16(a(g + 8, c1), a(g + 8, c1 + 1), ah[3], al[3]);
-    split_bf16(b(c0, n0 + g), b(c0 + 1, n0 + g), bh[0], bl[0]);
-    split_bf16(b(c1, n0 + g), b(c1 + 1, n0 + g), bh[1], bl[1]);
-    mma(small, al, bh[0], bh[1]);
-    mma(acc, ah, bh[0], bh[1]);
-    mma(small, ah, bl[0], bl[1]);
+  for (int n = 0; n < 2; ++n) {
+    mma(hh[n], ah, bh[2 * n], bh[2 * n + 1]);
+    mma(lh[n], al, bh[2 * n], bh[2 * n + 1]);
+    if constexpr (kSplitB) mma(hl[n], ah, bl[2 * n], bl[2 * n + 1]);
   }
 #pragma unroll
-  for (int e = 0; e < 4; ++e) acc[e] += small[e];
-  store(g, n0 + 2 * t, acc[0]);
-  store(g, n0 + 2 * t + 1, acc[1]);
-  store(g + 8, n0 + 2 * t, acc[2]);
-  store(g + 8, n0 + 2 * t + 1, acc[3]);
+  for (int n = 0; n < 2; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) hh[n][e] += lh[n][e] + hl[n][e];
+  }
+  store_tile16(hh, n0, lane, store);
+}
+
+// One 16 x 8 tile (columns n0 .. n0 + 7) of out = A[16][16] B[16][*], both 16 x 16 fp32 matrices
+// read through a(i, k) and b(k, n) and split in registers (dM M^T, M^T (dM M^T)).
+template <typename A, typename B, typename Store>
+__device__ __forceinline__ void mma_small_tile8(const A& a, const B& b, int n0, int lane, Store store) {
+  const int g = lane >> 2, t = lane & 3, c0 = 2 * t, c1 = c0 + 8;
+  uint32_t ah[4], al[4], bh[2], bl[2];
+  split_a16(a, lane, ah, al);
+  split_bf16(b(c0, n0 + g), b(c0 + 1, n0 + g), bh[0], bl[0]);
+  split_bf16(b(c1, n0 + g), b(c1 + 1, n0 + g), bh[1], bl[1]);
+  float acc[4] = {}, small[4] = {};
+  mma(small, al, bh[0], bh[1]);
+  mma(acc, ah, bh[0], bh[1]);
+  mma(small, ah, bl[0], bl[1]);
+  store(g, n0 + 2 * t, acc[0] + small[0]);
+  store(g, n0 + 2 * t + 1, acc[1] + small[1]);
+  store(g + 8, n0 + 2 * t, acc[2] + small[2]);
+  store(g + 8, n0 + 2 * t + 1, acc[3] + small[3]);
 }
 
 // A pair of warps (0 and 1) waits for each other (named barrier 1; barrier 0 is __syncthreads).
 __device__ __forceinline__ void warp_pair_barrier() { asm volatile("bar.sync 1, 64;\n" ::: "memory"); }
 
-// Persistent: grid = the CTAs that fit on the GPU at once; CTA b takes the chunks (items
-// chunk + chunks (h + H seq)) b, b + gridDim.x, ... 512 threads, one CTA per SM at K = V = 128.
-// Phases separated by barriers; within a phase every warp takes tasks warp, warp + 16, ... of the
-// phase's products. After phase 5 S^T and dS'^T are dead: the next chunk's are loaded into them
-// (cp.async) and its inputs into registers while phases 6-9 run.
 // Two CTAs per SM at K = V = 32 (48 KB of shared memory; 64 registers a thread).
 template <int K, int V>
 constexpr int gradient_ctas_per_sm() { return K == 32 && V == 32 ? 2 : 1; }
 
+// Persistent: grid = the CTAs that fit on the GPU at once; CTA b takes the chunks (items
+// chunk + chunks (h + H seq)) b, b + gridDim.x, ... 512 threads, one CTA per SM at K = V = 128.
+// Phases separated by barriers; within a phase warps take the phase's tasks (the long products,
+// 16 x 16 x K or V, each on a warp of its own). After phase 5 S^T and dS'^T are dead: the next
+// chunk's are loaded into them (cp.async) and its inputs into registers while phases 6-9 run.
 template <typename T, int K, int V>
 __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>())
     kda_chunk_gradient_kernel(const ChunkGradientArgs a) {
   using Shared = GradientShared<K, V>;
+  constexpr int kRowK = Shared::kRowK, kRowV = Shared::kRowV;
+  constexpr bool kExact = std::is_same_v<T, bf16>;  // v and dO exact in bf16 (their lo is zero)
   extern __shared__ __align__(16) unsigned char shared_raw[];
   Shared& sh = *reinterpret_cast<Shared*>(shared_raw);
   const int tid = threadIdx.x, lane = tid & 31, warp = warp_index();
@@ -470,9 +559,9 @@ __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>()
       const float qv = i < valid ? q_in[r] : 0.0f, kv = i < valid ? k_in[r] : 0.0f;
       const float up = expf(gam[r]), down = expf(-gam[r]);
       sh.gamma[i][kc] = gam[r];
-      sh.q_hat[i][kc] = a.scale * qv * up;
-      sh.k_hat[i][kc] = kv * up;
-      sh.k_check[i][kc] = kv * down;
+      sh.q_hat.store(i, kc, a.scale * qv * up);
+      sh.k_hat.store(i, kc, kv * up);
+      sh.k_check.store(i, kc, kv * down);
       const float kb = kv * (decay * down);
       sh.k_bar[i][kc] = kb;
       sh.a_kbar[i][kc] = __float2bfloat16_rn(kb);
@@ -480,35 +569,33 @@ __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>()
 #pragma unroll
     for (int r = 0; r < kValueItems; ++r) {
       const int i = vr + kValueStride * r;
-      const float x = i < valid ? v_in[r] : 0.0f, y = i < valid ? do_in[r] : 0.0f;
-      sh.v[i][vc] = x;
-      sh.d_o[i][vc] = y;
-      sh.a_do[i][vc] = __float2bfloat16_rn(y);
+      sh.v.store(i, vc, i < valid ? v_in[r] : 0.0f);
+      sh.d_o.store(i, vc, i < valid ? do_in[r] : 0.0f);
     }
   }
   cp_async_wait<0>();
   __syncthreads();
 
-  // Phase 1: P = strictly_lower(K^ K~^T), Aqk = lower_incl_diag(Q^ K~^T); the state products that
-  // need nothing else: dV' = K_ dS' (Aqk^T dO added in phase 4) and dQ^ = dO S^T (dAqk K~ added in
-  // phase 6). B(k = kk, n = v) = dS'^T[v][kk]: stored rows = n; B(k = v, n = kk) = S^T[v][kk]: rows = k.
-  {
-    constexpr int kDv = V / 16, kDq = K / 16, kTasks = 4 + kDv + kDq;
-    for (int task = warp; task < kTasks; task += kGradientWarps) {
-      if (task < 2) {
-        mma_split_tile8<K>([&](int i, int c) { return sh.k_hat[i][c]; },
-                           [&](int c, int j) { return sh.k_check[j][c]; }, task * 8, lane,
-                           [&](int i, int j, float x) { sh.p[i][j] = j < i ? x : 0.0f; });
-      } else if (task < 4) {
-        mma_split_tile8<K>([&](int i, int c) { return sh.q_hat[i][c]; },
-                           [&](int c, int j) { return sh.k_check[j][c]; }, (task - 2) * 8, lane,
-                           [&](int i, int j, float x) { sh.a_qk[i][j] = j <= i ? x : 0.0f; });
-      } else if (task < 4 + kDv) {
-        mma_tile16<K, false>(&sh.a_kbar[0][0], Shared::kRowK, &sh.ds_t[0][0], Shared::kRowK,
-                             (task - 4) * 16, lane, [&](int i, int c, float x) { sh.dvn[i][c] = x; });
+  // Phase 1: P = strictly_lower(K^ K~^T) and Aqk = lower_incl_diag(Q^ K~^T) on warps 0 and 1
+  // (B(k = c, n = j) = K~[j][c]: rows = n); the state products that need nothing else on the
+  // others: dV' = K_ dS' (Aqk^T dO added in phase 4; B(k = kk, n = v) = dS'^T[v][kk]: rows = n)
+  // and dQ^ = dO S^T (dAqk K~ added in phase 6; B(k = v, n = kk) = S^T[v][kk]: rows = k).
+  if (warp < 2) {
+    const SplitRows<kRowK>& x = warp == 0 ? sh.k_hat : sh.q_hat;
+    mma_split_tile16<K, false, true, true>(&x.hi[0][0], &x.lo[0][0], kRowK, &sh.k_check.hi[0][0],
+                                           &sh.k_check.lo[0][0], kRowK, 0, lane, [&](int i, int j, float y) {
+                                             if (warp == 0) sh.p[i][j] = j < i ? y : 0.0f;
+                                             else sh.a_qk[i][j] = j <= i ? y : 0.0f;
+                                           });
+  } else {
+    constexpr int kDv = V / 16, kTasks = kDv + K / 16;
+    for (int task = warp - 2; task < kTasks; task += kGradientWarps - 2) {
+      if (task < kDv) {
+        mma_tile16<K, false>(&sh.a_kbar[0][0], kRowK, &sh.ds_t[0][0], kRowK, task * 16, lane,
+                             [&](int i, int c, float y) { sh.dvn[i][c] = y; });
       } else {
-        mma_tile16<V, true>(&sh.a_do[0][0], Shared::kRowV, &sh.s_t[0][0], Shared::kRowK,
-                            (task - 4 - kDv) * 16, lane, [&](int i, int c, float x) { sh.d_qhat[i][c] = x; });
+        mma_tile16<V, true>(&sh.d_o.hi[0][0], kRowV, &sh.s_t[0][0], kRowK, (task - kDv) * 16, lane,
+                            [&](int i, int c, float y) { sh.d_qhat[i][c] = y; });
       }
     }
   }
@@ -546,69 +633,62 @@ __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>()
   // Phase 3: W = M Diag(beta) K^ (as the bf16 operand) and U = M Diag(beta) V (into vn).
   {
     auto m_beta = [&](int i, int l) { return sh.m[i][l] * sh.beta[l]; };
-    constexpr int kW = K / 8, kTasks = kW + V / 8;
+    constexpr int kW = K / 16, kTasks = kW + V / 16;
     for (int task = warp; task < kTasks; task += kGradientWarps) {
       if (task < kW) {
-        mma_split_tile8<kChunk>(m_beta, [&](int l, int c) { return sh.k_hat[l][c]; }, task * 8, lane,
-                                [&](int i, int c, float x) { sh.a_w[i][c] = __float2bfloat16_rn(x); });
+        mma_small_a_tile16<true>(m_beta, &sh.k_hat.hi[0][0], &sh.k_hat.lo[0][0], kRowK, task * 16, lane,
+                                 [&](int i, int c, float y) { sh.a_w[i][c] = __float2bfloat16_rn(y); });
       } else {
-        mma_split_tile8<kChunk>(m_beta, [&](int l, int c) { return sh.v[l][c]; }, (task - kW) * 8, lane,
-                                [&](int i, int c, float x) { sh.vn[i][c] = x; });
+        mma_small_a_tile16<!kExact>(m_beta, &sh.v.hi[0][0], &sh.v.lo[0][0], kRowV, (task - kW) * 16, lane,
+                                    [&](int i, int c, float y) { sh.vn[i][c] = y; });
       }
     }
   }
   __syncthreads();
 
-  // Phase 4: V' = U - W S (B(k = kk, n = v) = S^T[v][kk]: rows = n) and dV' += Aqk^T dO; their
-  // bf16 operand copies.
+  // Phase 4: V' = U - W S (B(k = kk, n = v) = S^T[v][kk]: rows = n) and dV' = K_ dS' + Aqk^T dO,
+  // both kept split.
   {
-    constexpr int kVn = V / 16, kTasks = kVn + V / 8;
+    constexpr int kVn = V / 16, kTasks = 2 * kVn;
     for (int task = warp; task < kTasks; task += kGradientWarps) {
       if (task < kVn) {
-        mma_tile16<K, false>(&sh.a_w[0][0], Shared::kRowK, &sh.s_t[0][0], Shared::kRowK, task * 16, lane,
-                             [&](int i, int c, float x) {
-                               const float y = sh.vn[i][c] - x;
-                               sh.vn[i][c] = y;
-                               sh.a_vn[i][c] = __float2bfloat16_rn(y);
-                             });
+        mma_tile16<K, false>(&sh.a_w[0][0], kRowK, &sh.s_t[0][0], kRowK, task * 16, lane,
+                             [&](int i, int c, float y) { sh.vn_s.store(i, c, sh.vn[i][c] - y); });
       } else {
-        mma_split_tile8<kChunk>([&](int i, int r) { return sh.a_qk[r][i]; },
-                                [&](int r, int c) { return sh.d_o[r][c]; }, (task - kVn) * 8, lane,
-                                [&](int i, int c, float x) {
-                                  const float y = sh.dvn[i][c] + x;
-                                  sh.dvn[i][c] = y;
-                                  sh.a_dvn[i][c] = __float2bfloat16_rn(y);
-                                });
+        mma_small_a_tile16<!kExact>([&](int i, int r) { return sh.a_qk[r][i]; }, &sh.d_o.hi[0][0],
+                                    &sh.d_o.lo[0][0], kRowV, (task - kVn) * 16, lane,
+                                    [&](int i, int c, float y) { sh.dvn_s.store(i, c, sh.dvn[i][c] + y); });
       }
     }
   }
   __syncthreads();
 
-  // Phase 5: dAqk = lower_incl_diag(dO V'^T); G = dV' V^T (into d_m); dK_ = V' dS'^T and
-  // dW = -dV' S^T (B(k = v, n = kk): rows = k); dv = Diag(beta) M^T dV' (written out).
-  {
-    constexpr int kKb = K / 16, kDw = K / 16, kTasks = 4 + kKb + kDw + V / 8;
-    for (int task = warp; task < kTasks; task += kGradientWarps) {
-      if (task < 2) {
-        mma_split_tile8<V>([&](int i, int c) { return sh.d_o[i][c]; },
-                           [&](int c, int j) { return sh.vn[j][c]; }, task * 8, lane,
-                           [&](int i, int j, float x) { sh.d_aqk[i][j] = j <= i ? x : 0.0f; });
-      } else if (task < 4) {
-        mma_split_tile8<V>([&](int t, int c) { return sh.dvn[t][c]; },
-                           [&](int c, int i) { return sh.v[i][c]; }, (task - 2) * 8, lane,
-                           [&](int t, int i, float x) { sh.d_m[t][i] = x; });
-      } else if (task < 4 + kKb) {
-        mma_tile16<V, true>(&sh.a_vn[0][0], Shared::kRowV, &sh.ds_t[0][0], Shared::kRowK,
-                            (task - 4) * 16, lane, [&](int i, int c, float x) { sh.d_kbar[i][c] = x; });
-      } else if (task < 4 + kKb + kDw) {
-        mma_tile16<V, true>(&sh.a_dvn[0][0], Shared::kRowV, &sh.s_t[0][0], Shared::kRowK,
-                            (task - 4 - kKb) * 16, lane, [&](int i, int c, float x) { sh.d_w[i][c] = -x; });
+  // Phase 5: dAqk = lower_incl_diag(dO V'^T) and G = dV' V^T (into d_m) on warps 0 and 1
+  // (B(k = c, n = j) = V'[j][c], V[i][c]: rows = n); on the others dK_ = V' dS'^T and
+  // dW = -dV' S^T (B(k = v, n = kk): rows = k), dv = Diag(beta) M^T dV' (written out).
+  if (warp == 0) {
+    mma_split_tile16<V, false, !kExact, true>(&sh.d_o.hi[0][0], &sh.d_o.lo[0][0], kRowV, &sh.vn_s.hi[0][0],
+                                              &sh.vn_s.lo[0][0], kRowV, 0, lane,
+                                              [&](int i, int j, float y) { sh.d_aqk[i][j] = j <= i ? y : 0.0f; });
+  } else if (warp == 1) {
+    mma_split_tile16<V, false, true, !kExact>(&sh.dvn_s.hi[0][0], &sh.dvn_s.lo[0][0], kRowV, &sh.v.hi[0][0],
+                                              &sh.v.lo[0][0], kRowV, 0, lane,
+                                              [&](int t, int i, float y) { sh.d_m[t][i] = y; });
+  } else {
+    constexpr int kKb = K / 16, kDw = K / 16, kTasks = kKb + kDw + V / 16;
+    for (int task = warp - 2; task < kTasks; task += kGradientWarps - 2) {
+      if (task < kKb) {
+        mma_tile16<V, true>(&sh.vn_s.hi[0][0], kRowV, &sh.ds_t[0][0], kRowK, task * 16, lane,
+                            [&](int i, int c, float y) { sh.d_kbar[i][c] = y; });
+      } else if (task < kKb + kDw) {
+        mma_tile16<V, true>(&sh.dvn_s.hi[0][0], kRowV, &sh.s_t[0][0], kRowK, (task - kKb) * 16, lane,
+                            [&](int i, int c, float y) { sh.d_w.store(i, c, -y); });
       } else {
-        mma_split_tile8<kChunk>([&](int i, int r) { return sh.m[r][i]; },
-                                [&](int r, int c) { return sh.dvn[r][c]; }, (task - 4 - kKb - kDw) * 8,
-                                lane, [&](int i, int c, float x) {
-                                  if (i < valid) a.dv[token(i) * V + c] = sh.beta[i] * x;
-                                });
+        mma_small_a_tile16<true>([&](int i, int r) { return sh.m[r][i]; }, &sh.dvn_s.hi[0][0],
+                                 &sh.dvn_s.lo[0][0], kRowV, (task - kKb - kDw) * 16, lane,
+                                 [&](int i, int c, float y) {
+                                   if (i < valid) a.dv[token(i) * V + c] = sh.beta[i] * y;
+                                 });
       }
     }
   }
@@ -623,41 +703,42 @@ __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>()
     issue(next);
   }
 
-  // Phase 6: warps 0-1 (one 8-column tile each) walk H = dW K^^T -> dM = (G + H) Diag(beta),
-  // M (.) (G + H) -> dM M^T -> dL = -M^T dM M^T (strictly lower); warps 2-15 the dq / dk terms
-  // that need no dL: dQ^ += dAqk K~, M^T dW (into d_khat), dAqk^T Q^ (into d_kcheck).
+  // Phase 6: warp 0: H = dW K^^T (B(k = c, n = i) = K^[i][c]: rows = n) -> dM = (G + H) Diag(beta),
+  // M (.) (G + H); then warps 0-1 (8 columns each): dM M^T -> dL = -M^T dM M^T (strictly lower).
+  // Warps 2-15: the dq / dk terms that need no dL: dQ^ += dAqk K~, M^T dW (into d_khat),
+  // dAqk^T Q^ (into d_kcheck) (B rows = k).
   if (warp < 2) {
+    if (warp == 0) {
+      mma_split_tile16<K, false, true, true>(&sh.d_w.hi[0][0], &sh.d_w.lo[0][0], kRowK, &sh.k_hat.hi[0][0],
+                                             &sh.k_hat.lo[0][0], kRowK, 0, lane, [&](int t, int i, float y) {
+                                               const float gh = sh.d_m[t][i] + y;
+                                               sh.d_m[t][i] = sh.beta[i] * gh;
+                                               sh.x_beta[t][i] = sh.m[t][i] * gh;
+                                             });
+    }
+    warp_pair_barrier();
     const int n0 = warp * 8;
-    mma_split_tile8<K>([&](int t, int c) { return sh.d_w[t][c]; },
-                       [&](int c, int i) { return sh.k_hat[i][c]; }, n0, lane, [&](int t, int i, float x) {
-                         const float gh = sh.d_m[t][i] + x;
-                         sh.d_m[t][i] = sh.beta[i] * gh;
-                         sh.x_beta[t][i] = sh.m[t][i] * gh;
-                       });
+    mma_small_tile8([&](int i, int c) { return sh.d_m[i][c]; }, [&](int c, int j) { return sh.m[j][c]; },
+                    n0, lane, [&](int i, int j, float y) { sh.t1[i][j] = y; });
     warp_pair_barrier();
-    mma_split_tile8<kChunk>([&](int i, int c) { return sh.d_m[i][c]; },
-                            [&](int c, int j) { return sh.m[j][c]; }, n0, lane,
-                            [&](int i, int j, float x) { sh.t1[i][j] = x; });
-    warp_pair_barrier();
-    mma_split_tile8<kChunk>([&](int i, int c) { return sh.m[c][i]; },
-                            [&](int c, int j) { return sh.t1[c][j]; }, n0, lane,
-                            [&](int i, int j, float x) { sh.d_l[i][j] = j < i ? -x : 0.0f; });
+    mma_small_tile8([&](int i, int c) { return sh.m[c][i]; }, [&](int c, int j) { return sh.t1[c][j]; },
+                    n0, lane, [&](int i, int j, float y) { sh.d_l[i][j] = j < i ? -y : 0.0f; });
   } else {
-    constexpr int kPer = K / 8, kTasks = 3 * kPer;
+    constexpr int kPer = K / 16, kTasks = 3 * kPer;
     for (int task = warp - 2; task < kTasks; task += kGradientWarps - 2) {
-      const int n0 = (task % kPer) * 8;
+      const int n0 = (task % kPer) * 16;
       if (task < kPer) {
-        mma_split_tile8<kChunk>([&](int i, int j) { return sh.d_aqk[i][j]; },
-                                [&](int j, int c) { return sh.k_check[j][c]; }, n0, lane,
-                                [&](int i, int c, float x) { sh.d_qhat[i][c] += x; });
+        mma_small_a_tile16<true>([&](int i, int j) { return sh.d_aqk[i][j]; }, &sh.k_check.hi[0][0],
+                                 &sh.k_check.lo[0][0], kRowK, n0, lane,
+                                 [&](int i, int c, float y) { sh.d_qhat[i][c] += y; });
       } else if (task < 2 * kPer) {
-        mma_split_tile8<kChunk>([&](int i, int r) { return sh.m[r][i]; },
-                                [&](int r, int c) { return sh.d_w[r][c]; }, n0, lane,
-                                [&](int i, int c, float x) { sh.d_khat[i][c] = x; });
+        mma_small_a_tile16<true>([&](int i, int r) { return sh.m[r][i]; }, &sh.d_w.hi[0][0],
+                                 &sh.d_w.lo[0][0], kRowK, n0, lane,
+                                 [&](int i, int c, float y) { sh.d_khat[i][c] = y; });
       } else {
-        mma_split_tile8<kChunk>([&](int i, int r) { return sh.d_aqk[r][i]; },
-                                [&](int r, int c) { return sh.q_hat[r][c]; }, n0, lane,
-                                [&](int i, int c, float x) { sh.d_kcheck[i][c] = x; });
+        mma_small_a_tile16<true>([&](int i, int r) { return sh.d_aqk[r][i]; }, &sh.q_hat.hi[0][0],
+                                 &sh.q_hat.lo[0][0], kRowK, n0, lane,
+                                 [&](int i, int c, float y) { sh.d_kcheck[i][c] = y; });
       }
     }
   }
@@ -665,17 +746,17 @@ __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>()
 
   // Phase 7: dK^ = Diag(beta) (M^T dW + dL K~), dK~ += (Diag(beta) dL)^T K^; dbeta.
   {
-    constexpr int kPer = K / 8;
+    constexpr int kPer = K / 16;
     for (int task = warp; task < 2 * kPer; task += kGradientWarps) {
-      const int n0 = (task % kPer) * 8;
+      const int n0 = (task % kPer) * 16;
       if (task < kPer) {
-        mma_split_tile8<kChunk>([&](int i, int j) { return sh.d_l[i][j]; },
-                                [&](int j, int c) { return sh.k_check[j][c]; }, n0, lane,
-                                [&](int i, int c, float x) { sh.d_khat[i][c] = sh.beta[i] * (sh.d_khat[i][c] + x); });
+        mma_small_a_tile16<true>([&](int i, int j) { return sh.d_l[i][j]; }, &sh.k_check.hi[0][0],
+                                 &sh.k_check.lo[0][0], kRowK, n0, lane,
+                                 [&](int i, int c, float y) { sh.d_khat[i][c] = sh.beta[i] * (sh.d_khat[i][c] + y); });
       } else {
-        mma_split_tile8<kChunk>([&](int i, int r) { return sh.beta[r] * sh.d_l[r][i]; },
-                                [&](int r, int c) { return sh.k_hat[r][c]; }, n0, lane,
-                                [&](int i, int c, float x) { sh.d_kcheck[i][c] += x; });
+        mma_small_a_tile16<true>([&](int i, int r) { return sh.beta[r] * sh.d_l[r][i]; }, &sh.k_hat.hi[0][0],
+                                 &sh.k_hat.lo[0][0], kRowK, n0, lane,
+                                 [&](int i, int c, float y) { sh.d_kcheck[i][c] += y; });
       }
     }
   }
@@ -688,7 +769,7 @@ __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>()
   }
   __syncthreads();
 
-  // Phase 8: dq, dk per element; dGamma (over Gamma, by its owner).
+  // Phase 8: dq, dk per element; dGamma (over Gamma, by its owner). Q^, K^, K~ as hi + lo.
 #pragma unroll
   for (int r = 0; r < kKeyItems; ++r) {
     const int i = kr + kKeyStride * r, c = kc;
@@ -699,8 +780,8 @@ __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>()
       a.dq[token(i) * K + c] = a.scale * d_qhat * up;
       a.dk[token(i) * K + c] = d_khat * up + d_kcheck * down + d_kbar * (sh.decay[c] * down);
     }
-    sh.gamma[i][c] = d_qhat * sh.q_hat[i][c] + d_khat * sh.k_hat[i][c] -
-                     d_kcheck * sh.k_check[i][c] - d_kbar * sh.k_bar[i][c];
+    sh.gamma[i][c] = d_qhat * sh.q_hat.load(i, c) + d_khat * sh.k_hat.load(i, c) -
+                     d_kcheck * sh.k_check.load(i, c) - d_kbar * sh.k_bar[i][c];
   }
   __syncthreads();
 

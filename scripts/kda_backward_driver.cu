@@ -134,9 +134,9 @@ int main(int argc, char** argv) {
     cudaMemcpyToSymbol(g_phase_cycles, zero, sizeof(zero));
     check(pass3(), "pass 3");
     cudaMemcpyFromSymbol(cycles, g_phase_cycles, sizeof(cycles));
-    const double ctas = static_cast<double>(B * H * chunks);
+    const double ctas = static_cast<double>(B * H * chunks);  // per chunk (the kernel is persistent)
     for (int i = 0; i < 16; ++i) {
-      if (cycles[i]) std::printf("  pass 3 phase mark %2d: %8.0f cycles per CTA\n", i, cycles[i] / ctas);
+      if (cycles[i]) std::printf("  pass 3 phase mark %2d: %8.0f cycles per chunk\n", i, cycles[i] / ctas);
     }
   }
 #endif
