@@ -352,6 +352,33 @@ __device__ __forceinline__ void mma_tile16(const bf16* a, int lda, const bf16* b
   store_tile16(acc, n0, lane, store);
 }
 
+// One k-step of a split product on two n-tiles: hh += Ah Bh, lh += Al Bh, hl += Ah Bl (b: the
+// fragments of columns n0 .. n0 + 15, as load_b16 gives them). kSplitA / kSplitB false: that
+// operand is exact in bf16 and its lo term is left out.
+template <bool kSplitA, bool kSplitB>
+__device__ __forceinline__ void mma_split_step(float (&hh)[2][4], float (&lh)[2][4], float (&hl)[2][4],
+                                               const uint32_t (&ah)[4], const uint32_t (&al)[4],
+                                               const uint32_t (&bh)[4], const uint32_t (&bl)[4]) {
+#pragma unroll
+  for (int n = 0; n < 2; ++n) {
+    mma(hh[n], ah, bh[2 * n], bh[2 * n + 1]);
+    if constexpr (kSplitA) mma(lh[n], al, bh[2 * n], bh[2 * n + 1]);
+    if constexpr (kSplitB) mma(hl[n], ah, bl[2 * n], bl[2 * n + 1]);
+  }
+}
+
+// A split product's 16 x 16 tile, hh + (lh + hl), to `store(i, col, x)`.
+template <typename Store>
+__device__ __forceinline__ void store_split_tile16(float (&hh)[2][4], const float (&lh)[2][4],
+                                                   const float (&hl)[2][4], int n0, int lane, Store store) {
+#pragma unroll
+  for (int n = 0; n < 2; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) hh[n][e] += lh[n][e] + hl[n][e];
+  }
+  store_tile16(hh, n0, lane, store);
+}
+
 // The same with both operands split (hi, lo arrays of one layout): Ah Bh + (Al Bh + Ah Bl) in
 // three independent chains. kSplitA / kSplitB false: that operand is exact in bf16 (lo unused).
 template <int kKdim, bool kTransB, bool kSplitA, bool kSplitB, typename Store>
@@ -367,19 +394,9 @@ __device__ __forceinline__ void mma_split_tile16(const bf16* a_hi, const bf16* a
     if constexpr (kSplitA) ldmatrix_x4(al, a_lo + f.a_row * lda + k0 + f.a_col);
     load_b16<kTransB>(bh, b_hi, ldb, k0, n0, f);
     if constexpr (kSplitB) load_b16<kTransB>(bl, b_lo, ldb, k0, n0, f);
-#pragma unroll
-    for (int n = 0; n < 2; ++n) {
-      mma(hh[n], ah, bh[2 * n], bh[2 * n + 1]);
-      if constexpr (kSplitA) mma(lh[n], al, bh[2 * n], bh[2 * n + 1]);
-      if constexpr (kSplitB) mma(hl[n], ah, bl[2 * n], bl[2 * n + 1]);
-    }
+    mma_split_step<kSplitA, kSplitB>(hh, lh, hl, ah, al, bh, bl);
   }
-#pragma unroll
-  for (int n = 0; n < 2; ++n) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) hh[n][e] += lh[n][e] + hl[n][e];
-  }
-  store_tile16(hh, n0, lane, store);
+  store_split_tile16(hh, lh, hl, n0, lane, store);
 }
 
 // (x, y) as bf16 pairs hi = bf16(x, y) and lo = bf16((x, y) - hi).
@@ -412,18 +429,8 @@ __device__ __forceinline__ void mma_small_a_tile16(const A& a, const bf16* b_hi,
   load_b16<true>(bh, b_hi, ldb, 0, n0, f);
   if constexpr (kSplitB) load_b16<true>(bl, b_lo, ldb, 0, n0, f);
   float hh[2][4] = {}, lh[2][4] = {}, hl[2][4] = {};
-#pragma unroll
-  for (int n = 0; n < 2; ++n) {
-    mma(hh[n], ah, bh[2 * n], bh[2 * n + 1]);
-    mma(lh[n], al, bh[2 * n], bh[2 * n + 1]);
-    if constexpr (kSplitB) mma(hl[n], ah, bl[2 * n], bl[2 * n + 1]);
-  }
-#pragma unroll
-  for (int n = 0; n < 2; ++n) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) hh[n][e] += lh[n][e] + hl[n][e];
-  }
-  store_tile16(hh, n0, lane, store);
+  mma_split_step<true, kSplitB>(hh, lh, hl, ah, al, bh, bl);
+  store_split_tile16(hh, lh, hl, n0, lane, store);
 }
 
 // One 16 x 8 tile (columns n0 .. n0 + 7) of out = A[16][16] B[16][*], both 16 x 16 fp32 matrices

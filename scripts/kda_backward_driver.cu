@@ -11,6 +11,7 @@
 // file as `compare.bin` prints each gradient's largest difference relative to its largest
 // magnitude: a quick check of a variant between parity-test runs (kernels_tests is the real one).
 #include "kernels/kda_backward.cu"
+#include "scripts/kda_driver_inputs.cuh"
 
 #include <algorithm>
 #include <cmath>
@@ -22,19 +23,6 @@
 #include <vector>
 
 using namespace odyssey::kernels;
-
-__global__ void fill_bf16(bf16* p, int64_t n, uint32_t seed, float scale) {
-  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-    uint32_t x = (uint32_t)i * 2654435761u ^ seed; x ^= x >> 13; x *= 0x5bd1e995; x ^= x >> 15;
-    p[i] = __float2bfloat16((x & 0xffff) / 65536.0f * 2.0f * scale - scale);
-  }
-}
-__global__ void fill_f32(float* p, int64_t n, uint32_t seed, float lo, float hi) {
-  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-    uint32_t x = (uint32_t)i * 2654435761u ^ seed; x ^= x >> 13; x *= 0x5bd1e995; x ^= x >> 15;
-    p[i] = lo + (hi - lo) * ((x & 0xffff) / 65536.0f);
-  }
-}
 
 static void check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) { std::printf("%s: %s\n", what, cudaGetErrorString(e)); std::exit(1); }

@@ -6,24 +6,12 @@
 // Random bf16 inputs; prints the best and median of 20 launches (CUDA events). Correctness is the
 // parity tests' job (kernels_tests), not this driver's.
 #include "kernels/kda.cu"
+#include "scripts/kda_driver_inputs.cuh"
 #include <cstdio>
 #include <cstdlib>
 #include <algorithm>
 #include <vector>
 using namespace odyssey::kernels;
-
-__global__ void fill_bf16(bf16* p, int64_t n, uint32_t seed, float scale) {
-  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-    uint32_t x = (uint32_t)i * 2654435761u ^ seed; x ^= x >> 13; x *= 0x5bd1e995; x ^= x >> 15;
-    p[i] = __float2bfloat16((x & 0xffff) / 65536.0f * 2.0f * scale - scale);
-  }
-}
-__global__ void fill_f32(float* p, int64_t n, uint32_t seed, float lo, float hi) {
-  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-    uint32_t x = (uint32_t)i * 2654435761u ^ seed; x ^= x >> 13; x *= 0x5bd1e995; x ^= x >> 15;
-    p[i] = lo + (hi - lo) * ((x & 0xffff) / 65536.0f);
-  }
-}
 
 int main(int argc, char** argv) {
   const int64_t B = argc > 1 ? atoll(argv[1]) : 2, T = argc > 2 ? atoll(argv[2]) : 16384,
