@@ -26,6 +26,7 @@
 
 #include "envs/json_schema.h"
 #include "envs/plugin.h"
+#include "odyssey/env_util.hpp"
 
 extern char** environ;
 
@@ -175,31 +176,8 @@ std::optional<std::pair<uint32_t, uint32_t>> png_size(const std::vector<uint8_t>
   return std::make_pair(be32(16), be32(20));
 }
 
-size_t edit_distance(const std::string& a, const std::string& b) {
-  std::vector<size_t> row(b.size() + 1);
-  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
-  for (size_t i = 1; i <= a.size(); ++i) {
-    size_t diag = row[0];
-    row[0] = i;
-    for (size_t j = 1; j <= b.size(); ++j) {
-      const size_t up = row[j];
-      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
-      diag = up;
-    }
-  }
-  return row[b.size()];
-}
-
 std::string did_you_mean(const std::string& key, const std::vector<std::string>& known) {
-  std::string best;
-  size_t best_distance = 3;
-  for (const auto& k : known) {
-    const size_t d = edit_distance(key, k);
-    if (d < best_distance) {
-      best = k;
-      best_distance = d;
-    }
-  }
+  const std::string best = odyssey::env::closest_key(key, known);
   return best.empty() ? "" : fmt::format(" (did you mean '{}'?)", best);
 }
 
@@ -981,13 +959,6 @@ std::optional<std::string> find_answer(const std::string& text) {
   return answer;
 }
 
-uint64_t splitmix64(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
-
 class McpSession : public EnvSession {
  public:
   explicit McpSession(SessionConfig config) : config_(std::move(config)) {}
@@ -1154,7 +1125,7 @@ class McpSession : public EnvSession {
   Result<Task> pick_task(const nlohmann::json& task, uint64_t seed) {
     const size_t n = config_.tasks.size();
     if (task.is_null() || (task.is_object() && task.empty())) {
-      task_index_ = static_cast<int64_t>(splitmix64(seed) % n);
+      task_index_ = static_cast<int64_t>(odyssey::env::splitmix64(seed) % n);
       return config_.tasks[static_cast<size_t>(task_index_)];
     }
     if (!task.is_object()) return invalid_argument("mcp reset: the task must be a JSON object, got {}", task.type_name());

@@ -178,24 +178,9 @@ class Arith : public odyssey::env::Environment {
   }
 
   Observation reset(const json& task, uint64_t seed) override {
-    Split split = Split::kTrain;
-    uint64_t index = seed;
-    for (const auto& item : task.items()) {
-      if (item.key() != "split" && item.key() != "index")
-        throw EnvError(ODY_ENV_ERR_INVALID_TASK, "unknown task key '" + item.key() + "' (known: split, index)");
-    }
-    if (task.contains("split") || task.contains("index")) {
-      const json& s = task.contains("split") ? task["split"] : json();
-      if (!s.is_string() || (s != "train" && s != "eval"))
-        throw EnvError(ODY_ENV_ERR_INVALID_TASK, "task 'split' must be \"train\" or \"eval\", got " +
-                                                     (s.is_null() ? std::string("nothing") : s.dump()));
-      const json& i = task.contains("index") ? task["index"] : json();
-      if (!i.is_number_integer() || (!i.is_number_unsigned() && i.get<int64_t>() < 0))
-        throw EnvError(ODY_ENV_ERR_INVALID_TASK, "task 'index' must be a non-negative integer, got " +
-                                                     (i.is_null() ? std::string("nothing") : i.dump()));
-      split = s == "eval" ? Split::kEval : Split::kTrain;
-      index = i.get<uint64_t>();
-    }
+    const odyssey::env::SplitIndex chosen = odyssey::env::split_index_task(task, seed);
+    const Split split = chosen.eval ? Split::kEval : Split::kTrain;
+    const uint64_t index = chosen.index;
     try {
       problem_ = problem_for(settings_, split, index);
     } catch (const std::invalid_argument& e) {

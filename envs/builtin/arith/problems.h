@@ -32,6 +32,8 @@
 #include <string>
 #include <string_view>
 
+#include "odyssey/env_util.hpp"
+
 namespace odyssey::arith {
 
 inline constexpr int64_t kValueCap = 1'000'000'000'000;  // 10^12
@@ -54,20 +56,11 @@ struct Problem {
   int steps = 0;
 };
 
-// splitmix64: a tiny, well-mixed generator whose output is the same on every platform.
-class Rng {
- public:
-  explicit Rng(uint64_t seed) : state_(seed) {}
-  uint64_t next();
-  // Uniform in [lo, hi] (lo <= hi), by rejection, so no modulo bias.
-  int64_t uniform(int64_t lo, int64_t hi);
-
- private:
-  uint64_t state_;
-};
-
-uint64_t mix64(uint64_t x);              // the splitmix64 finalizer
-uint64_t fnv1a64(std::string_view text);
+// The stream tasks are drawn from, and the hashes of the split: <odyssey/env_util.hpp>, the
+// same on every platform.
+using Rng = odyssey::env::SplitMix64;
+using odyssey::env::fnv1a64;
+using odyssey::env::mix64;
 
 Split split_of(std::string_view expression);
 const char* split_name(Split split);

@@ -43,6 +43,7 @@
 #include <nlohmann/json.hpp>
 
 #include "odyssey/env_sdk.hpp"
+#include "odyssey/env_util.hpp"
 #include "project.h"
 #include "sandbox.h"
 
@@ -60,63 +61,11 @@ constexpr size_t kMaxListed = 200;
 constexpr size_t kMaxWalked = 20000;
 constexpr uint64_t kMaxAttempts = 1000;
 
-uint64_t mix(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
-
-uint64_t fnv1a(const std::string& s, uint64_t h = 0xcbf29ce484222325ull) {
-  for (const char c : s) h = (h ^ static_cast<unsigned char>(c)) * 0x100000001b3ull;
-  return h;
-}
-
 // The split of a project is a function of its content alone (every file, paths included).
 bool in_eval(const Project& p) {
-  uint64_t h = fnv1a(p.family + "\n" + p.variant);
-  for (const ProjectFile& f : p.files) h = fnv1a(f.content, fnv1a(f.path + "\n", h));
-  return mix(h) % 10 == 0;
-}
-
-size_t edit_distance(const std::string& a, const std::string& b) {
-  std::vector<size_t> row(b.size() + 1);
-  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
-  for (size_t i = 1; i <= a.size(); ++i) {
-    size_t diagonal = row[0];
-    row[0] = i;
-    for (size_t j = 1; j <= b.size(); ++j) {
-      const size_t up = row[j];
-      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
-      diagonal = up;
-    }
-  }
-  return row[b.size()];
-}
-
-void check_keys(const json& object, const std::vector<std::string>& known, const std::string& what, ody_env_status status) {
-  for (const auto& item : object.items()) {
-    if (std::find(known.begin(), known.end(), item.key()) != known.end()) continue;
-    std::string best;
-    size_t best_distance = 3;
-    for (const std::string& k : known)
-      if (const size_t d = edit_distance(item.key(), k); d < best_distance) best_distance = d, best = k;
-    std::string message = what + ": unknown key '" + item.key() + "'" + (best.empty() ? "" : " (did you mean '" + best + "'?)") +
-                          "; known keys:";
-    for (const std::string& k : known) message += " " + k;
-    throw EnvError(status, message);
-  }
-}
-
-uint64_t integer(const json& object, const char* key, uint64_t fallback, uint64_t lo, uint64_t hi, const std::string& what,
-                 ody_env_status status) {
-  if (!object.contains(key)) return fallback;
-  const json& v = object[key];
-  if (!v.is_number_integer() || (!v.is_number_unsigned() && v.get<int64_t>() < 0) || v.get<uint64_t>() < lo ||
-      v.get<uint64_t>() > hi)
-    throw EnvError(status, what + ": '" + key + "' must be an integer in [" + std::to_string(lo) + ", " +
-                               std::to_string(hi) + "], got " + v.dump());
-  return v.get<uint64_t>();
+  uint64_t h = env::fnv1a64(p.family + "\n" + p.variant);
+  for (const ProjectFile& f : p.files) h = env::fnv1a64(f.content, env::fnv1a64(f.path + "\n", h));
+  return env::splitmix64(h) % 10 == 0;
 }
 
 // Well-formed UTF-8 (no overlongs, surrogates or code points past U+10FFFF), which is what JSON
@@ -247,7 +196,7 @@ struct Config {
 Config parse_config(const json& c) {
   const std::string what = "files config";
   const auto bad = ODY_ENV_ERR_INVALID_CONFIG;
-  check_keys(c, {"root", "max_turns", "check_timeout_s", "check_memory_mb", "output_bytes", "max_file_bytes", "max_files",
+  env::check_keys(c, {"root", "max_turns", "check_timeout_s", "check_memory_mb", "output_bytes", "max_file_bytes", "max_files",
                  "max_total_bytes"},
              what, bad);
   Config config;
@@ -259,18 +208,18 @@ Config parse_config(const json& c) {
     if (!fs::is_directory(config.root, ec))
       throw EnvError(bad, what + ": 'root' " + c["root"].dump() + " is not an existing directory");
   }
-  config.max_turns = static_cast<uint32_t>(integer(c, "max_turns", 30, 1, 10000, what, bad));
+  config.max_turns = static_cast<uint32_t>(env::integer_field(c, "max_turns", 30, 1, 10000, what, bad));
   if (c.contains("check_timeout_s")) {
     const json& v = c["check_timeout_s"];
     if (!v.is_number() || v.get<double>() <= 0 || v.get<double>() > 600)
       throw EnvError(bad, what + ": 'check_timeout_s' must be a number in (0, 600], got " + v.dump());
     config.check_timeout_s = v.get<double>();
   }
-  config.check_memory_mb = integer(c, "check_memory_mb", 512, 64, 1 << 20, what, bad);
-  config.output_bytes = integer(c, "output_bytes", 8192, 256, 1 << 20, what, bad);
-  config.max_file_bytes = integer(c, "max_file_bytes", 65536, 1024, 64ull << 20, what, bad);
-  config.max_files = integer(c, "max_files", 64, 8, 100000, what, bad);
-  config.max_total_bytes = integer(c, "max_total_bytes", 1 << 20, 4096, 1ull << 30, what, bad);
+  config.check_memory_mb = env::integer_field(c, "check_memory_mb", 512, 64, 1 << 20, what, bad);
+  config.output_bytes = env::integer_field(c, "output_bytes", 8192, 256, 1 << 20, what, bad);
+  config.max_file_bytes = env::integer_field(c, "max_file_bytes", 65536, 1024, 64ull << 20, what, bad);
+  config.max_files = env::integer_field(c, "max_files", 64, 8, 100000, what, bad);
+  config.max_total_bytes = env::integer_field(c, "max_total_bytes", 1 << 20, 4096, 1ull << 30, what, bad);
   return config;
 }
 
@@ -309,7 +258,7 @@ class Files : public env::Environment {
   ~Files() override { discard_directory(); }
 
   env::Observation reset(const json& task, uint64_t seed) override {
-    check_keys(task, {"split", "index", "family"}, "files task", ODY_ENV_ERR_INVALID_TASK);
+    env::check_keys(task, {"split", "index", "family"}, "files task", ODY_ENV_ERR_INVALID_TASK);
     std::string family;
     if (task.contains("family")) {
       const json& f = task["family"];
@@ -330,12 +279,12 @@ class Files : public env::Environment {
       if (!split.is_string() || (split != "train" && split != "eval"))
         throw EnvError(ODY_ENV_ERR_INVALID_TASK, "files task: 'split' must be \"train\" or \"eval\", got " + split.dump());
       eval = split == "eval";
-      index = integer(task, "index", 0, 0, UINT64_MAX, "files task", ODY_ENV_ERR_INVALID_TASK);
+      index = env::integer_field(task, "index", 0, 0, UINT64_MAX, "files task", ODY_ENV_ERR_INVALID_TASK);
     }
     std::optional<Project> project;
     for (uint64_t attempt = 0; attempt < kMaxAttempts && !project; ++attempt) {
       try {
-        Project candidate = make_project(family, mix(mix(index) + attempt));
+        Project candidate = make_project(family, env::splitmix64(env::splitmix64(index) + attempt));
         if (in_eval(candidate) == eval) project = std::move(candidate);
       } catch (const std::exception& e) {
         throw EnvError(ODY_ENV_ERR_INTERNAL, std::string("files: ") + e.what());

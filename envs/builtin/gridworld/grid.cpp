@@ -7,40 +7,6 @@
 
 namespace odyssey::gridworld {
 
-uint64_t mix64(uint64_t x) {
-  x ^= x >> 30;
-  x *= 0xbf58476d1ce4e5b9ull;
-  x ^= x >> 27;
-  x *= 0x94d049bb133111ebull;
-  x ^= x >> 31;
-  return x;
-}
-
-uint64_t Rng::next() {
-  state_ += 0x9e3779b97f4a7c15ull;
-  return mix64(state_);
-}
-
-int64_t Rng::uniform(int64_t lo, int64_t hi) {
-  const uint64_t range = static_cast<uint64_t>(hi) - static_cast<uint64_t>(lo) + 1;
-  if (range == 0) return static_cast<int64_t>(next());
-  const uint64_t limit = UINT64_MAX - UINT64_MAX % range;
-  uint64_t x;
-  do {
-    x = next();
-  } while (x >= limit);
-  return lo + static_cast<int64_t>(x % range);
-}
-
-uint64_t fnv1a64(std::string_view text) {
-  uint64_t h = 0xcbf29ce484222325ull;
-  for (const char c : text) {
-    h ^= static_cast<unsigned char>(c);
-    h *= 0x100000001b3ull;
-  }
-  return h;
-}
-
 int Layout::wall_count() const { return static_cast<int>(std::count(wall.begin(), wall.end(), uint8_t{1})); }
 
 std::string Layout::key() const {

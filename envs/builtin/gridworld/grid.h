@@ -21,6 +21,8 @@
 #include <string_view>
 #include <vector>
 
+#include "odyssey/env_util.hpp"
+
 namespace odyssey::gridworld {
 
 inline constexpr uint64_t kEvalModulus = 10;  // 1 layout in 10 is eval
@@ -57,18 +59,11 @@ struct Layout {
 
 enum class Split { kTrain, kEval };
 
-// splitmix64 (same construction as the arith environment's; each plugin is self-contained).
-class Rng {
- public:
-  explicit Rng(uint64_t seed) : state_(seed) {}
-  uint64_t next();
-  int64_t uniform(int64_t lo, int64_t hi);  // uniform in [lo, hi], no modulo bias
-
- private:
-  uint64_t state_;
-};
-uint64_t mix64(uint64_t x);
-uint64_t fnv1a64(std::string_view text);
+// The stream tasks are drawn from, and the hashes of the split: <odyssey/env_util.hpp>, the
+// same on every platform.
+using Rng = odyssey::env::SplitMix64;
+using odyssey::env::fnv1a64;
+using odyssey::env::mix64;
 
 Split split_of(const Layout& layout);
 const char* split_name(Split split);

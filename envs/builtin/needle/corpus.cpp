@@ -11,50 +11,13 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "odyssey/env_util.hpp"
+
 namespace odyssey::needle {
 namespace {
 
-uint64_t splitmix64(uint64_t& x) {
-  uint64_t z = (x += 0x9e3779b97f4a7c15ull);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-
-// xoshiro256**: fast, and the same stream everywhere (std distributions are not portable).
-class Rng {
- public:
-  explicit Rng(uint64_t seed) {
-    for (auto& s : s_) s = splitmix64(seed);
-  }
-  uint64_t next() {
-    const uint64_t result = rotl(s_[1] * 5, 7) * 9;
-    const uint64_t t = s_[1] << 17;
-    s_[2] ^= s_[0];
-    s_[3] ^= s_[1];
-    s_[1] ^= s_[2];
-    s_[0] ^= s_[3];
-    s_[2] ^= t;
-    s_[3] = rotl(s_[3], 45);
-    return result;
-  }
-  uint32_t below(uint32_t n) { return static_cast<uint32_t>(((next() >> 32) * n) >> 32); }
-  double unit() { return static_cast<double>(next() >> 11) * 0x1.0p-53; }
-  bool chance(double p) { return unit() < p; }
-  int range(int lo, int hi) { return lo + static_cast<int>(below(static_cast<uint32_t>(hi - lo + 1))); }
-  template <size_t N>
-  const char* pick(const char* const (&a)[N]) {
-    return a[below(N)];
-  }
-  template <class T>
-  void shuffle(std::vector<T>& v) {
-    for (size_t i = v.size(); i > 1; --i) std::swap(v[i - 1], v[below(static_cast<uint32_t>(i))]);
-  }
-
- private:
-  static uint64_t rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
-  uint64_t s_[4];
-};
+// The stream corpora are drawn from (<odyssey/env_util.hpp>: the same on every platform).
+using Rng = env::Xoshiro256;
 
 // ---- vocabulary --------------------------------------------------------------------------
 

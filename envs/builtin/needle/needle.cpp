@@ -38,6 +38,7 @@
 #include "bm25.h"
 #include "corpus.h"
 #include "odyssey/env_sdk.hpp"
+#include "odyssey/env_util.hpp"
 
 namespace odyssey::needle {
 namespace {
@@ -52,66 +53,9 @@ constexpr uint64_t kMaxOpenBytes = 65536;
 constexpr size_t kSnippetBytes = 240;
 constexpr uint64_t kMaxAttempts = 1000;
 
-size_t edit_distance(std::string_view a, std::string_view b) {
-  std::vector<size_t> row(b.size() + 1);
-  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
-  for (size_t i = 1; i <= a.size(); ++i) {
-    size_t diagonal = row[0];
-    row[0] = i;
-    for (size_t j = 1; j <= b.size(); ++j) {
-      const size_t up = row[j];
-      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
-      diagonal = up;
-    }
-  }
-  return row[b.size()];
-}
-
-// Rejects keys outside `known`, suggesting the closest one.
-void check_keys(const json& object, const std::vector<std::string>& known, const std::string& what,
-                ody_env_status status) {
-  for (const auto& item : object.items()) {
-    if (std::find(known.begin(), known.end(), item.key()) != known.end()) continue;
-    std::string message = what + ": unknown key '" + item.key() + "'";
-    std::string best;
-    size_t best_distance = 3;
-    for (const std::string& k : known) {
-      const size_t d = edit_distance(item.key(), k);
-      if (d < best_distance) best_distance = d, best = k;
-    }
-    message += best.empty() ? " (known: " : " (did you mean '" + best + "'?; known: ";
-    for (size_t i = 0; i < known.size(); ++i) message += (i ? ", " : "") + known[i];
-    throw EnvError(status, message + ")");
-  }
-}
-
-uint64_t integer(const json& object, const char* key, uint64_t fallback, uint64_t lo, uint64_t hi,
-                 const std::string& what, ody_env_status status) {
-  if (!object.contains(key)) return fallback;
-  const json& v = object[key];
-  if (!v.is_number_integer() || (v.is_number_integer() && !v.is_number_unsigned() && v.get<int64_t>() < 0) ||
-      v.get<uint64_t>() < lo || v.get<uint64_t>() > hi)
-    throw EnvError(status, what + ": '" + key + "' must be an integer in [" + std::to_string(lo) + ", " +
-                               std::to_string(hi) + "], got " + v.dump());
-  return v.get<uint64_t>();
-}
-
-uint64_t mix(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
-
-uint64_t fnv1a(std::string_view s) {
-  uint64_t h = 0xcbf29ce484222325ull;
-  for (const char c : s) h = (h ^ static_cast<unsigned char>(c)) * 0x100000001b3ull;
-  return h;
-}
-
 // The split of a question is a function of its text and answer alone.
 bool in_eval(const std::string& question, const std::string& answer) {
-  return mix(fnv1a(question + "\n" + answer)) % 10 == 0;
+  return env::splitmix64(env::fnv1a64(question + "\n" + answer)) % 10 == 0;
 }
 
 // Lowercase ASCII, punctuation to spaces, runs of spaces collapsed, trimmed.
@@ -152,22 +96,22 @@ struct Config {
 Config parse_config(const json& c) {
   const std::string what = "needle config";
   const auto bad = ODY_ENV_ERR_INVALID_CONFIG;
-  check_keys(c, {"corpus_tokens", "documents", "hops", "max_turns", "results_per_search", "page_bytes", "hop_reward",
+  env::check_keys(c, {"corpus_tokens", "documents", "hops", "max_turns", "results_per_search", "page_bytes", "hop_reward",
                  "inline_corpus"},
              what, bad);
   Config config;
-  config.hops = static_cast<uint32_t>(integer(c, "hops", 2, 1, 6, what, bad));
-  config.corpus_tokens = integer(c, "corpus_tokens", 1000000, 4000, 1ull << 25, what, bad);
+  config.hops = static_cast<uint32_t>(env::integer_field(c, "hops", 2, 1, 6, what, bad));
+  config.corpus_tokens = env::integer_field(c, "corpus_tokens", 1000000, 4000, 1ull << 25, what, bad);
   const uint64_t fallback_documents = std::max<uint64_t>(min_documents(config.hops), config.corpus_tokens / 1000);
   config.documents = static_cast<uint32_t>(
-      integer(c, "documents", fallback_documents, min_documents(config.hops), 1000000, what, bad));
+      env::integer_field(c, "documents", fallback_documents, min_documents(config.hops), 1000000, what, bad));
   if (config.corpus_tokens < 400ull * config.documents)
     throw EnvError(bad, what + ": " + std::to_string(config.documents) + " documents need corpus_tokens >= " +
                             std::to_string(400ull * config.documents) + " (400 bytes each), got " +
                             std::to_string(config.corpus_tokens));
-  config.max_turns = static_cast<uint32_t>(integer(c, "max_turns", 40, 1, 100000, what, bad));
-  config.results_per_search = static_cast<uint32_t>(integer(c, "results_per_search", 5, 1, 50, what, bad));
-  config.page_bytes = static_cast<uint32_t>(integer(c, "page_bytes", 4000, 256, kMaxOpenBytes, what, bad));
+  config.max_turns = static_cast<uint32_t>(env::integer_field(c, "max_turns", 40, 1, 100000, what, bad));
+  config.results_per_search = static_cast<uint32_t>(env::integer_field(c, "results_per_search", 5, 1, 50, what, bad));
+  config.page_bytes = static_cast<uint32_t>(env::integer_field(c, "page_bytes", 4000, 256, kMaxOpenBytes, what, bad));
   if (c.contains("hop_reward")) {
     const json& v = c["hop_reward"];
     if (!v.is_number() || v.get<double>() < 0.0 || v.get<double>() > 1.0)
@@ -382,7 +326,7 @@ class Needle : public env::Environment {
 
   // The generator seed of a task; see the split rule at the top of this file.
   uint64_t world_seed_for(const json& task, uint64_t seed) const {
-    check_keys(task, {"split", "index"}, "needle task", ODY_ENV_ERR_INVALID_TASK);
+    env::check_keys(task, {"split", "index"}, "needle task", ODY_ENV_ERR_INVALID_TASK);
     bool eval = false;
     uint64_t index = seed;
     if (!task.empty()) {
@@ -392,11 +336,11 @@ class Needle : public env::Environment {
       if (!split.is_string() || (split != "train" && split != "eval"))
         throw EnvError(ODY_ENV_ERR_INVALID_TASK, "needle task: 'split' must be \"train\" or \"eval\", got " + split.dump());
       eval = split == "eval";
-      index = integer(task, "index", 0, 0, UINT64_MAX, "needle task", ODY_ENV_ERR_INVALID_TASK);
+      index = env::integer_field(task, "index", 0, 0, UINT64_MAX, "needle task", ODY_ENV_ERR_INVALID_TASK);
     }
     const CorpusOptions options = corpus_options();
     for (uint64_t attempt = 0; attempt < kMaxAttempts; ++attempt) {
-      const uint64_t candidate = mix(mix(index) + attempt);
+      const uint64_t candidate = env::splitmix64(env::splitmix64(index) + attempt);
       try {
         const auto [question, answer] = generate_question(options, candidate);
         if (in_eval(question, answer) == eval) return candidate;
