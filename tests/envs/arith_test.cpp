@@ -9,6 +9,7 @@
 
 #include <gtest/gtest.h>
 
+#include "envs/env_test_helpers.h"
 #include "envs/plugin.h"
 
 namespace odyssey::envs {
@@ -16,25 +17,14 @@ namespace {
 
 using nlohmann::json;
 
-std::shared_ptr<Plugin> arith_plugin() {
-  static std::shared_ptr<Plugin> plugin = [] {
-    auto loaded = Plugin::load(std::string(ODYSSEY_PLUGIN_DIR) + "/libody_env_arith.so");
-    EXPECT_TRUE(loaded.ok()) << loaded.status().to_string();
-    return loaded.ok() ? *loaded : nullptr;
-  }();
-  return plugin;
-}
+std::shared_ptr<Plugin> arith_plugin() { return test_support::builtin_plugin("arith"); }
 
 std::unique_ptr<EnvSession> make_session(const json& config = json::object()) {
-  auto plugin = arith_plugin();
-  if (!plugin) return nullptr;
-  auto session = plugin->create(config);
-  EXPECT_TRUE(session.ok()) << session.status().to_string();
-  return session.ok() ? std::move(*session) : nullptr;
+  return test_support::builtin_session("arith", config);
 }
 
 env::Action call(const std::string& tool, const json& arguments, const std::string& id = "call_1") {
-  return {"", {{id, tool, arguments}}};
+  return test_support::tool_call(tool, arguments, id);
 }
 env::Action calculate(const std::string& expression) { return call("calculator", {{"expression", expression}}); }
 env::Action answer(int64_t value) { return call("answer", {{"value", value}}); }

@@ -21,6 +21,7 @@
 #include <gtest/gtest.h>
 
 #include "envs/conformance.h"
+#include "envs/env_test_helpers.h"
 #include "envs/plugin.h"
 
 namespace odyssey::envs {
@@ -54,24 +55,13 @@ std::string slurp(const fs::path& p) {
   return ss.str();
 }
 
-std::shared_ptr<Plugin> files_plugin() {
-  static std::shared_ptr<Plugin> plugin = [] {
-    auto loaded = Plugin::load(std::string(ODYSSEY_PLUGIN_DIR) + "/libody_env_files.so");
-    EXPECT_TRUE(loaded.ok()) << loaded.status().to_string();
-    return loaded.ok() ? *loaded : nullptr;
-  }();
-  return plugin;
-}
+std::shared_ptr<Plugin> files_plugin() { return test_support::builtin_plugin("files"); }
 
 std::unique_ptr<EnvSession> make_session(const json& config = json::object()) {
-  auto plugin = files_plugin();
-  if (!plugin) return nullptr;
-  auto session = plugin->create(config);
-  EXPECT_TRUE(session.ok()) << session.status().to_string();
-  return session.ok() ? std::move(*session) : nullptr;
+  return test_support::builtin_session("files", config);
 }
 
-env::Action call(const std::string& tool, const json& arguments) { return {"", {{"call_1", tool, arguments}}}; }
+env::Action call(const std::string& tool, const json& arguments) { return test_support::tool_call(tool, arguments); }
 
 env::Observation reset(EnvSession& s, const json& task, uint64_t seed = 0) {
   auto obs = s.reset(task, seed);

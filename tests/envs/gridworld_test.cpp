@@ -9,6 +9,7 @@
 
 #include <gtest/gtest.h>
 
+#include "envs/env_test_helpers.h"
 #include "envs/plugin.h"
 
 namespace odyssey::envs {
@@ -16,21 +17,10 @@ namespace {
 
 using nlohmann::json;
 
-std::shared_ptr<Plugin> gridworld_plugin() {
-  static std::shared_ptr<Plugin> plugin = [] {
-    auto loaded = Plugin::load(std::string(ODYSSEY_PLUGIN_DIR) + "/libody_env_gridworld.so");
-    EXPECT_TRUE(loaded.ok()) << loaded.status().to_string();
-    return loaded.ok() ? *loaded : nullptr;
-  }();
-  return plugin;
-}
+std::shared_ptr<Plugin> gridworld_plugin() { return test_support::builtin_plugin("gridworld"); }
 
 std::unique_ptr<EnvSession> make_session(const json& config = json::object()) {
-  auto plugin = gridworld_plugin();
-  if (!plugin) return nullptr;
-  auto session = plugin->create(config);
-  EXPECT_TRUE(session.ok()) << session.status().to_string();
-  return session.ok() ? std::move(*session) : nullptr;
+  return test_support::builtin_session("gridworld", config);
 }
 
 env::Observation reset(EnvSession& s, const json& task, uint64_t seed = 0) {

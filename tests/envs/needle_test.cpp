@@ -14,6 +14,7 @@
 #include <gtest/gtest.h>
 
 #include "envs/conformance.h"
+#include "envs/env_test_helpers.h"
 #include "envs/plugin.h"
 
 namespace odyssey::envs {
@@ -21,24 +22,13 @@ namespace {
 
 using nlohmann::json;
 
-std::shared_ptr<Plugin> needle_plugin() {
-  static std::shared_ptr<Plugin> plugin = [] {
-    auto loaded = Plugin::load(std::string(ODYSSEY_PLUGIN_DIR) + "/libody_env_needle.so");
-    EXPECT_TRUE(loaded.ok()) << loaded.status().to_string();
-    return loaded.ok() ? *loaded : nullptr;
-  }();
-  return plugin;
-}
+std::shared_ptr<Plugin> needle_plugin() { return test_support::builtin_plugin("needle"); }
 
 std::unique_ptr<EnvSession> make_session(const json& config = json::object()) {
-  auto plugin = needle_plugin();
-  if (!plugin) return nullptr;
-  auto session = plugin->create(config);
-  EXPECT_TRUE(session.ok()) << session.status().to_string();
-  return session.ok() ? std::move(*session) : nullptr;
+  return test_support::builtin_session("needle", config);
 }
 
-env::Action call(const std::string& tool, const json& arguments) { return {"", {{"call_1", tool, arguments}}}; }
+env::Action call(const std::string& tool, const json& arguments) { return test_support::tool_call(tool, arguments); }
 
 env::Observation reset(EnvSession& s, const json& task, uint64_t seed = 0) {
   auto obs = s.reset(task, seed);
