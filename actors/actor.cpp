@@ -368,6 +368,10 @@ class Actor::Impl {
   Status flush(Slot& s, bool everything);
   void maybe_snapshot(Slot& s);
   at::Tensor piece_images(const TranscriptPiece& piece, std::vector<uint8_t>& mask);
+  // Opens the assistant turn and queues for the model `first` (the token before the piece that
+  // the model has not read: BOS, or the last sampled token), the piece's tokens and the
+  // assistant marker, with the piece's image patches; the slot then waits for the model.
+  void open_assistant_turn(Slot& s, uint32_t first, const TranscriptPiece& piece);
   Result<std::unique_ptr<envs::EnvSession>> make_session();
   void metrics_line(bool force);
   bool any_model_work() const;
@@ -629,24 +633,7 @@ Status Actor::Impl::on_started(size_t i) {
     finish(i);
     return Status::Ok();
   }
-  b.begin_turn(schema::Role::ASSISTANT);
-  b.append(assistant_, 0, version_, false);
-  ++stats_.trajectory_tokens;
-  s.turn_model_start = b.position();
-  s.feed.clear();
-  s.feed.push_back(bos_);
-  s.feed.insert(s.feed.end(), user.tokens.begin(), user.tokens.end());
-  s.feed.push_back(assistant_);
-  std::vector<uint8_t> mask = user.patch_mask();
-  at::Tensor images = piece_images(user, mask);
-  s.feed_mask.clear();
-  if (!mask.empty()) {
-    s.feed_mask.push_back(0);
-    s.feed_mask.insert(s.feed_mask.end(), mask.begin(), mask.end());
-    s.feed_mask.push_back(0);
-  }
-  s.feed_images = images;
-  s.phase = Phase::kModel;
+  open_assistant_turn(s, bos_, user);
   return flush(s, /*everything=*/false);
 }
 
@@ -805,13 +792,19 @@ Status Actor::Impl::on_env_answered(size_t i) {
   }
   // The round is over: send it, then open the next assistant turn.
   ODY_RETURN_IF_ERROR(flush(s, /*everything=*/true));
+  s.turn.clear();
+  open_assistant_turn(s, s.unfed, piece);
+  return Status::Ok();
+}
+
+void Actor::Impl::open_assistant_turn(Slot& s, uint32_t first, const TranscriptPiece& piece) {
+  SegmentBuilder& b = *s.builder;
   b.begin_turn(schema::Role::ASSISTANT);
   b.append(assistant_, 0, version_, false);
   ++stats_.trajectory_tokens;
   s.turn_model_start = b.position();
-  s.turn.clear();
   s.feed.clear();
-  s.feed.push_back(s.unfed);
+  s.feed.push_back(first);
   s.feed.insert(s.feed.end(), piece.tokens.begin(), piece.tokens.end());
   s.feed.push_back(assistant_);
   std::vector<uint8_t> mask = piece.patch_mask();
@@ -824,7 +817,6 @@ Status Actor::Impl::on_env_answered(size_t i) {
   }
   s.feed_images = images;
   s.phase = Phase::kModel;
-  return Status::Ok();
 }
 
 void Actor::Impl::finish(size_t i) {
