@@ -415,7 +415,7 @@ TEST(ArithEnv, RefusesBadConfigsAndTasksNamingTheField) {
       {{{"word_problems", 1}}, "'word_problems'"},
       {{{"max_turns", 0}}, "'max_turns'"},
       {{{"format_bonus", 2}}, "'format_bonus'"},
-      {{{"max_operands", 9}}, "'max_operands'"},
+      {{{"max_operands", 9}}, "unknown key 'max_operands' (did you mean 'max_operand'?)"},
   };
   for (const auto& [config, field] : configs) {
     auto session = plugin->create(config);

@@ -360,7 +360,7 @@ TEST(GridworldEnv, RefusesBadConfigsAndTasksNamingTheField) {
       {{{"size", 1}}, "'size'"},          {{{"size", 5}, {"walls", 17}}, "'walls'"},
       {{{"cell_pixels", 0}}, "'cell_pixels'"}, {{{"max_turns", "10"}}, "'max_turns'"},
       {{{"step_cost", 1}}, "'step_cost'"}, {{{"text_grid", "yes"}}, "'text_grid'"},
-      {{{"colour", 1}}, "'colour'"},
+      {{{"colour", 1}}, "'colour'"},      {{{"cell_pixel", 3}}, "(did you mean 'cell_pixels'?)"},
   };
   for (const auto& [config, field] : configs) {
     auto session = plugin->create(config);

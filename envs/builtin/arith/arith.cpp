@@ -42,6 +42,7 @@
 
 #include "calculator.h"
 #include "odyssey/env_sdk.hpp"
+#include "odyssey/env_util.hpp"
 #include "problems.h"
 
 namespace {
@@ -55,16 +56,6 @@ using odyssey::env::ToolError;
 using namespace odyssey::arith;
 
 constexpr int kSnapshotVersion = 1;
-
-int64_t int_key(const json& object, const char* key, int64_t fallback, int64_t lo, int64_t hi) {
-  const auto it = object.find(key);
-  if (it == object.end()) return fallback;
-  if (!it->is_number_integer() || it->get<int64_t>() < lo || it->get<int64_t>() > hi)
-    throw EnvError(ODY_ENV_ERR_INVALID_CONFIG, std::string("config '") + key + "' must be an integer in [" +
-                                                   std::to_string(lo) + ", " + std::to_string(hi) + "], got " +
-                                                   it->dump());
-  return it->get<int64_t>();
-}
 
 double number_key(const json& object, const char* key, double fallback, double lo, double hi) {
   const auto it = object.find(key);
@@ -136,22 +127,20 @@ std::optional<int64_t> text_answer(std::string_view text) {
 class Arith : public odyssey::env::Environment {
  public:
   explicit Arith(const json& config) {
-    static const char* const kKeys[] = {"min_steps",  "max_steps",    "max_operand", "word_problems",
-                                        "max_turns",  "format_bonus", "tool_bonus"};
-    for (const auto& item : config.items()) {
-      bool known = false;
-      for (const char* k : kKeys) known = known || item.key() == k;
-      if (!known)
-        throw EnvError(ODY_ENV_ERR_INVALID_CONFIG,
-                       "unknown config key '" + item.key() +
-                           "' (known: min_steps, max_steps, max_operand, word_problems, max_turns, format_bonus, "
-                           "tool_bonus)");
-    }
-    settings_.min_steps = static_cast<int>(int_key(config, "min_steps", 1, 1, 8));
-    settings_.max_steps = static_cast<int>(int_key(config, "max_steps", std::max(3, settings_.min_steps), 1, 8));
-    settings_.max_operand = int_key(config, "max_operand", 20, 1, 10000);
+    odyssey::env::check_keys(config,
+                             {"min_steps", "max_steps", "max_operand", "word_problems", "max_turns", "format_bonus",
+                              "tool_bonus"},
+                             "arith config", ODY_ENV_ERR_INVALID_CONFIG);
+    auto int_key = [&](const char* key, int64_t fallback, int64_t lo, int64_t hi) {
+      return static_cast<int64_t>(odyssey::env::integer_field(config, key, static_cast<uint64_t>(fallback),
+                                                              static_cast<uint64_t>(lo), static_cast<uint64_t>(hi),
+                                                              "arith config", ODY_ENV_ERR_INVALID_CONFIG));
+    };
+    settings_.min_steps = static_cast<int>(int_key("min_steps", 1, 1, 8));
+    settings_.max_steps = static_cast<int>(int_key("max_steps", std::max(3, settings_.min_steps), 1, 8));
+    settings_.max_operand = int_key("max_operand", 20, 1, 10000);
     settings_.word_problems = bool_key(config, "word_problems", false);
-    max_turns_ = static_cast<int>(int_key(config, "max_turns", 6, 1, 100));
+    max_turns_ = static_cast<int>(int_key("max_turns", 6, 1, 100));
     format_bonus_ = number_key(config, "format_bonus", 0.1, 0.0, 1.0);
     tool_bonus_ = number_key(config, "tool_bonus", 0.0, 0.0, 1.0);
     if (settings_.min_steps > settings_.max_steps)

@@ -34,6 +34,7 @@
 
 #include "grid.h"
 #include "odyssey/env_sdk.hpp"
+#include "odyssey/env_util.hpp"
 
 namespace {
 
@@ -48,16 +49,6 @@ using namespace odyssey::gridworld;
 constexpr int kSnapshotVersion = 1;
 constexpr double kMaxStepPenalty = 0.5;
 
-int64_t int_key(const json& object, const char* key, int64_t fallback, int64_t lo, int64_t hi) {
-  const auto it = object.find(key);
-  if (it == object.end()) return fallback;
-  if (!it->is_number_integer() || it->get<int64_t>() < lo || it->get<int64_t>() > hi)
-    throw EnvError(ODY_ENV_ERR_INVALID_CONFIG, std::string("config '") + key + "' must be an integer in [" +
-                                                   std::to_string(lo) + ", " + std::to_string(hi) + "], got " +
-                                                   it->dump());
-  return it->get<int64_t>();
-}
-
 struct Direction {
   const char* name;
   int dr, dc;
@@ -67,18 +58,17 @@ constexpr Direction kDirections[] = {{"up", -1, 0}, {"down", 1, 0}, {"left", 0, 
 class Gridworld : public odyssey::env::Environment {
  public:
   explicit Gridworld(const json& config) {
-    for (const auto& item : config.items()) {
-      const std::string& k = item.key();
-      if (k != "size" && k != "walls" && k != "cell_pixels" && k != "max_turns" && k != "step_cost" &&
-          k != "text_grid")
-        throw EnvError(ODY_ENV_ERR_INVALID_CONFIG,
-                       "unknown config key '" + k +
-                           "' (known: size, walls, cell_pixels, max_turns, step_cost, text_grid)");
-    }
-    size_ = static_cast<int>(int_key(config, "size", 5, 2, 32));
-    walls_ = static_cast<int>(int_key(config, "walls", size_, 0, (size_ - 1) * (size_ - 1)));
-    cell_pixels_ = static_cast<int>(int_key(config, "cell_pixels", 4, 1, 32));
-    max_turns_ = static_cast<int>(int_key(config, "max_turns", 20, 1, 1000));
+    odyssey::env::check_keys(config, {"size", "walls", "cell_pixels", "max_turns", "step_cost", "text_grid"},
+                             "gridworld config", ODY_ENV_ERR_INVALID_CONFIG);
+    auto int_key = [&](const char* key, int64_t fallback, int64_t lo, int64_t hi) {
+      return static_cast<int>(odyssey::env::integer_field(config, key, static_cast<uint64_t>(fallback),
+                                                          static_cast<uint64_t>(lo), static_cast<uint64_t>(hi),
+                                                          "gridworld config", ODY_ENV_ERR_INVALID_CONFIG));
+    };
+    size_ = int_key("size", 5, 2, 32);
+    walls_ = int_key("walls", size_, 0, (size_ - 1) * (size_ - 1));
+    cell_pixels_ = int_key("cell_pixels", 4, 1, 32);
+    max_turns_ = int_key("max_turns", 20, 1, 1000);
     if (const auto it = config.find("step_cost"); it != config.end()) {
       if (!it->is_number() || !(it->get<double>() >= 0.0 && it->get<double>() <= 0.1))
         throw EnvError(ODY_ENV_ERR_INVALID_CONFIG, "config 'step_cost' must be a number in [0, 0.1], got " + it->dump());
