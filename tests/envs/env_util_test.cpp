@@ -82,6 +82,21 @@ TEST(EnvUtil, SplitIndexTasksFollowTheConventionAndRefuseAnythingElse) {
   EXPECT_EQ(refused(json::array({1, 2})), "task must be an object, got [1,2]");
 }
 
+TEST(EnvUtil, SnapshotsOfAnotherKindOrVersionAreRefusedSayingWhich) {
+  using odyssey::env::parse_snapshot;
+  const json s = parse_snapshot(R"({"env": "needle", "version": 1, "turn": 3})", "needle", 1);
+  EXPECT_EQ(s.at("turn"), 3);
+  EXPECT_EQ(parse_snapshot(R"({"kind": "arith", "version": 2})", "arith", 2, "kind").at("version"), 2);
+  auto refused = [](std::string_view bytes) {
+    return refusal([&] { parse_snapshot(bytes, "needle", 1); }, ODY_ENV_ERR_UNSUPPORTED);
+  };
+  EXPECT_EQ(refused("\x01\x02garbage").rfind("needle snapshot: not JSON: ", 0), 0u);
+  EXPECT_EQ(refused(R"({"env": "files", "version": 1})"), "needle snapshot: not a snapshot of 'needle'");
+  EXPECT_EQ(refused(R"([1, 2])"), "needle snapshot: not a snapshot of 'needle'");
+  EXPECT_EQ(refused(R"({"env": "needle", "version": 2})"), "needle snapshot: version 2, this build reads version 1");
+  EXPECT_EQ(refused(R"({"env": "needle"})"), "needle snapshot: version none, this build reads version 1");
+}
+
 TEST(EnvUtil, HashesAndStreamsAreTheReferenceAlgorithms) {
   // FNV-1a 64 test vectors.
   EXPECT_EQ(odyssey::env::fnv1a64(""), 0xcbf29ce484222325ull);

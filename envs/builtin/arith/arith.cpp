@@ -252,9 +252,7 @@ class Arith : public odyssey::env::Environment {
   }
 
   void restore(std::string_view bytes) override {
-    const json state = json::parse(bytes);
-    if (state.value("kind", "") != "arith" || state.value("version", 0) != kSnapshotVersion)
-      throw EnvError(ODY_ENV_ERR_UNSUPPORTED, "not an arith snapshot of version " + std::to_string(kSnapshotVersion));
+    const json state = odyssey::env::parse_snapshot(bytes, "arith", kSnapshotVersion, "kind");
     if (state.at("config") != config_json())
       throw EnvError(ODY_ENV_ERR_UNSUPPORTED, "the snapshot was taken with another config: " +
                                                   state.at("config").dump() + " (this instance: " +

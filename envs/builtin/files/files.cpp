@@ -368,14 +368,7 @@ class Files : public env::Environment {
   }
 
   void restore(std::string_view bytes) override {
-    json s;
-    try {
-      s = json::parse(bytes);
-    } catch (const json::exception& e) {
-      throw EnvError(ODY_ENV_ERR_UNSUPPORTED, std::string("files snapshot: not JSON: ") + e.what());
-    }
-    if (!s.is_object() || s.value("env", "") != "files" || s.value("version", 0) != kSnapshotVersion)
-      throw EnvError(ODY_ENV_ERR_UNSUPPORTED, "files snapshot: not a version-1 files snapshot");
+    const json s = env::parse_snapshot(bytes, "files", kSnapshotVersion);
     reset(s.at("task"), s.at("seed").get<uint64_t>());
     // The project as snapshotted: everything but the check's own files comes from the snapshot.
     std::error_code ec;

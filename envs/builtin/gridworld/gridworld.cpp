@@ -171,10 +171,7 @@ class Gridworld : public odyssey::env::Environment {
   }
 
   void restore(std::string_view bytes) override {
-    const json state = json::parse(bytes);
-    if (state.value("kind", "") != "gridworld" || state.value("version", 0) != kSnapshotVersion)
-      throw EnvError(ODY_ENV_ERR_UNSUPPORTED,
-                     "not a gridworld snapshot of version " + std::to_string(kSnapshotVersion));
+    const json state = odyssey::env::parse_snapshot(bytes, "gridworld", kSnapshotVersion, "kind");
     if (state.at("config") != config_json())
       throw EnvError(ODY_ENV_ERR_UNSUPPORTED, "the snapshot was taken with another config: " +
                                                   state.at("config").dump() + " (this instance: " +

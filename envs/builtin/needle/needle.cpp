@@ -266,14 +266,7 @@ class Needle : public env::Environment {
   }
 
   void restore(std::string_view bytes) override {
-    json s;
-    try {
-      s = json::parse(bytes);
-    } catch (const json::exception& e) {
-      throw EnvError(ODY_ENV_ERR_UNSUPPORTED, std::string("needle snapshot: not JSON: ") + e.what());
-    }
-    if (!s.is_object() || s.value("env", "") != "needle" || s.value("version", 0) != kSnapshotVersion)
-      throw EnvError(ODY_ENV_ERR_UNSUPPORTED, "needle snapshot: not a version-1 needle snapshot");
+    const json s = env::parse_snapshot(bytes, "needle", kSnapshotVersion);
     for (const char* key : {"corpus_tokens", "documents", "hops"}) {
       const uint64_t mine = key == std::string("corpus_tokens") ? config_.corpus_tokens
                             : key == std::string("documents")   ? config_.documents

@@ -2,7 +2,8 @@
 // environments (envs/builtin/) and free for any plugin:
 //   - checking a config or task object: unknown keys refused with the closest known one
 //     suggested (check_keys), integers in a range (integer_field), the {"split", "index"} task
-//     convention (split_index_task), each an EnvError whose message names the key;
+//     convention (split_index_task), each an EnvError whose message names the key; a JSON
+//     snapshot's kind and version (parse_snapshot);
 //   - hashing and random streams that are the same on every platform and compiler (the std
 //     distributions are not), so that task N is the same task everywhere: mix64 / splitmix64,
 //     fnv1a64, SplitMix64 (a counter-based stream) and Xoshiro256 (xoshiro256**).
@@ -109,6 +110,29 @@ inline SplitIndex split_index_task(const nlohmann::json& task, uint64_t seed) {
                                                  (i.is_null() ? std::string("nothing") : i.dump()));
   }
   return {s == "eval", i.get<uint64_t>()};
+}
+
+// A snapshot written as a JSON object {kind_key: name, "version": version, ...}, parsed and
+// checked: anything else (not JSON, another environment's, another version) throws
+// EnvError(ODY_ENV_ERR_UNSUPPORTED) saying which. What the fields inside mean is the caller's
+// to check.
+inline nlohmann::json parse_snapshot(std::string_view bytes, const std::string& name, int version,
+                                     const char* kind_key = "env") {
+  nlohmann::json s;
+  try {
+    s = nlohmann::json::parse(bytes);
+  } catch (const nlohmann::json::exception& e) {
+    throw EnvError(ODY_ENV_ERR_UNSUPPORTED, name + " snapshot: not JSON: " + e.what());
+  }
+  if (!s.is_object() || !s.contains(kind_key) || s[kind_key] != name) {
+    throw EnvError(ODY_ENV_ERR_UNSUPPORTED, name + " snapshot: not a snapshot of '" + name + "'");
+  }
+  if (!s.contains("version") || s["version"] != version) {
+    throw EnvError(ODY_ENV_ERR_UNSUPPORTED, name + " snapshot: version " +
+                                                (s.contains("version") ? s["version"].dump() : std::string("none")) +
+                                                ", this build reads version " + std::to_string(version));
+  }
+  return s;
 }
 
 // ---- hashing and random streams that are the same everywhere -----------------------------
