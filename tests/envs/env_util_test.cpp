@@ -42,6 +42,8 @@ TEST(EnvUtil, CheckKeysRefusesUnknownKeysAndSuggestsTheClosest) {
             "t: unknown key 'zzz'; known keys: corpus_tokens, documents, hops");
   EXPECT_EQ(odyssey::env::edit_distance("kitten", "sitting"), 3u);
   EXPECT_EQ(odyssey::env::edit_distance("", "abc"), 3u);
+  EXPECT_EQ(odyssey::env::edit_distance("hpos", "hops"), 1u);  // a swap of neighbours is one edit
+  EXPECT_EQ(odyssey::env::closest_key("docmuents", known), "documents");
   EXPECT_EQ(odyssey::env::closest_key("hop", known), "hops");
 }
 
