@@ -277,21 +277,33 @@ struct alignas(16) GradientShared {
   static constexpr int kDecaySlices = kGradientThreads / 2 / (K / 2);  // of the V rows (d_decay)
   bf16 s_t[V][kRowK];          // S^T of the chunk's entering state
   bf16 ds_t[V][kRowK];         // dS'^T
-  bf16 a_w[kChunk][kRowK];     // W    (bf16 A operands of the K x V products)
   bf16 a_kbar[kChunk][kRowK];  // K_
+  // Phases 1-5 only (dead in phases 6-9, not written in phase 0): their space holds the next
+  // chunk's inputs, staged by cp.async during phases 6-9 and read by phase 0.
+  struct Live {
+    bf16 a_w[kChunk][kRowK];     // W    (bf16 A operand of W S)
+    SplitRows<kRowV> vn_s;       // V' (hi: the bf16 A operand of V' dS'^T)
+    SplitRows<kRowV> dvn_s;      // dV' (hi: the bf16 A operand of dV' S^T)
+    float vn[kChunk][kPadV];     // U, then V' = U - W S
+    float dvn[kChunk][kPadV];    // K_ dS' (then + Aqk^T dO = dV', kept split in dvn_s)
+  };
+  struct Staged {                // bf16 inputs of the next chunk, rows past its end zero
+    bf16 q[kChunk][K], k[kChunk][K], v[kChunk][V], d_o[kChunk][V];
+    float g[kChunk][K];
+  };
+  union alignas(16) {
+    Live live;
+    Staged next;
+  };
   SplitRows<kRowK> q_hat, k_hat, k_check;  // Q^, K^, K~
   SplitRows<kRowK> d_w;        // -dV' S^T = dW
   SplitRows<kRowV> d_o, v;     // dO (hi: the bf16 A operand of dO S^T), V
-  SplitRows<kRowV> vn_s;       // V' (hi: the bf16 A operand of V' dS'^T)
-  SplitRows<kRowV> dvn_s;      // dV' (hi: the bf16 A operand of dV' S^T)
   float gamma[kChunk][kPadK];  // Gamma; dGamma after the elementwise phase
   float k_bar[kChunk][kPadK];  // K_ in fp32
   float d_qhat[kChunk][kPadK];    // dO S^T, then + dAqk K~ = dQ^
   float d_kbar[kChunk][kPadK];    // V' dS'^T = dK_
   float d_khat[kChunk][kPadK];    // M^T dW, then dK^ = Diag(beta) (M^T dW + dL K~)
   float d_kcheck[kChunk][kPadK];  // dAqk^T Q^, then + (Diag(beta) dL)^T K^ = dK~
-  float vn[kChunk][kPadV];     // U, then V' = U - W S
-  float dvn[kChunk][kPadV];    // K_ dS' (then + Aqk^T dO = dV', kept split in dvn_s)
   float p[kChunk][kPadC];      // strictly_lower(K^ K~^T)
   float a_qk[kChunk][kPadC];   // lower_incl_diag(Q^ K~^T)
   float m[kChunk][kPadC];      // (I + Diag(beta) P)^-1
@@ -506,10 +518,15 @@ __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>()
   constexpr int kValueItems = kChunk / kValueStride;
   const int kc = tid % K, kr = tid / K, vc = tid % V, vr = tid / V;
 
-  // An item's loads, all in flight at once: S^T and dS'^T by cp.async; the whole column of g this
-  // thread needs for Gamma, its elements of q, k, v, dO and (threads 0-15) beta into registers.
-  // Rows past valid read the last real row (phase 0 zeroes them).
-  float g_col[kChunk], q_in[kKeyItems], k_in[kKeyItems], v_in[kValueItems], do_in[kValueItems];
+  // An item's loads, all in flight at once. S^T and dS'^T by cp.async. bf16 inputs: the chunk's
+  // rows of q, k, v, dO and g by cp.async too, into sh.next (rows past its end zero-filled; the
+  // space of phases 1-5's arrays, so the next chunk's are issued after phase 5), and beta
+  // (threads 0-15) into a register. fp32 inputs: the whole column of g this thread needs for
+  // Gamma and its elements of q, k, v, dO into registers (rows past the end read the last real
+  // row; phase 0 zeroes them). With 33 register loads a thread, issuing the next chunk's loads
+  // stalled the warps ~4K cycles per chunk (phase 6); staged, it is 3 cp.async a thread.
+  float g_col[kExact ? 1 : kChunk], q_in[kKeyItems], k_in[kKeyItems], v_in[kValueItems],
+      do_in[kValueItems];
   float beta_in = 0.0f;
   auto issue = [&](const Item& it) {
     const int64_t offset = ((static_cast<int64_t>(it.seq) * H + it.h) * num_chunks + it.chunk) * V * K;
@@ -524,22 +541,51 @@ __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>()
         cp_async16(&sh.ds_t[row][col], ds + static_cast<int64_t>(e) * 8);
       }
     }
-    cp_async_commit();
     auto real = [&](int i) { return (it.row0 + (i < it.valid ? i : it.valid - 1)) * H + it.h; };
+    if constexpr (kExact) {
+      // 16-byte pieces: a row of K (V) bf16 is K / 8 (V / 8) of them, a row of K fp32 K / 4.
 #pragma unroll
-    for (int i = 0; i < kChunk; ++i) g_col[i] = a.g[real(i) * K + kc];
+      for (int e0 = 0; e0 < kChunk * K / 8; e0 += kGradientThreads) {
+        const int e = e0 + tid, i = e / (K / 8), col = (e % (K / 8)) * 8;
+        if (kChunk * K / 8 % kGradientThreads == 0 || e < kChunk * K / 8) {
+          const int64_t at = real(i) * K + col;
+          cp_async16_or_zero(&sh.next.q[i][col], q + at, i < it.valid);
+          cp_async16_or_zero(&sh.next.k[i][col], k + at, i < it.valid);
+        }
+      }
 #pragma unroll
-    for (int r = 0; r < kKeyItems; ++r) {
-      const int i = kr + kKeyStride * r;
-      q_in[r] = to_float(q[real(i) * K + kc]);
-      k_in[r] = to_float(k[real(i) * K + kc]);
+      for (int e0 = 0; e0 < kChunk * V / 8; e0 += kGradientThreads) {
+        const int e = e0 + tid, i = e / (V / 8), col = (e % (V / 8)) * 8;
+        if (kChunk * V / 8 % kGradientThreads == 0 || e < kChunk * V / 8) {
+          const int64_t at = real(i) * V + col;
+          cp_async16_or_zero(&sh.next.v[i][col], v + at, i < it.valid);
+          cp_async16_or_zero(&sh.next.d_o[i][col], d_o + at, i < it.valid);
+        }
+      }
+#pragma unroll
+      for (int e0 = 0; e0 < kChunk * K / 4; e0 += kGradientThreads) {
+        const int e = e0 + tid, i = e / (K / 4), col = (e % (K / 4)) * 4;
+        if (kChunk * K / 4 % kGradientThreads == 0 || e < kChunk * K / 4) {
+          cp_async16_or_zero(&sh.next.g[i][col], a.g + real(i) * K + col, i < it.valid);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < kChunk; ++i) g_col[i] = a.g[real(i) * K + kc];
+#pragma unroll
+      for (int r = 0; r < kKeyItems; ++r) {
+        const int i = kr + kKeyStride * r;
+        q_in[r] = to_float(q[real(i) * K + kc]);
+        k_in[r] = to_float(k[real(i) * K + kc]);
+      }
+#pragma unroll
+      for (int r = 0; r < kValueItems; ++r) {
+        const int i = vr + kValueStride * r;
+        v_in[r] = to_float(v[real(i) * V + vc]);
+        do_in[r] = to_float(d_o[real(i) * V + vc]);
+      }
     }
-#pragma unroll
-    for (int r = 0; r < kValueItems; ++r) {
-      const int i = vr + kValueStride * r;
-      v_in[r] = to_float(v[real(i) * V + vc]);
-      do_in[r] = to_float(d_o[real(i) * V + vc]);
-    }
+    cp_async_commit();
     if (tid < kChunk) beta_in = to_float(static_cast<const T*>(a.beta)[real(tid)]);
   };
   issue(cur);
@@ -547,14 +593,37 @@ __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>()
   for (;;) {
   const int valid = cur.valid;
 
-  // Phase 0: from the registers issue() filled: Gamma (each thread from its whole column of g),
-  // Q^, K^, K~, K_, V, dO, beta; then S^T and dS'^T have landed.
+  // Phase 0: from what issue() loaded: Gamma (each thread from its whole column of g), Q^, K^,
+  // K~, K_, V, dO, beta.
   if (tid < kChunk) sh.beta[tid] = tid < valid ? beta_in : 0.0f;
+  if constexpr (kExact) {
+    cp_async_wait<0>();  // sh.next, S^T and dS'^T
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < kKeyItems; ++r) {
+      const int i = kr + kKeyStride * r;
+      q_in[r] = __bfloat162float(sh.next.q[i][kc]);
+      k_in[r] = __bfloat162float(sh.next.k[i][kc]);
+    }
+#pragma unroll
+    for (int r = 0; r < kValueItems; ++r) {
+      const int i = vr + kValueStride * r;
+      v_in[r] = __bfloat162float(sh.next.v[i][vc]);
+      do_in[r] = __bfloat162float(sh.next.d_o[i][vc]);
+    }
+  }
+  auto g_at = [&](int i) {
+    if constexpr (kExact) {
+      return sh.next.g[i][kc];
+    } else {
+      return g_col[i];
+    }
+  };
   {
     float cum = 0.0f, gam[kKeyItems] = {};
 #pragma unroll
     for (int i = 0; i < kChunk; ++i) {
-      cum += i < valid ? g_col[i] : 0.0f;
+      cum += i < valid ? g_at(i) : 0.0f;
 #pragma unroll
       for (int r = 0; r < kKeyItems; ++r) gam[r] = i == kr + kKeyStride * r ? cum : gam[r];
     }
@@ -580,7 +649,7 @@ __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>()
       sh.d_o.store(i, vc, i < valid ? do_in[r] : 0.0f);
     }
   }
-  cp_async_wait<0>();
+  if constexpr (!kExact) cp_async_wait<0>();
   __syncthreads();
 
   // Phase 1: P = strictly_lower(K^ K~^T) and Aqk = lower_incl_diag(Q^ K~^T) on warps 0 and 1
@@ -599,7 +668,7 @@ __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>()
     for (int task = warp - 2; task < kTasks; task += kGradientWarps - 2) {
       if (task < kDv) {
         mma_tile16<K, false>(&sh.a_kbar[0][0], kRowK, &sh.ds_t[0][0], kRowK, task * 16, lane,
-                             [&](int i, int c, float y) { sh.dvn[i][c] = y; });
+                             [&](int i, int c, float y) { sh.live.dvn[i][c] = y; });
       } else {
         mma_tile16<V, true>(&sh.d_o.hi[0][0], kRowV, &sh.s_t[0][0], kRowK, (task - kDv) * 16, lane,
                             [&](int i, int c, float y) { sh.d_qhat[i][c] = y; });
@@ -644,10 +713,10 @@ __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>()
     for (int task = warp; task < kTasks; task += kGradientWarps) {
       if (task < kW) {
         mma_small_a_tile16<true>(m_beta, &sh.k_hat.hi[0][0], &sh.k_hat.lo[0][0], kRowK, task * 16, lane,
-                                 [&](int i, int c, float y) { sh.a_w[i][c] = __float2bfloat16_rn(y); });
+                                 [&](int i, int c, float y) { sh.live.a_w[i][c] = __float2bfloat16_rn(y); });
       } else {
         mma_small_a_tile16<!kExact>(m_beta, &sh.v.hi[0][0], &sh.v.lo[0][0], kRowV, (task - kW) * 16, lane,
-                                    [&](int i, int c, float y) { sh.vn[i][c] = y; });
+                                    [&](int i, int c, float y) { sh.live.vn[i][c] = y; });
       }
     }
   }
@@ -659,12 +728,12 @@ __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>()
     constexpr int kVn = V / 16, kTasks = 2 * kVn;
     for (int task = warp; task < kTasks; task += kGradientWarps) {
       if (task < kVn) {
-        mma_tile16<K, false>(&sh.a_w[0][0], kRowK, &sh.s_t[0][0], kRowK, task * 16, lane,
-                             [&](int i, int c, float y) { sh.vn_s.store(i, c, sh.vn[i][c] - y); });
+        mma_tile16<K, false>(&sh.live.a_w[0][0], kRowK, &sh.s_t[0][0], kRowK, task * 16, lane,
+                             [&](int i, int c, float y) { sh.live.vn_s.store(i, c, sh.live.vn[i][c] - y); });
       } else {
         mma_small_a_tile16<!kExact>([&](int i, int r) { return sh.a_qk[r][i]; }, &sh.d_o.hi[0][0],
                                     &sh.d_o.lo[0][0], kRowV, (task - kVn) * 16, lane,
-                                    [&](int i, int c, float y) { sh.dvn_s.store(i, c, sh.dvn[i][c] + y); });
+                                    [&](int i, int c, float y) { sh.live.dvn_s.store(i, c, sh.live.dvn[i][c] + y); });
       }
     }
   }
@@ -674,25 +743,25 @@ __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>()
   // (B(k = c, n = j) = V'[j][c], V[i][c]: rows = n); on the others dK_ = V' dS'^T and
   // dW = -dV' S^T (B(k = v, n = kk): rows = k), dv = Diag(beta) M^T dV' (written out).
   if (warp == 0) {
-    mma_split_tile16<V, false, !kExact, true>(&sh.d_o.hi[0][0], &sh.d_o.lo[0][0], kRowV, &sh.vn_s.hi[0][0],
-                                              &sh.vn_s.lo[0][0], kRowV, 0, lane,
+    mma_split_tile16<V, false, !kExact, true>(&sh.d_o.hi[0][0], &sh.d_o.lo[0][0], kRowV, &sh.live.vn_s.hi[0][0],
+                                              &sh.live.vn_s.lo[0][0], kRowV, 0, lane,
                                               [&](int i, int j, float y) { sh.d_aqk[i][j] = j <= i ? y : 0.0f; });
   } else if (warp == 1) {
-    mma_split_tile16<V, false, true, !kExact>(&sh.dvn_s.hi[0][0], &sh.dvn_s.lo[0][0], kRowV, &sh.v.hi[0][0],
+    mma_split_tile16<V, false, true, !kExact>(&sh.live.dvn_s.hi[0][0], &sh.live.dvn_s.lo[0][0], kRowV, &sh.v.hi[0][0],
                                               &sh.v.lo[0][0], kRowV, 0, lane,
                                               [&](int t, int i, float y) { sh.d_m[t][i] = y; });
   } else {
     constexpr int kKb = K / 16, kDw = K / 16, kTasks = kKb + kDw + V / 16;
     for (int task = warp - 2; task < kTasks; task += kGradientWarps - 2) {
       if (task < kKb) {
-        mma_tile16<V, true>(&sh.vn_s.hi[0][0], kRowV, &sh.ds_t[0][0], kRowK, task * 16, lane,
+        mma_tile16<V, true>(&sh.live.vn_s.hi[0][0], kRowV, &sh.ds_t[0][0], kRowK, task * 16, lane,
                             [&](int i, int c, float y) { sh.d_kbar[i][c] = y; });
       } else if (task < kKb + kDw) {
-        mma_tile16<V, true>(&sh.dvn_s.hi[0][0], kRowV, &sh.s_t[0][0], kRowK, (task - kKb) * 16, lane,
+        mma_tile16<V, true>(&sh.live.dvn_s.hi[0][0], kRowV, &sh.s_t[0][0], kRowK, (task - kKb) * 16, lane,
                             [&](int i, int c, float y) { sh.d_w.store(i, c, -y); });
       } else {
-        mma_small_a_tile16<true>([&](int i, int r) { return sh.m[r][i]; }, &sh.dvn_s.hi[0][0],
-                                 &sh.dvn_s.lo[0][0], kRowV, (task - kKb - kDw) * 16, lane,
+        mma_small_a_tile16<true>([&](int i, int r) { return sh.m[r][i]; }, &sh.live.dvn_s.hi[0][0],
+                                 &sh.live.dvn_s.lo[0][0], kRowV, (task - kKb - kDw) * 16, lane,
                                  [&](int i, int c, float y) {
                                    if (i < valid) a.dv[token(i) * V + c] = sh.beta[i] * y;
                                  });

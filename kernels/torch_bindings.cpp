@@ -223,7 +223,7 @@ KdaChunkedGradients kda_chunked_backward(const at::Tensor& q, const at::Tensor& 
 
   const c10::cuda::CUDAGuard guard(device);
   const KdaLaunchInputs c = kda_launch_inputs(q, k, v, g, beta);
-  const at::Tensor doc = d_o.to(q.scalar_type()).contiguous();
+  const at::Tensor doc = aligned_contiguous(d_o.to(q.scalar_type()));
   const auto f32 = q.options().dtype(at::kFloat);
   at::Tensor dq = at::empty(q.sizes(), f32), dk = at::empty(q.sizes(), f32);
   at::Tensor dg = at::empty(q.sizes(), f32), dv = at::empty(v.sizes(), f32);
