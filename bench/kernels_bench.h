@@ -65,7 +65,7 @@ struct KernelsBenchResult {
   double copy_gb_per_s = 0;
   double kda_forward_ms = 0;            // B=2, T=16K, H=64, K=V=128, bf16, best
   double kda_forward_reference_ms = 0;  // kda::chunked_reference on the same inputs, best
-  double kda_forward_no_prefetch_ms = 0;  // the kernel without the L2 prefetch, best
+  double kda_forward_column_tiles_ms = 0;  // with 64-column CTAs instead of the head walk, best
   double kda_forward_long_ms = 0;       // B=1, T=64K, H=4 (automatic: context parallel)
   double kda_forward_long_serial_ms = 0;  // the same, serial walk (8 CTAs)
   double kda_backward_ms = 0;           // B=2, T=16K, H=64, K=V=128, bf16, best

@@ -279,6 +279,7 @@ struct ChunkedArgs {
   float* transition_a;          // transition pass: [N, P - 1, H, K, K], A_seg transposed
   float* transition_b;          // transition pass: [N, P - 1, H, K, V], B_seg
   bool prefetch;                // L2 prefetch of the next group's inputs during the walk
+  bool head_walk;               // bf16 K = V = 128: one 8-warp CTA per head (kda_head_kernel)
   // Forward pass, for the backward: bf16 [N, H, ceil(length / 16), V, K], the state entering
   // every chunk, transposed (nullptr: not kept). Not with cu_seqlens.
   void* chunk_states;

@@ -144,7 +144,7 @@ KdaChunkedOutput kda_chunked(const at::Tensor& q, const at::Tensor& k, const at:
                              const at::Tensor& g, const at::Tensor& beta,
                              const at::Tensor& initial_state, double scale,
                              const at::Tensor& cu_seqlens, int64_t segment_length,
-                             bool prefetch) {
+                             bool prefetch, bool head_walk) {
   constexpr const char* where = "kernels::kda_chunked";
   const auto [batch, length, heads, key, value] =
       check_kda_sequence(where, q, k, v, g, beta, /*d_o=*/at::Tensor());
@@ -185,6 +185,7 @@ KdaChunkedOutput kda_chunked(const at::Tensor& q, const at::Tensor& k, const at:
   KdaChunkedOptions options;
   options.segment_length = segment_length;
   options.prefetch = prefetch;
+  options.head_walk = head_walk;
   // The context-parallel path's scratch (none for the serial walk), from the caching allocator.
   const size_t workspace_bytes = kda_chunked_forward_workspace_bytes(
       offsets.defined(), sequences, length, heads, key, value, options);

@@ -385,6 +385,33 @@ TEST_F(KdaKernel, L2PrefetchChangesNothing) {
   }
 }
 
+TEST_F(KdaKernel, HeadWalkEqualsTheColumnTilesBitForBit) {
+  // bf16 K = V = 128: one CTA of 8 warps per head (KdaChunkedOptions::head_walk, the default)
+  // computes every value with the operations of the two 64-column CTAs, in the same order:
+  // serial and context-parallel, partly filled groups and chunks, packed sequences, an initial
+  // state; and the backward's state recompute (through the gradients).
+  for (int64_t length : {1, 77, 1000}) {
+    const Inputs in = make_inputs(2, length, 3, 128, 128, at::kBFloat16, Gates::kRandom, true, 96);
+    for (int64_t segment : {-1, 192}) {
+      const KdaChunkedOutput head = kda_chunked(in.q, in.k, in.v, in.g, in.beta, in.state, in.scale,
+                                                at::Tensor(), segment, true, /*head_walk=*/true);
+      const KdaChunkedOutput tiles = kda_chunked(in.q, in.k, in.v, in.g, in.beta, in.state, in.scale,
+                                                 at::Tensor(), segment, true, /*head_walk=*/false);
+      const std::string name = "T " + std::to_string(length) + " segment_length " + std::to_string(segment);
+      EXPECT_EQ(max_error(head.o, tiles.o), 0.0) << name;
+      EXPECT_EQ(max_error(head.final_state, tiles.final_state), 0.0) << name;
+    }
+  }
+  const Inputs in = make_inputs(1, 300, 2, 128, 128, at::kBFloat16, Gates::kRandom, false, 97);
+  const at::Tensor cu = at::tensor(std::vector<int64_t>{0, 17, 17, 140, 300}, at::kLong);
+  const KdaChunkedOutput head =
+      kda_chunked(in.q, in.k, in.v, in.g, in.beta, at::Tensor(), in.scale, cu, 0, true, true);
+  const KdaChunkedOutput tiles =
+      kda_chunked(in.q, in.k, in.v, in.g, in.beta, at::Tensor(), in.scale, cu, 0, true, false);
+  EXPECT_EQ(max_error(head.o, tiles.o), 0.0) << "packed";
+  EXPECT_EQ(max_error(head.final_state, tiles.final_state), 0.0) << "packed";
+}
+
 TEST_F(KdaKernel, DecodeStepMatchesFp64Step) {
   const HeadShape shapes[] = {{64, 128}, {128, 128}, {32, 32}, {32, 128}, {128, 32}, {32, 64}};
   for (at::ScalarType dtype : {at::kBFloat16, at::kFloat}) {
