@@ -330,210 +330,6 @@ cudaError_t launch_chunked(const ChunkedArgs& a, dim3 grid, cudaStream_t stream)
 // waits on no global load. Every value is computed by the same operations in the same order as
 // in the 64-column CTAs: the results are bit for bit theirs. 213 KB of shared memory, one CTA
 // per SM, 8 walking warps per SM as before.
-constexpr int kHeadWarps = 8;
-constexpr int kHeadThreads = kHeadWarps * 32;
-constexpr int kHeadGroup = kHeadWarps / 2;  // chunks per group: one pair of warps each
-
-// One chunk's raw inputs, staged while the previous group is walked (rows past the end zeros).
-template <int K, int V>
-struct alignas(16) HeadStaging {
-  bf16 q[kChunk][K + 8];
-  bf16 k[kChunk][K + 8];
-  bf16 v[kChunk][V + 8];
-  float g[kChunk][K];
-};
-
-template <int K, int V>
-struct HeadShared {
-  ChunkSlot<K, V> slot[kHeadGroup];
-  HeadStaging<K, V> staging[kHeadGroup];
-};
-
-template <int K, int V>
-constexpr size_t head_shared_bytes() {
-  return sizeof(HeadShared<K, V>);
-}
-
-// Named barrier of the pair of warps preparing chunk c of a group (barrier 0 is __syncthreads).
-__device__ __forceinline__ void pair_barrier(int c) {
-  asm volatile("bar.sync %0, 64;\n" ::"r"(1 + c) : "memory");
-}
-
-// The loads of one chunk's half (member p of its pair): key and value columns [64p, 64p + 64)
-// of q (with outputs), k, v and g into its staging, by cp.async; beta (member 0, lanes 0-15)
-// into a register.
-template <int K, int V, bool kOutputs>
-__device__ __forceinline__ void issue_head_loads(const ChunkedArgs& a, HeadStaging<K, V>& st,
-                                                 int64_t row0, int valid, int h, int p, int lane,
-                                                 float& beta) {
-  const int H = a.heads;
-  const bf16* q = static_cast<const bf16*>(a.q);
-  const bf16* k = static_cast<const bf16*>(a.k);
-  const bf16* v = static_cast<const bf16*>(a.v);
-  const int64_t last_row = row0 + valid - 1;  // a readable address for the zero-filled rows
-  constexpr int kKeyHalf = K / 2, kValueHalf = V / 2;
-  // bf16 halves: 8 pieces of 16 bytes a row; g: 16 (fp32).
-#pragma unroll
-  for (int r = 0; r < kChunk * (kKeyHalf / 8) / 32; ++r) {
-    const int item = lane + 32 * r, i = item / (kKeyHalf / 8), col = p * kKeyHalf + (item % (kKeyHalf / 8)) * 8;
-    const int64_t src = (min64(row0 + i, last_row) * H + h) * static_cast<int64_t>(K) + col;
-    if constexpr (kOutputs) cp_async16_or_zero(&st.q[i][col], q + src, i < valid);
-    cp_async16_or_zero(&st.k[i][col], k + src, i < valid);
-  }
-#pragma unroll
-  for (int r = 0; r < kChunk * (kValueHalf / 8) / 32; ++r) {
-    const int item = lane + 32 * r, i = item / (kValueHalf / 8), col = p * kValueHalf + (item % (kValueHalf / 8)) * 8;
-    const int64_t src = (min64(row0 + i, last_row) * H + h) * static_cast<int64_t>(V) + col;
-    cp_async16_or_zero(&st.v[i][col], v + src, i < valid);
-  }
-#pragma unroll
-  for (int r = 0; r < kChunk * (kKeyHalf / 4) / 32; ++r) {
-    const int item = lane + 32 * r, i = item / (kKeyHalf / 4), col = p * kKeyHalf + (item % (kKeyHalf / 4)) * 4;
-    const int64_t src = (min64(row0 + i, last_row) * H + h) * static_cast<int64_t>(K) + col;
-    cp_async16_or_zero(&st.g[i][col], a.g + src, i < valid);
-  }
-  cp_async_commit();
-  beta = p == 0 && lane < valid ? __bfloat162float(static_cast<const bf16*>(a.beta)[(row0 + lane) * H + h]) : 0.0f;
-}
-
-// The prepare phase of one chunk by the pair of warps 2c, 2c + 1 (member p), from its staging
-// (complete: each member waited for its own loads), into its slot. The operations are
-// prepare_chunk's, split by columns.
-template <int K, int V, bool kOutputs>
-__device__ __forceinline__ void prepare_chunk_pair(const ChunkedArgs& a, ChunkSlot<K, V>& slot,
-                                                   const HeadStaging<K, V>& st, int c, int p,
-                                                   float beta, int lane) {
-  const int c0 = p * (K / 2) + 2 * lane;  // this lane's two key columns
-  float gamma[2] = {};
-#pragma unroll
-  for (int i = 0; i < kChunk; ++i) {
-    const float2 gi = *reinterpret_cast<const float2*>(&st.g[i][c0]);
-    gamma[0] += gi.x, gamma[1] += gi.y;
-  }
-  float decay_last[2];
-#pragma unroll
-  for (int j = 0; j < 2; ++j) decay_last[j] = __expf(gamma[j]);
-  *reinterpret_cast<float2*>(&slot.decay_last[c0]) = make_float2(decay_last[0], decay_last[1]);
-
-  float cum[2] = {};
-#pragma unroll
-  for (int i = 0; i < kChunk; ++i) {
-    const float2 gi = *reinterpret_cast<const float2*>(&st.g[i][c0]);
-    const float2 ki = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&st.k[i][c0]));
-    float2 qi = make_float2(0.0f, 0.0f);
-    if constexpr (kOutputs) qi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&st.q[i][c0]));
-    const float g2[2] = {gi.x, gi.y}, k2[2] = {ki.x, ki.y}, q2[2] = {qi.x, qi.y};
-    float q_hat[2], k_hat[2], k_check[2], k_bar[2];
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      cum[j] += g2[j];
-      const float up = __expf(cum[j]), down = __expf(-cum[j]);
-      q_hat[j] = a.scale * q2[j] * up;
-      k_hat[j] = k2[j] * up;
-      k_check[j] = k2[j] * down;
-      k_bar[j] = k2[j] * (decay_last[j] * down);
-    }
-    if constexpr (kOutputs) *reinterpret_cast<uint32_t*>(&slot.q_hat[i][c0]) = pack_bf16(q_hat[0], q_hat[1]);
-    *reinterpret_cast<uint32_t*>(&slot.w[i][c0]) = pack_bf16(k_hat[0], k_hat[1]);
-    *reinterpret_cast<uint32_t*>(&slot.k_check[i][c0]) = pack_bf16(k_check[0], k_check[1]);
-    *reinterpret_cast<uint32_t*>(&slot.k_bar[i][c0]) = pack_bf16(k_bar[0], k_bar[1]);
-  }
-  pair_barrier(c);
-
-  const FragmentOffsets f(lane);
-  const int g = lane >> 2, t = lane & 3;
-  if (p == 0) {
-    // L = Diag(beta) strictly_lower(K^ K~^T), then M = (I + L)^-1 (lane c owns column c).
-    float l_acc[2][4] = {};
-#pragma unroll
-    for (int k0 = 0; k0 < K; k0 += 16) {
-      uint32_t a_k[4], b[4];
-      ldmatrix_x4(a_k, &slot.w[f.a_row][k0 + f.a_col]);
-      ldmatrix_x4(b, &slot.k_check[f.b_row][k0 + f.b_col]);
-      mma(l_acc[0], a_k, b[0], b[1]);
-      mma(l_acc[1], a_k, b[2], b[3]);
-    }
-    const float beta_row[2] = {__shfl_sync(0xffffffffu, beta, g), __shfl_sync(0xffffffffu, beta, g + 8)};
-#pragma unroll
-    for (int n = 0; n < 2; ++n) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = g + (e >> 1) * 8, j = n * 8 + 2 * t + (e & 1);
-        slot.lower[i][j] = j < i ? beta_row[e >> 1] * l_acc[n][e] : 0.0f;
-      }
-    }
-    __syncwarp();
-    const int col = lane & 15;
-    float m[kChunk];
-#pragma unroll
-    for (int i = 0; i < kChunk; ++i) {
-      float s = i == col ? 1.0f : 0.0f;
-#pragma unroll
-      for (int j = 0; j < i; ++j) s -= slot.lower[i][j] * m[j];
-      m[i] = s;
-    }
-    if (lane < 16) {
-#pragma unroll
-      for (int i = 0; i < kChunk; ++i) slot.m_beta[i][col] = __float2bfloat16_rn(m[i] * beta);
-    }
-  } else if constexpr (kOutputs) {
-    // Aqk = lower_incl_diagonal(Q^ K~^T).
-    float a_acc[2][4] = {};
-#pragma unroll
-    for (int k0 = 0; k0 < K; k0 += 16) {
-      uint32_t a_q[4], b[4];
-      ldmatrix_x4(a_q, &slot.q_hat[f.a_row][k0 + f.a_col]);
-      ldmatrix_x4(b, &slot.k_check[f.b_row][k0 + f.b_col]);
-      mma(a_acc[0], a_q, b[0], b[1]);
-      mma(a_acc[1], a_q, b[2], b[3]);
-    }
-#pragma unroll
-    for (int n = 0; n < 2; ++n) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int i = g + half * 8, j = n * 8 + 2 * t;
-        const float x0 = j <= i ? a_acc[n][2 * half] : 0.0f;
-        const float x1 = j + 1 <= i ? a_acc[n][2 * half + 1] : 0.0f;
-        *reinterpret_cast<uint32_t*>(&slot.a_qk[i][j]) = pack_bf16(x0, x1);
-      }
-    }
-  }
-  pair_barrier(c);
-
-  // W = M Diag(beta) K^ (in place over K^) and U = M Diag(beta) V, on this member's columns.
-  uint32_t a_m[4];
-  ldmatrix_x4(a_m, &slot.m_beta[f.a_row][f.a_col]);
-#pragma unroll
-  for (int n0 = p * (K / 2); n0 < (p + 1) * (K / 2); n0 += 16) {
-    uint32_t b[4];
-    ldmatrix_x4_trans(b, &slot.w[f.t_row][n0 + f.t_col]);
-    float acc[2][4] = {};
-    mma(acc[0], a_m, b[0], b[1]);
-    mma(acc[1], a_m, b[2], b[3]);
-    __syncwarp();
-#pragma unroll
-    for (int n = 0; n < 2; ++n) {
-      const int col = n0 + n * 8 + 2 * t;
-      *reinterpret_cast<uint32_t*>(&slot.w[g][col]) = pack_bf16(acc[n][0], acc[n][1]);
-      *reinterpret_cast<uint32_t*>(&slot.w[g + 8][col]) = pack_bf16(acc[n][2], acc[n][3]);
-    }
-  }
-#pragma unroll
-  for (int n0 = p * (V / 2); n0 < (p + 1) * (V / 2); n0 += 16) {
-    uint32_t b[4];
-    ldmatrix_x4_trans(b, &st.v[f.t_row][n0 + f.t_col]);
-    float acc[2][4] = {};
-    mma(acc[0], a_m, b[0], b[1]);
-    mma(acc[1], a_m, b[2], b[3]);
-#pragma unroll
-    for (int n = 0; n < 2; ++n) {
-      const int col = n0 + n * 8 + 2 * t;
-      *reinterpret_cast<float2*>(&slot.u[g][col]) = make_float2(acc[n][0], acc[n][1]);
-      *reinterpret_cast<float2*>(&slot.u[g + 8][col]) = make_float2(acc[n][2], acc[n][3]);
-    }
-  }
-}
-
 // Grid (1, H, N * P): CTA (h, z = sequence * P + segment) walks its segment from the initial or
 // segment state, as kda_chunked_kernel's forward and states passes do with 64-column CTAs.
 template <int K, int V, Pass kPass>
@@ -583,8 +379,10 @@ __global__ void __launch_bounds__(kHeadThreads, 1) kda_head_kernel(const Chunked
   auto valid_rows = [&](int64_t chunk) { return static_cast<int>(min64(kChunk, length - chunk * kChunk)); };
   float beta = 0.0f;
   if (pair < num_chunks) {
-    issue_head_loads<K, V, kOutputs>(a, sh.staging[pair], row0 + pair * kChunk, valid_rows(pair), h,
-                                     member, lane, beta);
+    for (int part = 0; part < kHeadGroup; ++part) {
+      issue_head_loads<K, V, kOutputs>(a, static_cast<const bf16*>(a.v), sh.staging[pair], row0 + pair * kChunk, valid_rows(pair),
+                                       h, member, lane, part, beta);
+    }
   }
   float* stage = reinterpret_cast<float*>(&sh.slot[pair].k_check[0][0]) + member * kChunk * 20;
   for (int64_t group = 0; group < num_chunks; group += kHeadGroup) {
@@ -595,13 +393,24 @@ __global__ void __launch_bounds__(kHeadThreads, 1) kda_head_kernel(const Chunked
       prepare_chunk_pair<K, V, kOutputs>(a, sh.slot[pair], sh.staging[pair], pair, member, beta, lane);
     }
     __syncthreads();
+    // The next group's loads: in the forward one part before each chunk walked (a next group
+    // means this one is full: 4 chunks, 4 parts; 2.007 -> 1.925 ms against all at once); in the
+    // states pass all at once (3.37 ms against 3.63 spread: there they would queue behind the
+    // stores of every chunk's state).
     const int64_t next = mine + kHeadGroup;
-    if (next < num_chunks) {
-      issue_head_loads<K, V, kOutputs>(a, sh.staging[pair], row0 + next * kChunk, valid_rows(next), h,
-                                       member, lane, beta);
+    const bool load_next = next < num_chunks;
+    if (!kOutputs && load_next) {
+      for (int part = 0; part < kHeadGroup; ++part) {
+        issue_head_loads<K, V, kOutputs>(a, static_cast<const bf16*>(a.v), sh.staging[pair], row0 + next * kChunk, valid_rows(next),
+                                         h, member, lane, part, beta);
+      }
     }
     const int count = static_cast<int>(min64(kHeadGroup, num_chunks - group));
     for (int s = 0; s < count; ++s) {
+      if (kOutputs && load_next) {
+        issue_head_loads<K, V, kOutputs>(a, static_cast<const bf16*>(a.v), sh.staging[pair], row0 + next * kChunk, valid_rows(next),
+                                         h, member, lane, s, beta);
+      }
       const int64_t chunk = group + s;
       if constexpr (kPass == Pass::kStates) {
         store_chunk_state<K>(a, state, seq, h, chunk_base + chunk, v_col, lane);

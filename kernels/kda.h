@@ -111,7 +111,8 @@ cudaError_t kda_chunked_forward(KdaDtype dtype, const void* q, const void* k, co
 // with respect to every input. Nothing from the forward is needed but its inputs: the state
 // entering every chunk is recomputed (a forward pass with KdaChunkedOptions::chunk_states, no
 // outputs), then a reverse walk carries dS from the last chunk to the first, then every chunk's
-// input gradients are computed independently (design and derivation: kda_backward.cu).
+// input gradients are computed independently (design and derivation: kda_backward.cu). bf16
+// with K = V = 128: the first two passes walk whole heads (KdaChunkedOptions::head_walk).
 //   q, k, v, g, beta, initial_state, scale: exactly as given to kda_chunked_forward
 //   d_o            T   [B, L, H, V]   gradient of o
 //   d_final_state  f32 [B, H, K, V]   gradient of final_state, or nullptr (zeros)

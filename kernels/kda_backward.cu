@@ -78,6 +78,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/kda_chunk.cuh"
 
@@ -205,6 +206,88 @@ __global__ void __launch_bounds__(Walk<kTile>::kThreads, 2)
             pack_bf16(d_state[j][2], d_state[j][3]);
       }
       reverse_walk_chunk<K, kTile>(slots[s], d_state, v_col - v0, lane);
+    }
+    __syncthreads();
+  }
+
+  if (b.d_initial_state == nullptr) return;
+#pragma unroll
+  for (int j = 0; j < K / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int c = 8 * j + 2 * t + (e & 1), vr = v_col + g + (e >> 1) * 8;
+      b.d_initial_state[state_offset + c * V + vr] = d_state[j][e];
+    }
+  }
+}
+
+// The reverse walk of a whole head (bf16, K = V = 128), as the forward's kda_head_kernel: one CTA
+// of 8 warps per (sequence, head) instead of two of 4 on 64 value columns each, so each chunk is
+// prepared once (by a pair of warps, prepare_chunk_pair), and the previous group's q, k, dO and
+// g are staged in shared memory while the current one is walked. The same operations in the
+// same order as kda_state_gradient_kernel: the same dS' and d initial state, bit for bit.
+template <int K, int V>
+__global__ void __launch_bounds__(kHeadThreads, 1) kda_head_state_gradient_kernel(const StateGradientArgs b) {
+  extern __shared__ __align__(16) unsigned char shared_raw[];
+  HeadShared<K, V>& sh = *reinterpret_cast<HeadShared<K, V>*>(shared_raw);
+  const ChunkedArgs& a = b.forward;
+  const bf16* d_o = static_cast<const bf16*>(b.d_o);
+
+  const int lane = threadIdx.x & 31, warp = warp_index();
+  const int pair = warp >> 1, member = warp & 1;
+  const int h = blockIdx.y, seq = blockIdx.z;
+  const int H = a.heads;
+  const int v_col = warp * 16;
+  const int g = lane >> 2, t = lane & 3;
+  const int64_t length = a.length, row0 = static_cast<int64_t>(seq) * length;
+  const int64_t num_chunks = (length + kChunk - 1) / kChunk;
+  const int64_t state_offset = (static_cast<int64_t>(seq) * H + h) * K * V;
+  auto valid_rows = [&](int64_t chunk) { return static_cast<int>(min64(kChunk, length - chunk * kChunk)); };
+
+  float d_state[K / 8][4];
+#pragma unroll
+  for (int j = 0; j < K / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int c = 8 * j + 2 * t + (e & 1), vr = v_col + g + (e >> 1) * 8;
+      d_state[j][e] = b.d_final_state ? b.d_final_state[state_offset + c * V + vr] : 0.0f;
+    }
+  }
+
+  bf16* d_states = b.chunk_d_states + (static_cast<int64_t>(seq) * H + h) * num_chunks * V * K;
+  float beta = 0.0f;
+  auto issue = [&](int64_t chunk) {
+    for (int part = 0; part < kHeadGroup; ++part) {
+      issue_head_loads<K, V, /*kOutputs=*/true>(a, d_o, sh.staging[pair], row0 + chunk * kChunk,
+                                                valid_rows(chunk), h, member, lane, part, beta);
+    }
+  };
+  const int64_t last_group = (num_chunks - 1) / kHeadGroup * kHeadGroup;
+  if (last_group + pair < num_chunks) issue(last_group + pair);
+  for (int64_t group = last_group; group >= 0; group -= kHeadGroup) {
+    const int64_t mine = group + pair;
+    if (mine < num_chunks) {
+      cp_async_wait<0>();
+      __syncwarp();
+      prepare_chunk_pair<K, V, /*kOutputs=*/true, /*kGradients=*/true>(a, sh.slot[pair], sh.staging[pair],
+                                                                      pair, member, beta, lane);
+    }
+    __syncthreads();
+    // The previous group's loads, all at once (it is full when this is not the first group).
+    if (group > 0) issue(mine - kHeadGroup);
+    const int count = static_cast<int>(min64(kHeadGroup, num_chunks - group));
+    for (int s = count - 1; s >= 0; --s) {
+      // dS' of this chunk (the gradient of the state leaving it), as pass 3 reads it.
+      bf16* out = d_states + (group + s) * V * K;
+#pragma unroll
+      for (int j = 0; j < K / 8; ++j) {
+        const int c = 8 * j + 2 * t;
+        *reinterpret_cast<uint32_t*>(out + static_cast<int64_t>(v_col + g) * K + c) =
+            pack_bf16(d_state[j][0], d_state[j][1]);
+        *reinterpret_cast<uint32_t*>(out + static_cast<int64_t>(v_col + g + 8) * K + c) =
+            pack_bf16(d_state[j][2], d_state[j][3]);
+      }
+      reverse_walk_chunk<K, V>(sh.slot[s], d_state, v_col, lane);
     }
     __syncthreads();
   }
@@ -919,9 +1002,22 @@ cudaError_t launch_chunk_gradients(ChunkGradientArgs a, int64_t batch, int64_t c
   return cudaGetLastError();
 }
 
+// Pass 2 (grid: one CTA per (sequence, head) for whole heads, else per 64 or 32 value columns).
 template <typename T, int K, int kTile>
-cudaError_t run_backward(const StateGradientArgs& sa, const ChunkGradientArgs& ca, int64_t batch,
-                         int64_t chunks, int64_t value_dim, cudaStream_t stream) {
+cudaError_t launch_state_gradients(const StateGradientArgs& sa, int64_t batch, int64_t value_dim,
+                                   cudaStream_t stream) {
+  const unsigned heads = static_cast<unsigned>(sa.forward.heads), n = static_cast<unsigned>(batch);
+  if constexpr (std::is_same_v<T, bf16> && K == 128 && kTile == 64) {
+    if (value_dim == 128) {  // whole heads (kda_head_state_gradient_kernel)
+      constexpr size_t shared = head_shared_bytes<K, 128>();
+      const cudaError_t error = cudaFuncSetAttribute(kda_head_state_gradient_kernel<K, 128>,
+                                                     cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                     static_cast<int>(shared));
+      if (error != cudaSuccess) return error;
+      kda_head_state_gradient_kernel<K, 128><<<dim3(1, heads, n), kHeadThreads, shared, stream>>>(sa);
+      return cudaGetLastError();
+    }
+  }
   constexpr size_t shared = chunked_shared_bytes<K, kTile>();
   cudaError_t error = cudaFuncSetAttribute(kda_state_gradient_kernel<T, K, kTile>,
                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -931,10 +1027,15 @@ cudaError_t run_backward(const StateGradientArgs& sa, const ChunkGradientArgs& c
                                cudaFuncAttributePreferredSharedMemoryCarveout,
                                cudaSharedmemCarveoutMaxShared);
   if (error != cudaSuccess) return error;
-  const dim3 grid(static_cast<unsigned>(value_dim / kTile), static_cast<unsigned>(ca.heads),
-                  static_cast<unsigned>(batch));
+  const dim3 grid(static_cast<unsigned>(value_dim / kTile), heads, n);
   kda_state_gradient_kernel<T, K, kTile><<<grid, Walk<kTile>::kThreads, shared, stream>>>(sa);
-  error = cudaGetLastError();
+  return cudaGetLastError();
+}
+
+template <typename T, int K, int kTile>
+cudaError_t run_backward(const StateGradientArgs& sa, const ChunkGradientArgs& ca, int64_t batch,
+                         int64_t chunks, int64_t value_dim, cudaStream_t stream) {
+  const cudaError_t error = launch_state_gradients<T, K, kTile>(sa, batch, value_dim, stream);
   if (error != cudaSuccess) return error;
   return with_head_width(value_dim, [&](auto value) {
     return launch_chunk_gradients<T, K, value()>(ca, batch, chunks, stream);

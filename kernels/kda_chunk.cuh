@@ -539,5 +539,235 @@ __device__ void prepare_chunk(const ChunkedArgs& a, ChunkSlot<K, kTile>& slot, i
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// The whole-head walk (bf16, K = V = 128): one CTA of 8 warps per (sequence, head); chunk c of a
+// group of 4 is prepared once, by the pair of warps 2c and 2c + 1, from raw rows staged in shared
+// memory while the previous group was walked (kda.cu: kda_head_kernel, the forward and the
+// states pass; kda_backward.cu: the reverse walk; kernels/README.md, "Whole-head walk").
+constexpr int kHeadWarps = 8;
+constexpr int kHeadThreads = kHeadWarps * 32;
+constexpr int kHeadGroup = kHeadWarps / 2;  // chunks per group: one pair of warps each
+static_assert(kHeadGroup == 4, "the next group's loads go out in 4 parts, one per chunk walked");
+
+// One chunk's raw inputs, staged while the previous group is walked (rows past the end zeros).
+template <int K, int V>
+struct alignas(16) HeadStaging {
+  bf16 q[kChunk][K + 8];
+  bf16 k[kChunk][K + 8];
+  bf16 v[kChunk][V + 8];
+  float g[kChunk][K];
+};
+
+template <int K, int V>
+struct HeadShared {
+  ChunkSlot<K, V> slot[kHeadGroup];
+  HeadStaging<K, V> staging[kHeadGroup];
+};
+
+template <int K, int V>
+constexpr size_t head_shared_bytes() {
+  return sizeof(HeadShared<K, V>);
+}
+
+// Named barrier of the pair of warps preparing chunk c of a group (barrier 0 is __syncthreads).
+__device__ __forceinline__ void pair_barrier(int c) {
+  asm volatile("bar.sync %0, 64;\n" ::"r"(1 + c) : "memory");
+}
+
+// The loads of one chunk's half (member p of its pair): key and value columns [64p, 64p + 64)
+// of q (with outputs), k, v and g into its staging, by cp.async, in four parts (0: q and beta,
+// 1: k, 2: v, 3: g and the commit), so that the walk can issue one part before each of its
+// chunks: issued all at once, the 20 cp.async a lane stalled the warp ~3.8K cycles a group.
+// beta (member 0, lanes 0-15) goes to a register.
+// `values`: v for the forward, dO for the backward's reverse walk ([*, H, V] bf16 either way).
+template <int K, int V, bool kOutputs>
+__device__ __forceinline__ void issue_head_loads(const ChunkedArgs& a, const bf16* values,
+                                                 HeadStaging<K, V>& st, int64_t row0, int valid,
+                                                 int h, int p, int lane, int part, float& beta) {
+  const int H = a.heads;
+  const int64_t last_row = row0 + valid - 1;  // a readable address for the zero-filled rows
+  constexpr int kKeyHalf = K / 2, kValueHalf = V / 2;
+  // A bf16 half row is 8 pieces of 16 bytes; a g half row 16.
+  auto key_rows = [&](const bf16* x, bf16 (*rows)[K + 8]) {
+#pragma unroll
+    for (int r = 0; r < kChunk * (kKeyHalf / 8) / 32; ++r) {
+      const int item = lane + 32 * r, i = item / (kKeyHalf / 8);
+      const int col = p * kKeyHalf + (item % (kKeyHalf / 8)) * 8;
+      const int64_t src = (min64(row0 + i, last_row) * H + h) * static_cast<int64_t>(K) + col;
+      cp_async16_or_zero(&rows[i][col], x + src, i < valid);
+    }
+  };
+  if (part == 0) {
+    if constexpr (kOutputs) key_rows(static_cast<const bf16*>(a.q), st.q);
+    beta = p == 0 && lane < valid ? __bfloat162float(static_cast<const bf16*>(a.beta)[(row0 + lane) * H + h]) : 0.0f;
+  } else if (part == 1) {
+    key_rows(static_cast<const bf16*>(a.k), st.k);
+  } else if (part == 2) {
+#pragma unroll
+    for (int r = 0; r < kChunk * (kValueHalf / 8) / 32; ++r) {
+      const int item = lane + 32 * r, i = item / (kValueHalf / 8);
+      const int col = p * kValueHalf + (item % (kValueHalf / 8)) * 8;
+      const int64_t src = (min64(row0 + i, last_row) * H + h) * static_cast<int64_t>(V) + col;
+      cp_async16_or_zero(&st.v[i][col], values + src, i < valid);
+    }
+  } else {
+#pragma unroll
+    for (int r = 0; r < kChunk * (kKeyHalf / 4) / 32; ++r) {
+      const int item = lane + 32 * r, i = item / (kKeyHalf / 4);
+      const int col = p * kKeyHalf + (item % (kKeyHalf / 4)) * 4;
+      const int64_t src = (min64(row0 + i, last_row) * H + h) * static_cast<int64_t>(K) + col;
+      cp_async16_or_zero(&st.g[i][col], a.g + src, i < valid);
+    }
+    cp_async_commit();
+  }
+}
+
+// The prepare phase of one chunk by the pair of warps 2c, 2c + 1 (member p), from its staging
+// (complete: each member waited for its own loads), into its slot. The operations are
+// prepare_chunk's, split by columns. kGradients (the backward's reverse walk): the staged values
+// are dO, copied to slot.v for the walk instead of making U.
+template <int K, int V, bool kOutputs, bool kGradients = false>
+__device__ __forceinline__ void prepare_chunk_pair(const ChunkedArgs& a, ChunkSlot<K, V>& slot,
+                                                   const HeadStaging<K, V>& st, int c, int p,
+                                                   float beta, int lane) {
+  const int c0 = p * (K / 2) + 2 * lane;  // this lane's two key columns
+  float gamma[2] = {};
+#pragma unroll
+  for (int i = 0; i < kChunk; ++i) {
+    const float2 gi = *reinterpret_cast<const float2*>(&st.g[i][c0]);
+    gamma[0] += gi.x, gamma[1] += gi.y;
+  }
+  float decay_last[2];
+#pragma unroll
+  for (int j = 0; j < 2; ++j) decay_last[j] = __expf(gamma[j]);
+  *reinterpret_cast<float2*>(&slot.decay_last[c0]) = make_float2(decay_last[0], decay_last[1]);
+
+  float cum[2] = {};
+#pragma unroll
+  for (int i = 0; i < kChunk; ++i) {
+    const float2 gi = *reinterpret_cast<const float2*>(&st.g[i][c0]);
+    const float2 ki = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&st.k[i][c0]));
+    float2 qi = make_float2(0.0f, 0.0f);
+    if constexpr (kOutputs) qi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&st.q[i][c0]));
+    const float g2[2] = {gi.x, gi.y}, k2[2] = {ki.x, ki.y}, q2[2] = {qi.x, qi.y};
+    float q_hat[2], k_hat[2], k_check[2], k_bar[2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      cum[j] += g2[j];
+      const float up = __expf(cum[j]), down = __expf(-cum[j]);
+      q_hat[j] = a.scale * q2[j] * up;
+      k_hat[j] = k2[j] * up;
+      k_check[j] = k2[j] * down;
+      k_bar[j] = k2[j] * (decay_last[j] * down);
+    }
+    if constexpr (kOutputs) *reinterpret_cast<uint32_t*>(&slot.q_hat[i][c0]) = pack_bf16(q_hat[0], q_hat[1]);
+    *reinterpret_cast<uint32_t*>(&slot.w[i][c0]) = pack_bf16(k_hat[0], k_hat[1]);
+    *reinterpret_cast<uint32_t*>(&slot.k_check[i][c0]) = pack_bf16(k_check[0], k_check[1]);
+    *reinterpret_cast<uint32_t*>(&slot.k_bar[i][c0]) = pack_bf16(k_bar[0], k_bar[1]);
+  }
+  pair_barrier(c);
+
+  const FragmentOffsets f(lane);
+  const int g = lane >> 2, t = lane & 3;
+  if (p == 0) {
+    // L = Diag(beta) strictly_lower(K^ K~^T), then M = (I + L)^-1 (lane c owns column c).
+    float l_acc[2][4] = {};
+#pragma unroll
+    for (int k0 = 0; k0 < K; k0 += 16) {
+      uint32_t a_k[4], b[4];
+      ldmatrix_x4(a_k, &slot.w[f.a_row][k0 + f.a_col]);
+      ldmatrix_x4(b, &slot.k_check[f.b_row][k0 + f.b_col]);
+      mma(l_acc[0], a_k, b[0], b[1]);
+      mma(l_acc[1], a_k, b[2], b[3]);
+    }
+    const float beta_row[2] = {__shfl_sync(0xffffffffu, beta, g), __shfl_sync(0xffffffffu, beta, g + 8)};
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = g + (e >> 1) * 8, j = n * 8 + 2 * t + (e & 1);
+        slot.lower[i][j] = j < i ? beta_row[e >> 1] * l_acc[n][e] : 0.0f;
+      }
+    }
+    __syncwarp();
+    const int col = lane & 15;
+    float m[kChunk];
+#pragma unroll
+    for (int i = 0; i < kChunk; ++i) {
+      float s = i == col ? 1.0f : 0.0f;
+#pragma unroll
+      for (int j = 0; j < i; ++j) s -= slot.lower[i][j] * m[j];
+      m[i] = s;
+    }
+    if (lane < 16) {
+#pragma unroll
+      for (int i = 0; i < kChunk; ++i) slot.m_beta[i][col] = __float2bfloat16_rn(m[i] * beta);
+    }
+  } else if constexpr (kOutputs) {
+    // Aqk = lower_incl_diagonal(Q^ K~^T).
+    float a_acc[2][4] = {};
+#pragma unroll
+    for (int k0 = 0; k0 < K; k0 += 16) {
+      uint32_t a_q[4], b[4];
+      ldmatrix_x4(a_q, &slot.q_hat[f.a_row][k0 + f.a_col]);
+      ldmatrix_x4(b, &slot.k_check[f.b_row][k0 + f.b_col]);
+      mma(a_acc[0], a_q, b[0], b[1]);
+      mma(a_acc[1], a_q, b[2], b[3]);
+    }
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int i = g + half * 8, j = n * 8 + 2 * t;
+        const float x0 = j <= i ? a_acc[n][2 * half] : 0.0f;
+        const float x1 = j + 1 <= i ? a_acc[n][2 * half + 1] : 0.0f;
+        *reinterpret_cast<uint32_t*>(&slot.a_qk[i][j]) = pack_bf16(x0, x1);
+      }
+    }
+  }
+  pair_barrier(c);
+
+  // W = M Diag(beta) K^ (in place over K^) and U = M Diag(beta) V, on this member's columns.
+  uint32_t a_m[4];
+  ldmatrix_x4(a_m, &slot.m_beta[f.a_row][f.a_col]);
+#pragma unroll
+  for (int n0 = p * (K / 2); n0 < (p + 1) * (K / 2); n0 += 16) {
+    uint32_t b[4];
+    ldmatrix_x4_trans(b, &slot.w[f.t_row][n0 + f.t_col]);
+    float acc[2][4] = {};
+    mma(acc[0], a_m, b[0], b[1]);
+    mma(acc[1], a_m, b[2], b[3]);
+    __syncwarp();
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+      const int col = n0 + n * 8 + 2 * t;
+      *reinterpret_cast<uint32_t*>(&slot.w[g][col]) = pack_bf16(acc[n][0], acc[n][1]);
+      *reinterpret_cast<uint32_t*>(&slot.w[g + 8][col]) = pack_bf16(acc[n][2], acc[n][3]);
+    }
+  }
+  if constexpr (kGradients) {
+#pragma unroll
+    for (int r = 0; r < kChunk * (V / 2 / 8) / 32; ++r) {
+      const int item = lane + 32 * r, i = item / (V / 2 / 8), col = p * (V / 2) + (item % (V / 2 / 8)) * 8;
+      *reinterpret_cast<uint4*>(&slot.v[i][col]) = *reinterpret_cast<const uint4*>(&st.v[i][col]);
+    }
+  } else {
+#pragma unroll
+    for (int n0 = p * (V / 2); n0 < (p + 1) * (V / 2); n0 += 16) {
+      uint32_t b[4];
+      ldmatrix_x4_trans(b, &st.v[f.t_row][n0 + f.t_col]);
+      float acc[2][4] = {};
+      mma(acc[0], a_m, b[0], b[1]);
+      mma(acc[1], a_m, b[2], b[3]);
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+        const int col = n0 + n * 8 + 2 * t;
+        *reinterpret_cast<float2*>(&slot.u[g][col]) = make_float2(acc[n][0], acc[n][1]);
+        *reinterpret_cast<float2*>(&slot.u[g + 8][col]) = make_float2(acc[n][2], acc[n][3]);
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace odyssey::kernels

@@ -77,14 +77,7 @@ int main(int argc, char** argv) {
   ca.length = T, ca.heads = static_cast<int>(H), ca.scale = scale;
   auto pass2 = [&]() -> cudaError_t {
     return with_walk_types(KdaDtype::kBFloat16, K, V, [&](auto type, auto key, auto tile) {
-      using E = typename decltype(type)::type;
-      constexpr int kK = key(), kT = tile();
-      constexpr size_t shared = chunked_shared_bytes<kK, kT>();
-      cudaFuncSetAttribute(kda_state_gradient_kernel<E, kK, kT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           static_cast<int>(shared));
-      const dim3 grid(static_cast<unsigned>(V / kT), static_cast<unsigned>(H), static_cast<unsigned>(B));
-      kda_state_gradient_kernel<E, kK, kT><<<grid, Walk<kT>::kThreads, shared, 0>>>(sa);
-      return cudaGetLastError();
+      return launch_state_gradients<typename decltype(type)::type, key(), tile()>(sa, B, V, 0);
     });
   };
   auto pass3 = [&]() -> cudaError_t {
