@@ -611,17 +611,23 @@ std::vector<Stage> moe_backward_stages(const KernelsBenchOptions& o, model::MoeI
                  time_backward(o, {z}, {t, layer.latent_down->weight}, {random_like(z)}), 2 * 2 * m * d * l, 0});
   }
   {
+    // What the layer runs (kernels::router_weights_autograd): p as one Function of x and W_r.
+    const at::Tensor t = leaf(v.tokens);
+    const at::Tensor weight = layer.router->weight.detach().requires_grad_(true);
+    const at::Tensor p = kernels::router_weights_autograd(t, weight, v.scores, v.topk.ids);
+    s.push_back({"router backward through p: d p -> the logits' gradient in bf16 parts (one kernel), d x and "
+                 "d W_r (split bf16 GEMMs)",
+                 time_backward(o, {p}, {t, weight}, {random_like(p)}), 2 * 2 * m * d * e, 0});
+    // The autograd chain it replaced: p on the tape, then the sigmoid and RouterLogitsFunction.
     const at::Tensor scores = leaf(v.scores);
     const at::Tensor chosen = scores.gather(/*dim=*/1, v.topk.ids);
-    const at::Tensor p = chosen / chosen.sum(/*dim=*/{-1}, /*keepdim=*/true);
-    s.push_back({"p on the autograd tape backward (gather, sum, divide)",
-                 time_backward(o, {p}, {scores}, {random_like(p)}), 0, bytes_of(v.scores)});
-  }
-  {
-    const at::Tensor t = leaf(v.tokens);
-    const at::Tensor scores = layer.router->forward(t);
-    s.push_back({"router backward: sigmoid, d x and d W_r (split bf16 GEMMs), casts",
-                 time_backward(o, {scores}, {t, layer.router->weight}, {random_like(scores)}), 2 * 2 * m * d * e, 0});
+    const at::Tensor p_tape = chosen / chosen.sum(/*dim=*/{-1}, /*keepdim=*/true);
+    s.push_back({"the chain it replaced: p on the autograd tape backward (gather, sum, divide)",
+                 time_backward(o, {p_tape}, {scores}, {random_like(p_tape)}), 0, bytes_of(v.scores), false});
+    const at::Tensor router_scores = layer.router->forward(t);
+    s.push_back({"and the router's backward: sigmoid, casts and splits, d x and d W_r",
+                 time_backward(o, {router_scores}, {t, layer.router->weight}, {random_like(router_scores)}),
+                 2 * 2 * m * d * e, 0, false});
   }
   return s;
 }

@@ -166,6 +166,51 @@ __global__ void router_topk_kernel(const float* __restrict__ scores, const float
   }
 }
 
+// One warp per token row: zero the row's three parts, then each lane j < top_k writes its
+// expert's d_logit (after __syncwarp, which orders the warp's stores).
+__global__ void router_logit_gradient_kernel(const float* __restrict__ scores,
+                                             const int64_t* __restrict__ ids,
+                                             const float* __restrict__ d_p, __nv_bfloat16* hi,
+                                             __nv_bfloat16* mid, __nv_bfloat16* lo, int64_t m, int n,
+                                             int top_k) {
+  const int lane = threadIdx.x & 31;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  if (row >= m) return;  // whole warps exit together
+  const int64_t base = row * n;
+  if ((n & 1) == 0) {  // bf16 pairs (rows start 4-byte aligned)
+    uint32_t* h2 = reinterpret_cast<uint32_t*>(hi + base);
+    uint32_t* m2 = reinterpret_cast<uint32_t*>(mid + base);
+    uint32_t* l2 = reinterpret_cast<uint32_t*>(lo + base);
+    for (int c = lane; c < n / 2; c += 32) h2[c] = 0u, m2[c] = 0u, l2[c] = 0u;
+  } else {
+    const __nv_bfloat16 zero = __float2bfloat16(0.0f);
+    for (int c = lane; c < n; c += 32) hi[base + c] = zero, mid[base + c] = zero, lo[base + c] = zero;
+  }
+  int64_t expert = 0;
+  float s = 0.0f, dp = 0.0f;
+  if (lane < top_k) {
+    expert = ids[row * top_k + lane];
+    s = scores[base + expert];
+    dp = d_p[row * top_k + lane];
+  }
+  float total = s;
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) total += __shfl_xor_sync(0xffffffffu, total, offset);
+  float dot = lane < top_k ? dp * (s / total) : 0.0f;
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
+  __syncwarp();
+  if (lane < top_k) {
+    const float x = (dp - dot) / total * (s * (1.0f - s));
+    const __nv_bfloat16 h = __float2bfloat16_rn(x);
+    const float rest = x - __bfloat162float(h);
+    const __nv_bfloat16 md = __float2bfloat16_rn(rest);
+    hi[base + expert] = h;
+    mid[base + expert] = md;
+    lo[base + expert] = __float2bfloat16_rn(rest - __bfloat162float(md));
+  }
+}
+
 template <int VPL>
 __global__ void quantile_histogram_kernel(const float* __restrict__ scores,
                                           const float* __restrict__ bias,
@@ -523,6 +568,21 @@ cudaError_t moe_router_topk(const float* scores, const float* bias, int64_t* ids
     case 16: router_topk_kernel<16><<<grid, block, 0, stream>>>(scores, bias, ids, weights, m, ni, ki); break;
     default: router_topk_kernel<32><<<grid, block, 0, stream>>>(scores, bias, ids, weights, m, ni, ki); break;
   }
+  return cudaGetLastError();
+}
+
+cudaError_t moe_router_logit_gradient(const float* scores, const int64_t* ids, const float* d_p,
+                                      void* hi, void* mid, void* lo, int64_t m, int64_t n,
+                                      int64_t top_k, cudaStream_t stream) {
+  if (m < 0 || top_k < 1 || top_k > kMoeTopkMaxK || top_k > n || n > 0x7fffffff) {
+    return cudaErrorInvalidValue;
+  }
+  if (m == 0) return cudaSuccess;
+  const int warps = 8;
+  const dim3 grid(static_cast<unsigned>((m + warps - 1) / warps)), block(32 * warps);
+  router_logit_gradient_kernel<<<grid, block, 0, stream>>>(
+      scores, ids, d_p, static_cast<__nv_bfloat16*>(hi), static_cast<__nv_bfloat16*>(mid),
+      static_cast<__nv_bfloat16*>(lo), m, static_cast<int>(n), static_cast<int>(top_k));
   return cudaGetLastError();
 }
 

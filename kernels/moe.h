@@ -38,6 +38,21 @@ constexpr int64_t kMoeTopkMaxK = 32;
 cudaError_t moe_router_topk(const float* scores, const float* bias, int64_t* ids, float* weights,
                             int64_t m, int64_t n, int64_t top_k, cudaStream_t stream);
 
+// ---- Router backward: the logits' gradient through p and the sigmoid, in bf16 parts -----------
+// For every token row i with its selected experts T_i = ids[i, :] (distinct, as moe_router_topk
+// and select_experts give them), s = scores[i] (the router's sigmoid outputs) and the mixing
+// weights p_j = s[T_ij] / S_i (S_i: the sum of s over T_i), from d_p = dL/dp:
+//   d_logits[i, T_ij] = (d_p[i, j] - sum_l d_p[i, l] p_l) / S_i * s[T_ij] (1 - s[T_ij]),
+//   d_logits[i, c] = 0 for the experts c not selected,
+// fp32, written as three bf16 arrays hi = bf16(x), mid = bf16(x - hi), lo = bf16(x - hi - mid)
+// (together all 24 bits of x): the operands of the router's split bf16 backward GEMMs. One pass
+// in place of autograd's gather, sum and divide backwards, the sigmoid's backward and the casts.
+//   scores f32 [m, n]   ids int64 [m, top_k]   d_p f32 [m, top_k]   hi, mid, lo bf16 [m, n]
+// One warp per row. Supported: 1 <= top_k <= 32, top_k <= n, m >= 0.
+cudaError_t moe_router_logit_gradient(const float* scores, const int64_t* ids, const float* d_p,
+                                      void* hi, void* mid, void* lo, int64_t m, int64_t n,
+                                      int64_t top_k, cudaStream_t stream);
+
 // ---- Quantile balancing: the per-expert histogram of r_ij -------------------------------------
 // Adds this batch's counts to counts (int64 [n, bins], NOT cleared here: zero it first, or let
 // it accumulate several batches), exactly as QuantileBalancer::local_histogram (model/

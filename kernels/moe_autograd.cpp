@@ -230,6 +230,39 @@ class RouterLogitsFunction : public torch::autograd::Function<RouterLogitsFuncti
     return {d_tokens, d_weight};
   }
 };
+
+// p = s[ids] / sum(s[ids]) as the router's differentiable output: the forward is the reference's
+// formula (model::mixing_weights) on the scores computed without a tape; the backward turns d_p
+// into the logits' gradient in one kernel (moe_router_logit_gradient: through p and the sigmoid,
+// already split into bf16 parts) and runs RouterLogitsFunction's split GEMMs on those parts.
+class RouterWeightsFunction : public torch::autograd::Function<RouterWeightsFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& tokens,
+                            const at::Tensor& weight, const at::Tensor& scores, const at::Tensor& ids) {
+    ctx->save_for_backward({tokens, weight, scores, ids});
+    const at::Tensor chosen = scores.gather(/*dim=*/1, ids);
+    return chosen / chosen.sum(/*dim=*/{-1}, /*keepdim=*/true);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& tokens = saved[0];
+    const at::Tensor& weight = saved[1];
+    const std::vector<at::Tensor> g = moe_router_logit_gradient(saved[2], saved[3], grads[0]);
+    at::Tensor d_tokens, d_weight;
+    if (ctx->needs_input_grad(0)) {  // as RouterLogitsFunction: the leading 16 bits of g and W
+      d_tokens = split_mm({g[0], g[1]}, split_bf16(weight, 2), 2).to(tokens.scalar_type());
+    }
+    if (ctx->needs_input_grad(1)) {
+      std::vector<at::Tensor> gt = weight.scalar_type() == at::kBFloat16
+                                       ? std::vector<at::Tensor>{g[0], g[1]}
+                                       : std::vector<at::Tensor>{g[0], g[1], g[2]};
+      for (at::Tensor& part : gt) part = part.t();
+      d_weight = split_mm(gt, {tokens}, 3).to(weight.scalar_type());
+    }
+    return {d_tokens, d_weight, at::Tensor(), at::Tensor()};
+  }
+};
 #endif
 
 }  // namespace
@@ -244,6 +277,20 @@ bool router_logits_applies(const at::Tensor& tokens, const at::Tensor& weight) {
   (void)tokens;
   (void)weight;
   return false;
+#endif
+}
+
+at::Tensor router_weights_autograd(const at::Tensor& tokens, const at::Tensor& weight,
+                                  const at::Tensor& scores, const at::Tensor& ids) {
+  TORCH_CHECK(router_logits_applies(tokens, weight), "router_weights_autograd: needs CUDA bf16 tokens [m, d] and ",
+              "an fp32 or bf16 weight [E, d] and LibTorch >= 2.8; got ", tokens.sizes(), " ", tokens.scalar_type(),
+              " and ", weight.sizes(), " ", weight.scalar_type());
+#if ODYSSEY_HAVE_GROUPED_MM
+  return RouterWeightsFunction::apply(tokens, weight, scores.detach(), ids);
+#else
+  (void)scores;
+  (void)ids;
+  return {};
 #endif
 }
 

@@ -111,4 +111,14 @@ SituGluBackwardWithH situ_glu_backward_with_h(const at::Tensor& gate, const at::
 bool router_logits_applies(const at::Tensor& tokens, const at::Tensor& weight);
 at::Tensor router_logits_autograd(const at::Tensor& tokens, const at::Tensor& weight);
 
+// The mixing weights p = s[ids] / sum(s[ids]) recorded for autograd as a function of tokens and
+// W_r, with s = sigmoid(x W_r^T) computed by the caller without a tape (scores, fp32 [m, E]) and
+// ids the selection (int64 [m, k], distinct per row). The forward is model::mixing_weights'
+// formula on scores; the backward is one kernel from d_p to the logits' gradient in bf16 parts
+// (moe_router_logit_gradient: through p and the sigmoid, in place of autograd's gather, sum,
+// divide and sigmoid backwards and the casts) and router_logits_autograd's split GEMMs on them.
+// Same conditions as router_logits_autograd.
+at::Tensor router_weights_autograd(const at::Tensor& tokens, const at::Tensor& weight,
+                                   const at::Tensor& scores, const at::Tensor& ids);
+
 }  // namespace odyssey::kernels

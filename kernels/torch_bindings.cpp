@@ -355,6 +355,35 @@ MoeRouterTopk moe_router_topk(const at::Tensor& scores, const at::Tensor& bias, 
   return out;
 }
 
+std::vector<at::Tensor> moe_router_logit_gradient(const at::Tensor& scores, const at::Tensor& ids,
+                                                  const at::Tensor& d_p) {
+  constexpr const char* where = "kernels::moe_router_logit_gradient";
+  TORCH_CHECK(scores.defined() && scores.dim() == 2 && scores.scalar_type() == at::kFloat, where,
+              ": scores must be fp32 [tokens, experts], got ",
+              scores.defined() ? scores.sizes() : at::IntArrayRef{});
+  check_cuda(where, "scores", scores, scores.device());
+  const int64_t m = scores.size(0), n = scores.size(1);
+  TORCH_CHECK(ids.defined() && ids.dim() == 2 && ids.size(0) == m && ids.scalar_type() == at::kLong, where,
+              ": ids must be int64 [", m, ", top_k], got ", ids.defined() ? ids.sizes() : at::IntArrayRef{});
+  const int64_t k = ids.size(1);
+  TORCH_CHECK(k >= 1 && k <= kMoeTopkMaxK && k <= n, where, ": top_k must be in [1, min(", kMoeTopkMaxK,
+              ", experts = ", n, ")], got ", k);
+  TORCH_CHECK(d_p.defined() && d_p.sizes() == ids.sizes(), where, ": d_p must be [", m, ", ", k, "], got ",
+              d_p.defined() ? d_p.sizes() : at::IntArrayRef{});
+  check_cuda(where, "ids", ids, scores.device());
+  check_cuda(where, "d_p", d_p, scores.device());
+  const c10::cuda::CUDAGuard guard(scores.device());
+  const at::Tensor s = scores.detach().contiguous(), i = ids.contiguous();
+  const at::Tensor g = d_p.detach().to(at::kFloat).contiguous();
+  std::vector<at::Tensor> parts;
+  for (int p = 0; p < 3; ++p) parts.push_back(at::empty({m, n}, scores.options().dtype(at::kBFloat16)));
+  check_launch(moe_router_logit_gradient(s.data_ptr<float>(), i.data_ptr<int64_t>(), g.data_ptr<float>(),
+                                         parts[0].data_ptr(), parts[1].data_ptr(), parts[2].data_ptr(), m, n,
+                                         k, current_stream(s)),
+               where);
+  return parts;
+}
+
 bool moe_quantile_histogram_supported(const at::Tensor& scores, int64_t top_k) {
   return scores.defined() && scores.is_cuda() && scores.dim() == 2 &&
          at::isFloatingType(scores.scalar_type()) && scores.scalar_type() != at::kDouble &&

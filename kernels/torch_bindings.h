@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include <ATen/ATen.h>
 
@@ -78,6 +79,13 @@ struct MoeRouterTopk {
 // sigmoid'ed (read detached: nothing is recorded for autograd); bias: [n], any floating dtype and
 // device (converted to fp32 on scores' device, as select_experts does).
 MoeRouterTopk moe_router_topk(const at::Tensor& scores, const at::Tensor& bias, int64_t top_k);
+
+// The router's backward through the mixing weights and the sigmoid (moe_router_logit_gradient):
+// from scores (CUDA fp32 [m, n]), the selection ids (int64 [m, k], distinct per row) and d_p
+// ([m, k], converted to fp32), the logits' gradient as three bf16 [m, n] parts {hi, mid, lo}
+// whose sum is the fp32 gradient.
+std::vector<at::Tensor> moe_router_logit_gradient(const at::Tensor& scores, const at::Tensor& ids,
+                                                  const at::Tensor& d_p);
 
 // Whether moe_quantile_histogram can run: CUDA floating (not fp64) scores [m, n] with
 // top_k + 1 <= min(32, n) and n <= 1024.

@@ -167,18 +167,36 @@ MoeRouting MoeImpl::route(const torch::Tensor& x) {
   if (x.defined() && x.is_cuda() && x.scalar_type() != at::kDouble) {
     check_input(x, options_.hidden);
     MoeRouting routing;
-    routing.scores = router(x.reshape({-1, options_.hidden}));
+    const torch::Tensor tokens = x.reshape({-1, options_.hidden});
+    // With a gradient wanted and the router on tensor cores (bf16 tokens), the router learns
+    // through p recorded as one Function of tokens and W_r (kernels::router_weights_autograd: p's
+    // reference formula forward, one fused kernel from d_p to the logits' gradient backward), and
+    // the scores are computed without a tape (nothing else differentiates them).
+    const bool fused = at::GradMode::is_enabled() && (tokens.requires_grad() || router->weight.requires_grad()) &&
+                       kernels::router_logits_applies(tokens, router->weight);
+    if (fused) {
+      const c10::NoGradGuard no_grad;
+      routing.scores = router(tokens);
+    } else {
+      routing.scores = router(tokens);
+    }
     if (kernels::moe_router_topk_supported(routing.scores, options_.top_k)) {
       kernels::MoeRouterTopk topk = kernels::moe_router_topk(routing.scores, router->bias, options_.top_k);
       routing.selected = topk.ids;
       // With a gradient wanted, p is recomputed from the selection on the autograd tape (exactly
       // the reference's formula, so the router learns through p); otherwise the kernel's p.
-      routing.weights = at::GradMode::is_enabled() && routing.scores.requires_grad()
-                            ? mixing_weights(routing.scores, routing.selected)
-                            : topk.weights;
+      if (fused) {
+        routing.weights = kernels::router_weights_autograd(tokens, router->weight, routing.scores, routing.selected);
+      } else {
+        routing.weights = at::GradMode::is_enabled() && routing.scores.requires_grad()
+                              ? mixing_weights(routing.scores, routing.selected)
+                              : topk.weights;
+      }
     } else {
       routing.selected = select_experts(routing.scores, router->bias, options_.top_k);
-      routing.weights = mixing_weights(routing.scores, routing.selected);
+      routing.weights = fused ? kernels::router_weights_autograd(tokens, router->weight, routing.scores,
+                                                                 routing.selected)
+                              : mixing_weights(routing.scores, routing.selected);
     }
     return routing;
   }

@@ -143,6 +143,65 @@ TEST_F(MoeKernel, RouterLogitsOnTensorCoresMatchTheFp32Gemm) {
   EXPECT_FALSE(router_logits_applies(at::zeros({4, 8}, cuda), at::zeros({3, 8}, cuda)));  // fp32 tokens
 }
 
+TEST_F(MoeKernel, RouterWeightsFunctionMatchesAutogradOfTheFp64Reference) {
+  // p = s[ids] / sum(s[ids]) with s = sigmoid(x W_r^T), recorded as one Function of x and W_r
+  // (what MoeImpl::route records in training): p, d x and d W_r against autograd of the fp64
+  // formula; and the fused kernel's logit gradient (the sum of its three bf16 parts) against the
+  // fp64 chain through p and the sigmoid, zero outside the selection.
+  if (!moe_grouped_mm_compiled()) GTEST_SKIP() << "needs LibTorch >= 2.8";
+  struct Case {
+    int64_t m, d, n, k;
+  };
+  for (const Case& c : std::vector<Case>{{300, 256, 896, 16}, {77, 96, 64, 8}, {40, 64, 33, 2}}) {
+    for (at::ScalarType weight_dtype : {at::kFloat, at::kBFloat16}) {
+      torch::manual_seed(c.n + c.k);
+      const auto cuda = at::TensorOptions().device(at::kCUDA);
+      const at::Tensor x = at::randn({c.m, c.d}, cuda.dtype(at::kBFloat16)).requires_grad_(true);
+      const at::Tensor w = (at::randn({c.n, c.d}, cuda) * 0.1).to(weight_dtype).requires_grad_(true);
+      at::Tensor scores, ids;
+      {
+        const c10::NoGradGuard no_grad;
+        scores = at::sigmoid(router_logits_autograd(x, w));
+        ids = moe_router_topk(scores, at::zeros({c.n}, cuda.dtype(at::kFloat)), c.k).ids;
+      }
+      const at::Tensor p = router_weights_autograd(x, w, scores, ids);
+      const at::Tensor dp = at::randn({c.m, c.k}, cuda);
+      p.backward(dp);
+
+      const at::Tensor xr = x.detach().to(at::kDouble).requires_grad_(true);
+      const at::Tensor wr = w.detach().to(at::kDouble).requires_grad_(true);
+      const at::Tensor logits = at::mm(xr, wr.t());
+      logits.retain_grad();
+      const at::Tensor chosen = at::sigmoid(logits).gather(1, ids);
+      const at::Tensor pr = chosen / chosen.sum(-1, true);
+      pr.backward(dp.to(at::kDouble));
+      auto rel = [](const at::Tensor& a, const at::Tensor& b) {
+        return (a.to(at::kDouble) - b).abs().max().item<double>() / b.abs().max().item<double>();
+      };
+      const std::vector<at::Tensor> parts = moe_router_logit_gradient(scores, ids, dp);
+      const at::Tensor d_logits = parts[0].to(at::kDouble) + parts[1].to(at::kDouble) + parts[2].to(at::kDouble);
+      const at::Tensor unselected = at::ones({c.m, c.n}, cuda.dtype(at::kBool)).scatter(1, ids, false);
+      const std::string name = "m" + std::to_string(c.m) + " n" + std::to_string(c.n) + " k" + std::to_string(c.k) +
+                               (weight_dtype == at::kFloat ? " fp32 W_r" : " bf16 W_r");
+      const double e_p = rel(p, pr.detach()), e_logits = rel(d_logits, logits.grad());
+      const double e_dx = rel(x.grad(), xr.grad()), e_dw = rel(w.grad(), wr.grad());
+      std::printf("  router weights %s: p %.2e, d logits %.2e, d x %.2e, d W %.2e (relative to the largest reference value)\n",
+                  name.c_str(), e_p, e_logits, e_dx, e_dw);
+      EXPECT_LT(e_p, 4e-6) << name;        // fp32 scores (split-bf16 logits) against fp64
+      EXPECT_LT(e_logits, 2e-5) << name;   // fp32 arithmetic on fp32 scores
+      EXPECT_EQ(d_logits.masked_select(unselected).abs().max().item<double>(), 0.0) << name;
+      EXPECT_LT(e_dx, 8e-3) << name;       // a bf16 result
+      EXPECT_LT(e_dw, weight_dtype == at::kFloat ? 4e-5 : 8e-3) << name;
+      EXPECT_EQ(x.grad().scalar_type(), at::kBFloat16) << name;
+      EXPECT_EQ(w.grad().scalar_type(), weight_dtype) << name;
+    }
+  }
+  const auto cuda = at::TensorOptions().device(at::kCUDA);
+  EXPECT_THROW(moe_router_logit_gradient(at::rand({4, 8}, cuda), at::zeros({4, 3}, cuda.dtype(at::kLong)),
+                                         at::zeros({4, 2}, cuda)),
+               c10::Error);  // d_p of another shape than ids
+}
+
 TEST_F(MoeKernel, RouterTopkMatchesSelectExperts) {
   struct Case {
     int64_t m, n, k;
