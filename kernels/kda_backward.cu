@@ -611,48 +611,43 @@ __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>()
   float g_col[kExact ? 1 : kChunk], q_in[kKeyItems], k_in[kKeyItems], v_in[kValueItems],
       do_in[kValueItems];
   float beta_in = 0.0f;
+  // bf16: warps 0 and 1, whose phase 6 is the longest chain (H, then dM M^T and dL), issue none
+  // of the next chunk's loads; the other 14 warps issue them all.
+  constexpr int kSkip = kExact ? 64 : 0;
+  constexpr int kIssuers = kGradientThreads - kSkip;
+  const int me = tid - kSkip;
   auto issue = [&](const Item& it) {
     const int64_t offset = ((static_cast<int64_t>(it.seq) * H + it.h) * num_chunks + it.chunk) * V * K;
     const bf16* s = a.chunk_states + offset;
     const bf16* ds = a.chunk_d_states + offset;
-#pragma unroll
-    for (int e0 = 0; e0 < V * K / 8; e0 += kGradientThreads) {
-      const int e = e0 + tid;
-      if (V * K / 8 % kGradientThreads == 0 || e < V * K / 8) {
+    auto real = [&](int i) { return (it.row0 + (i < it.valid ? i : it.valid - 1)) * H + it.h; };
+    if (me >= 0) {
+      for (int e = me; e < V * K / 8; e += kIssuers) {
         const int row = e / (K / 8), col = (e % (K / 8)) * 8;
         cp_async16(&sh.s_t[row][col], s + static_cast<int64_t>(e) * 8);
         cp_async16(&sh.ds_t[row][col], ds + static_cast<int64_t>(e) * 8);
       }
-    }
-    auto real = [&](int i) { return (it.row0 + (i < it.valid ? i : it.valid - 1)) * H + it.h; };
-    if constexpr (kExact) {
-      // 16-byte pieces: a row of K (V) bf16 is K / 8 (V / 8) of them, a row of K fp32 K / 4.
-#pragma unroll
-      for (int e0 = 0; e0 < kChunk * K / 8; e0 += kGradientThreads) {
-        const int e = e0 + tid, i = e / (K / 8), col = (e % (K / 8)) * 8;
-        if (kChunk * K / 8 % kGradientThreads == 0 || e < kChunk * K / 8) {
+      if constexpr (kExact) {
+        // 16-byte pieces: a row of K (V) bf16 is K / 8 (V / 8) of them, a row of K fp32 K / 4.
+        for (int e = me; e < kChunk * K / 8; e += kIssuers) {
+          const int i = e / (K / 8), col = (e % (K / 8)) * 8;
           const int64_t at = real(i) * K + col;
           cp_async16_or_zero(&sh.next.q[i][col], q + at, i < it.valid);
           cp_async16_or_zero(&sh.next.k[i][col], k + at, i < it.valid);
         }
-      }
-#pragma unroll
-      for (int e0 = 0; e0 < kChunk * V / 8; e0 += kGradientThreads) {
-        const int e = e0 + tid, i = e / (V / 8), col = (e % (V / 8)) * 8;
-        if (kChunk * V / 8 % kGradientThreads == 0 || e < kChunk * V / 8) {
+        for (int e = me; e < kChunk * V / 8; e += kIssuers) {
+          const int i = e / (V / 8), col = (e % (V / 8)) * 8;
           const int64_t at = real(i) * V + col;
           cp_async16_or_zero(&sh.next.v[i][col], v + at, i < it.valid);
           cp_async16_or_zero(&sh.next.d_o[i][col], d_o + at, i < it.valid);
         }
-      }
-#pragma unroll
-      for (int e0 = 0; e0 < kChunk * K / 4; e0 += kGradientThreads) {
-        const int e = e0 + tid, i = e / (K / 4), col = (e % (K / 4)) * 4;
-        if (kChunk * K / 4 % kGradientThreads == 0 || e < kChunk * K / 4) {
+        for (int e = me; e < kChunk * K / 4; e += kIssuers) {
+          const int i = e / (K / 4), col = (e % (K / 4)) * 4;
           cp_async16_or_zero(&sh.next.g[i][col], a.g + real(i) * K + col, i < it.valid);
         }
       }
-    } else {
+    }
+    if constexpr (!kExact) {
 #pragma unroll
       for (int i = 0; i < kChunk; ++i) g_col[i] = a.g[real(i) * K + kc];
 #pragma unroll
@@ -669,7 +664,7 @@ __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>()
       }
     }
     cp_async_commit();
-    if (tid < kChunk) beta_in = to_float(static_cast<const T*>(a.beta)[real(tid)]);
+    if (me >= 0 && me < kChunk) beta_in = to_float(static_cast<const T*>(a.beta)[real(me)]);
   };
   issue(cur);
 
@@ -678,7 +673,7 @@ __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>()
 
   // Phase 0: from what issue() loaded: Gamma (each thread from its whole column of g), Q^, K^,
   // K~, K_, V, dO, beta.
-  if (tid < kChunk) sh.beta[tid] = tid < valid ? beta_in : 0.0f;
+  if (me >= 0 && me < kChunk) sh.beta[me] = me < valid ? beta_in : 0.0f;
   if constexpr (kExact) {
     cp_async_wait<0>();  // sh.next, S^T and dS'^T
     __syncthreads();
