@@ -64,6 +64,8 @@
 //      first: store dS' (bf16, transposed, [N, H, chunks, V, K]), then
 //        dV'^T = dS'^T K_^T + dO^T Aqk,   dS^T = dS'^T Diag(e^gamma) + dO^T Q^ - dV'^T W
 //      (mma.sync m16n8k16, bf16 operands, fp32 accumulators). The last dS is d initial_state.
+//      bf16 with K = V = 128: kda_head_state_gradient_kernel, one CTA of 8 warps per (sequence,
+//      head), each chunk prepared once by a pair of warps (as the forward's kda_head_kernel).
 //   3. chunk gradients (kda_chunk_gradient_kernel): every chunk independent, one CTA of 16 warps
 //      per chunk at a time (persistent: as many CTAs as fit, each taking every gridDim.x-th
 //      chunk and loading the next one's S, dS' and inputs while it finishes the current one),
