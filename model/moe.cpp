@@ -172,8 +172,9 @@ MoeRouting MoeImpl::route(const torch::Tensor& x) {
     // through p recorded as one Function of tokens and W_r (kernels::router_weights_autograd: p's
     // reference formula forward, one fused kernel from d_p to the logits' gradient backward), and
     // the scores are computed without a tape (nothing else differentiates them).
+    // (moe_router_logit_gradient takes up to kMoeTopkMaxK experts a token.)
     const bool fused = at::GradMode::is_enabled() && (tokens.requires_grad() || router->weight.requires_grad()) &&
-                       kernels::router_logits_applies(tokens, router->weight);
+                       options_.top_k <= kernels::kMoeTopkMaxK && kernels::router_logits_applies(tokens, router->weight);
     if (fused) {
       const c10::NoGradGuard no_grad;
       routing.scores = router(tokens);
