@@ -680,7 +680,7 @@ cudaError_t run_chunked(ChunkedArgs a, const SegmentPlan& plan, unsigned char* w
   // The forward and states passes of bf16 K = V = 128 heads: one CTA of 8 warps per head.
   auto walk = [&](unsigned z) {
     if constexpr (std::is_same_v<T, bf16> && K == 128 && kTile == 64) {
-      if (a.head_walk && value_dim == 128) {
+      if (a.head_walk && value_dim == 128 && head_walk_fits<K, 128>()) {
         const dim3 grid(1, h, z);
         return keep_states ? launch_head<K, 128, Pass::kStates>(a, grid, stream)
                            : launch_head<K, 128, Pass::kForward>(a, grid, stream);

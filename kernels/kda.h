@@ -78,7 +78,8 @@ struct KdaChunkedOptions {
   // walks each head with one CTA of 8 warps instead of two CTAs of 4 on 64 value columns each:
   // every chunk is prepared once instead of twice, and the next group's inputs are staged in
   // shared memory while the current one is walked (kernels/README.md). Bit for bit the same
-  // results; false: the 64-column CTAs (what the tests and the bench compare against).
+  // results; false: the 64-column CTAs (what the tests and the bench compare against). Devices
+  // that cannot give a CTA its 213 KB of shared memory take the 64-column CTAs either way.
   bool head_walk = true;
   // For the backward (kda_chunked_backward): when set, bf16 [N, H, ceil(length / 16), V, K]
   // receives the state entering every chunk of 16 tokens, transposed (row = value column), as

@@ -1005,7 +1005,7 @@ cudaError_t launch_state_gradients(const StateGradientArgs& sa, int64_t batch, i
                                    cudaStream_t stream) {
   const unsigned heads = static_cast<unsigned>(sa.forward.heads), n = static_cast<unsigned>(batch);
   if constexpr (std::is_same_v<T, bf16> && K == 128 && kTile == 64) {
-    if (value_dim == 128) {  // whole heads (kda_head_state_gradient_kernel)
+    if (value_dim == 128 && head_walk_fits<K, 128>()) {  // whole heads (kda_head_state_gradient_kernel)
       constexpr size_t shared = head_shared_bytes<K, 128>();
       const cudaError_t error = cudaFuncSetAttribute(kda_head_state_gradient_kernel<K, 128>,
                                                      cudaFuncAttributeMaxDynamicSharedMemorySize,

@@ -569,6 +569,19 @@ constexpr size_t head_shared_bytes() {
   return sizeof(HeadShared<K, V>);
 }
 
+// Whether the current device gives a CTA the whole-head kernels' shared memory (213 KB at
+// K = V = 128: sm_90; an A100's 163 KB does not): the callers fall back to the 64-column CTAs.
+template <int K, int V>
+bool head_walk_fits() {
+  int device = 0, optin = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return static_cast<size_t>(optin) >= head_shared_bytes<K, V>();
+}
+
 // Named barrier of the pair of warps preparing chunk c of a group (barrier 0 is __syncthreads).
 __device__ __forceinline__ void pair_barrier(int c) {
   asm volatile("bar.sync %0, 64;\n" ::"r"(1 + c) : "memory");
