@@ -9,6 +9,7 @@
 
 #include "kernels/kda.h"
 #include "kernels/moe.h"
+#include "kernels/rms_norm.h"
 
 namespace odyssey::kernels {
 namespace {
@@ -351,6 +352,58 @@ MoeRouterTopk moe_router_topk(const at::Tensor& scores, const at::Tensor& bias, 
   out.weights = at::empty({m, top_k}, scores.options().dtype(at::kFloat));
   check_launch(moe_router_topk(s.data_ptr<float>(), b.data_ptr<float>(), out.ids.data_ptr<int64_t>(),
                                out.weights.data_ptr<float>(), m, n, top_k, current_stream(s)),
+               where);
+  return out;
+}
+
+// ---- RMSNorm ------------------------------------------------------------------------------------
+
+static RmsDtype rms_dtype(at::ScalarType t) { return t == at::kBFloat16 ? RmsDtype::kBFloat16 : RmsDtype::kFloat32; }
+
+bool rms_norm_supported(const at::Tensor& x, const at::Tensor& weight) {
+  return x.defined() && weight.defined() && x.is_cuda() && weight.device() == x.device() && x.dim() >= 1 &&
+         weight.dim() == 1 && is_kernel_dtype(x.scalar_type()) && is_kernel_dtype(weight.scalar_type()) &&
+         x.size(-1) == weight.size(0) && x.size(-1) >= 1 && x.size(-1) <= kRmsNormMaxWidth;
+}
+
+RmsNormForward rms_norm_forward(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  constexpr const char* where = "kernels::rms_norm_forward";
+  TORCH_CHECK(rms_norm_supported(x, weight), where, ": needs CUDA bf16 / fp32 x [..., width <= ", kRmsNormMaxWidth,
+              "] and weight [width] on its device, got x ", x.sizes(), " ", x.scalar_type(), " and weight ",
+              weight.sizes(), " ", weight.scalar_type());
+  const c10::cuda::CUDAGuard guard(x.device());
+  const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
+  const int64_t width = x.size(-1), rows = x.numel() / width;
+  RmsNormForward out{at::empty_like(xc), at::empty({rows}, x.options().dtype(at::kFloat))};
+  check_launch(rms_norm_forward(rms_dtype(x.scalar_type()), xc.data_ptr(), rms_dtype(weight.scalar_type()),
+                                wc.data_ptr(), eps, out.y.data_ptr(), out.inv_rms.data_ptr<float>(), rows, width,
+                                current_stream(xc)),
+               where);
+  return out;
+}
+
+RmsNormBackward rms_norm_backward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& inv_rms,
+                                  const at::Tensor& dy, bool want_dw) {
+  constexpr const char* where = "kernels::rms_norm_backward";
+  TORCH_CHECK(rms_norm_supported(x, weight), where, ": unsupported x ", x.sizes(), " / weight ", weight.sizes());
+  const int64_t width = x.size(-1), rows = x.numel() / width;
+  TORCH_CHECK(dy.sizes() == x.sizes(), where, ": dy must be ", x.sizes(), ", got ", dy.sizes());
+  TORCH_CHECK(inv_rms.scalar_type() == at::kFloat && inv_rms.numel() == rows, where, ": inv_rms must be fp32 [",
+              rows, "], got ", inv_rms.sizes());
+  const c10::cuda::CUDAGuard guard(x.device());
+  const at::Tensor xc = x.contiguous(), wc = weight.contiguous(), rc = inv_rms.contiguous();
+  const at::Tensor g = dy.to(x.scalar_type()).contiguous();
+  RmsNormBackward out{at::empty_like(xc), want_dw ? at::empty_like(wc) : at::Tensor()};
+  at::Tensor workspace;
+  if (want_dw && rows > 0) {
+    workspace = at::empty({static_cast<int64_t>(rms_norm_backward_workspace_bytes(rows, width))},
+                          x.options().dtype(at::kByte));
+  }
+  check_launch(rms_norm_backward(rms_dtype(x.scalar_type()), xc.data_ptr(), rms_dtype(weight.scalar_type()),
+                                 wc.data_ptr(), rc.data_ptr<float>(), g.data_ptr(), out.dx.data_ptr(),
+                                 want_dw ? out.dw.data_ptr() : nullptr,
+                                 workspace.defined() ? workspace.data_ptr() : nullptr, rows, width,
+                                 current_stream(xc)),
                where);
   return out;
 }

@@ -64,6 +64,27 @@ at::Tensor kda_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
                     const at::Tensor& g, const at::Tensor& beta, at::Tensor& state, double scale);
 
 
+// ---- RMSNorm (kernels/rms_norm.h) ---------------------------------------------------------------
+
+// Whether the fused RMSNorm can run: x a CUDA bf16 / fp32 tensor [..., width] with
+// 1 <= width <= 1024, weight [width] bf16 / fp32 on x's device.
+bool rms_norm_supported(const at::Tensor& x, const at::Tensor& weight);
+
+struct RmsNormForward {
+  at::Tensor y;        // x's shape and dtype
+  at::Tensor inv_rms;  // fp32 [rows]: 1 / sqrt(mean(x^2) + eps) of every row
+};
+// model::rms_norm on the GPU (nothing recorded for autograd; kernels/norm_autograd.h records it).
+RmsNormForward rms_norm_forward(const at::Tensor& x, const at::Tensor& weight, double eps);
+
+struct RmsNormBackward {
+  at::Tensor dx;  // x's shape and dtype
+  at::Tensor dw;  // weight's shape and dtype, or undefined when not wanted
+};
+// Its backward from dy (converted to x's dtype) and the forward's inv_rms.
+RmsNormBackward rms_norm_backward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& inv_rms,
+                                  const at::Tensor& dy, bool want_dw);
+
 // ---- MoE (kernels/moe.h) -------------------------------------------------------------------------
 
 // Whether moe_router_topk can run: scores a CUDA fp32 [m, n] tensor with n <= 1024 and

@@ -3,9 +3,20 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#ifdef ODYSSEY_WITH_CUDA_KERNELS
+#include "kernels/norm_autograd.h"
+#endif
+
 namespace odyssey::model {
 
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+#ifdef ODYSSEY_WITH_CUDA_KERNELS
+  if (kernels::rms_norm_supported(x, weight)) return kernels::rms_norm_autograd(x, weight, eps);
+#endif
+  return rms_norm_reference(x, weight, eps);
+}
+
+torch::Tensor rms_norm_reference(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
   TORCH_CHECK(x.dim() >= 1 && weight.dim() == 1 && x.size(-1) == weight.size(0), "rms_norm: x ", x.sizes(),
               " and weight ", weight.sizes(), " disagree on the width");
   const at::ScalarType compute = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
