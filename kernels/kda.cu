@@ -232,14 +232,14 @@ __global__ void __launch_bounds__(Walk<kTile>::kThreads, 2)
     start_offset = ((static_cast<int64_t>(seq) * a.segments + segment) * H + h) * K * V;
   }
   float state[K / 8][4];
+  if constexpr (kForward) {
+    load_state_tile<K>(state, start, start_offset, V, v_col, lane);
+  } else {
 #pragma unroll
-  for (int j = 0; j < K / 8; ++j) {
+    for (int j = 0; j < K / 8; ++j) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int c = 8 * j + 2 * t + (e & 1), vr = v_col + g + (e >> 1) * 8;
-      if constexpr (kForward) {
-        state[j][e] = start ? start[start_offset + c * V + vr] : 0.0f;
-      } else {
+      for (int e = 0; e < 4; ++e) {
+        const int c = 8 * j + 2 * t + (e & 1), vr = v_col + g + (e >> 1) * 8;
         state[j][e] = a_columns && c == vr ? 1.0f : 0.0f;
       }
     }
@@ -278,14 +278,7 @@ __global__ void __launch_bounds__(Walk<kTile>::kThreads, 2)
 
   if constexpr (kForward) {
     if (segment != a.segments - 1) return;
-#pragma unroll
-    for (int j = 0; j < K / 8; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int c = 8 * j + 2 * t + (e & 1), vr = v_col + g + (e >> 1) * 8;
-        a.final_state[state_offset + c * V + vr] = state[j][e];
-      }
-    }
+    store_state_tile<K>(a.final_state, state_offset, state, V, v_col, lane);
   } else {
     const int64_t pair = (static_cast<int64_t>(seq) * (a.segments - 1) + segment) * H + h;
 #pragma unroll
@@ -360,7 +353,6 @@ __global__ void __launch_bounds__(kHeadThreads, 1) kda_head_kernel(const Chunked
     row0 = seq * a.length + begin;
     length = min64(a.segment_length, a.length - begin);
   }
-  const int g = lane >> 2, t = lane & 3;
   const int v_col = warp * 16;
 
   const int64_t state_offset = (static_cast<int64_t>(seq) * H + h) * K * V;
@@ -371,14 +363,7 @@ __global__ void __launch_bounds__(kHeadThreads, 1) kda_head_kernel(const Chunked
     start_offset = ((static_cast<int64_t>(seq) * a.segments + segment) * H + h) * K * V;
   }
   float state[K / 8][4];
-#pragma unroll
-  for (int j = 0; j < K / 8; ++j) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int c = 8 * j + 2 * t + (e & 1), vr = v_col + g + (e >> 1) * 8;
-      state[j][e] = start ? start[start_offset + c * V + vr] : 0.0f;
-    }
-  }
+  load_state_tile<K>(state, start, start_offset, V, v_col, lane);
 
   const int64_t num_chunks = (length + kChunk - 1) / kChunk;
   const int64_t chunk_base = a.cu_seqlens ? 0 : segment * a.segment_length / kChunk;
@@ -428,14 +413,7 @@ __global__ void __launch_bounds__(kHeadThreads, 1) kda_head_kernel(const Chunked
   }
 
   if (segment != a.segments - 1) return;
-#pragma unroll
-  for (int j = 0; j < K / 8; ++j) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int c = 8 * j + 2 * t + (e & 1), vr = v_col + g + (e >> 1) * 8;
-      a.final_state[state_offset + c * V + vr] = state[j][e];
-    }
-  }
+  store_state_tile<K>(a.final_state, state_offset, state, V, v_col, lane);
 }
 
 template <int K, int V, Pass kPass>

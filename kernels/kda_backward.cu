@@ -175,14 +175,7 @@ __global__ void __launch_bounds__(Walk<kTile>::kThreads, 2)
   const int64_t state_offset = (static_cast<int64_t>(seq) * H + h) * K * V;
 
   float d_state[K / 8][4];
-#pragma unroll
-  for (int j = 0; j < K / 8; ++j) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int c = 8 * j + 2 * t + (e & 1), vr = v_col + g + (e >> 1) * 8;
-      d_state[j][e] = b.d_final_state ? b.d_final_state[state_offset + c * V + vr] : 0.0f;
-    }
-  }
+  load_state_tile<K>(d_state, b.d_final_state, state_offset, V, v_col, lane);
 
   bf16* d_states = b.chunk_d_states + (static_cast<int64_t>(seq) * H + h) * num_chunks * V * K;
   for (int64_t group = (num_chunks - 1) / kWarps * kWarps; group >= 0; group -= kWarps) {
@@ -213,14 +206,7 @@ __global__ void __launch_bounds__(Walk<kTile>::kThreads, 2)
   }
 
   if (b.d_initial_state == nullptr) return;
-#pragma unroll
-  for (int j = 0; j < K / 8; ++j) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int c = 8 * j + 2 * t + (e & 1), vr = v_col + g + (e >> 1) * 8;
-      b.d_initial_state[state_offset + c * V + vr] = d_state[j][e];
-    }
-  }
+  store_state_tile<K>(b.d_initial_state, state_offset, d_state, V, v_col, lane);
 }
 
 // The reverse walk of a whole head (bf16, K = V = 128), as the forward's kda_head_kernel: one CTA
@@ -247,14 +233,7 @@ __global__ void __launch_bounds__(kHeadThreads, 1) kda_head_state_gradient_kerne
   auto valid_rows = [&](int64_t chunk) { return static_cast<int>(min64(kChunk, length - chunk * kChunk)); };
 
   float d_state[K / 8][4];
-#pragma unroll
-  for (int j = 0; j < K / 8; ++j) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int c = 8 * j + 2 * t + (e & 1), vr = v_col + g + (e >> 1) * 8;
-      d_state[j][e] = b.d_final_state ? b.d_final_state[state_offset + c * V + vr] : 0.0f;
-    }
-  }
+  load_state_tile<K>(d_state, b.d_final_state, state_offset, V, v_col, lane);
 
   bf16* d_states = b.chunk_d_states + (static_cast<int64_t>(seq) * H + h) * num_chunks * V * K;
   float beta = 0.0f;
@@ -295,14 +274,7 @@ __global__ void __launch_bounds__(kHeadThreads, 1) kda_head_state_gradient_kerne
   }
 
   if (b.d_initial_state == nullptr) return;
-#pragma unroll
-  for (int j = 0; j < K / 8; ++j) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int c = 8 * j + 2 * t + (e & 1), vr = v_col + g + (e >> 1) * 8;
-      b.d_initial_state[state_offset + c * V + vr] = d_state[j][e];
-    }
-  }
+  store_state_tile<K>(b.d_initial_state, state_offset, d_state, V, v_col, lane);
 }
 
 // ---------------------------------------------------------------------------------------------
