@@ -181,23 +181,22 @@ MoeRouting MoeImpl::route(const torch::Tensor& x) {
     } else {
       routing.scores = router(tokens);
     }
+    torch::Tensor kernel_weights;  // p from the top-k kernel, where it ran
     if (kernels::moe_router_topk_supported(routing.scores, options_.top_k)) {
       kernels::MoeRouterTopk topk = kernels::moe_router_topk(routing.scores, router->bias, options_.top_k);
       routing.selected = topk.ids;
-      // With a gradient wanted, p is recomputed from the selection on the autograd tape (exactly
-      // the reference's formula, so the router learns through p); otherwise the kernel's p.
-      if (fused) {
-        routing.weights = kernels::router_weights_autograd(tokens, router->weight, routing.scores, routing.selected);
-      } else {
-        routing.weights = at::GradMode::is_enabled() && routing.scores.requires_grad()
-                              ? mixing_weights(routing.scores, routing.selected)
-                              : topk.weights;
-      }
+      kernel_weights = topk.weights;
     } else {
       routing.selected = select_experts(routing.scores, router->bias, options_.top_k);
-      routing.weights = fused ? kernels::router_weights_autograd(tokens, router->weight, routing.scores,
-                                                                 routing.selected)
-                              : mixing_weights(routing.scores, routing.selected);
+    }
+    // With a gradient wanted, p is recomputed from the selection with the reference's formula,
+    // recorded for autograd (the router learns through p); otherwise the kernel's p.
+    if (fused) {
+      routing.weights = kernels::router_weights_autograd(tokens, router->weight, routing.scores, routing.selected);
+    } else if (kernel_weights.defined() && !(at::GradMode::is_enabled() && routing.scores.requires_grad())) {
+      routing.weights = kernel_weights;
+    } else {
+      routing.weights = mixing_weights(routing.scores, routing.selected);
     }
     return routing;
   }
