@@ -171,18 +171,10 @@ template <int K>
 __device__ __forceinline__ void store_chunk_state(const ChunkedArgs& a, const float (&state)[K / 8][4],
                                                   int seq, int h, int64_t chunk, int v_col,
                                                   int lane) {
-  const int g = lane >> 2, t = lane & 3;
   const int64_t chunks = (a.length + kChunk - 1) / kChunk;
   bf16* base = static_cast<bf16*>(a.chunk_states) +
                ((static_cast<int64_t>(seq) * a.heads + h) * chunks + chunk) * a.value_dim * K;
-#pragma unroll
-  for (int j = 0; j < K / 8; ++j) {
-    const int c = 8 * j + 2 * t;
-    *reinterpret_cast<uint32_t*>(base + static_cast<int64_t>(v_col + g) * K + c) =
-        pack_bf16(state[j][0], state[j][1]);
-    *reinterpret_cast<uint32_t*>(base + static_cast<int64_t>(v_col + g + 8) * K + c) =
-        pack_bf16(state[j][2], state[j][3]);
-  }
+  store_state_rows<K>(base + static_cast<int64_t>(v_col) * K, state, lane);
 }
 
 // kTile value columns per CTA (Walk: kTile / 16 warps, groups of kTile / 16 chunks).

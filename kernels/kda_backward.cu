@@ -192,14 +192,7 @@ __global__ void __launch_bounds__(Walk<kTile>::kThreads, 2)
     for (int s = count - 1; s >= 0; --s) {
       // dS' of this chunk (the gradient of the state leaving it), as pass 3 reads it.
       bf16* out = d_states + (group + s) * V * K;
-#pragma unroll
-      for (int j = 0; j < K / 8; ++j) {
-        const int c = 8 * j + 2 * t;
-        *reinterpret_cast<uint32_t*>(out + static_cast<int64_t>(v_col + g) * K + c) =
-            pack_bf16(d_state[j][0], d_state[j][1]);
-        *reinterpret_cast<uint32_t*>(out + static_cast<int64_t>(v_col + g + 8) * K + c) =
-            pack_bf16(d_state[j][2], d_state[j][3]);
-      }
+      store_state_rows<K>(out + static_cast<int64_t>(v_col) * K, d_state, lane);
       reverse_walk_chunk<K, kTile>(slots[s], d_state, v_col - v0, lane);
     }
     __syncthreads();
@@ -260,14 +253,7 @@ __global__ void __launch_bounds__(kHeadThreads, 1) kda_head_state_gradient_kerne
     for (int s = count - 1; s >= 0; --s) {
       // dS' of this chunk (the gradient of the state leaving it), as pass 3 reads it.
       bf16* out = d_states + (group + s) * V * K;
-#pragma unroll
-      for (int j = 0; j < K / 8; ++j) {
-        const int c = 8 * j + 2 * t;
-        *reinterpret_cast<uint32_t*>(out + static_cast<int64_t>(v_col + g) * K + c) =
-            pack_bf16(d_state[j][0], d_state[j][1]);
-        *reinterpret_cast<uint32_t*>(out + static_cast<int64_t>(v_col + g + 8) * K + c) =
-            pack_bf16(d_state[j][2], d_state[j][3]);
-      }
+      store_state_rows<K>(out + static_cast<int64_t>(v_col) * K, d_state, lane);
       reverse_walk_chunk<K, V>(sh.slot[s], d_state, v_col, lane);
     }
     __syncthreads();
