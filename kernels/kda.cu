@@ -177,6 +177,57 @@ __device__ __forceinline__ void store_chunk_state(const ChunkedArgs& a, const fl
   store_state_rows<K>(base + static_cast<int64_t>(v_col) * K, state, lane);
 }
 
+// The state tile a walk starts from: the forward's start state (0 without one); the transition
+// pass's [I | 0] (A_seg's columns from I, B_seg's from 0).
+template <int K, bool kForward>
+__device__ __forceinline__ void walk_start_tile(float (&state)[K / 8][4], const float* start,
+                                                int64_t start_offset, int V, int v_col,
+                                                bool a_columns, int lane) {
+  if constexpr (kForward) {
+    load_state_tile<K>(state, start, start_offset, V, v_col, lane);
+  } else {
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int j = 0; j < K / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int c = 8 * j + 2 * t + (e & 1), vr = v_col + g + (e >> 1) * 8;
+        state[j][e] = a_columns && c == vr ? 1.0f : 0.0f;
+      }
+    }
+  }
+}
+
+// Where a walk's state goes at its end: the final state (the last segment of the forward), or the
+// segment's transition pair (A_seg transposed, B_seg) for kda_segment_scan_kernel.
+template <int K, bool kForward>
+__device__ __forceinline__ void walk_end_tile(const ChunkedArgs& a, const float (&state)[K / 8][4],
+                                              int64_t state_offset, int seq, int segment, int h,
+                                              int V, int v_col, bool a_columns, int lane) {
+  if constexpr (kForward) {
+    if (segment != a.segments - 1) return;
+    store_state_tile<K>(a.final_state, state_offset, state, V, v_col, lane);
+  } else {
+    const int g = lane >> 2, t = lane & 3;
+    const int64_t pair = (static_cast<int64_t>(seq) * (a.segments - 1) + segment) * a.heads + h;
+#pragma unroll
+    for (int j = 0; j < K / 8; ++j) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int c = 8 * j + 2 * t, vr = v_col + g + half * 8;
+        if (a_columns) {
+          // A_seg[c][vr] stored transposed (at vr * K + c): the scan reads columns of A_seg.
+          *reinterpret_cast<float2*>(&a.transition_a[pair * K * K + vr * K + c]) =
+              make_float2(state[j][2 * half], state[j][2 * half + 1]);
+        } else {
+          a.transition_b[pair * K * V + c * V + vr] = state[j][2 * half];
+          a.transition_b[pair * K * V + (c + 1) * V + vr] = state[j][2 * half + 1];
+        }
+      }
+    }
+  }
+}
+
 // kTile value columns per CTA (Walk: kTile / 16 warps, groups of kTile / 16 chunks).
 // Forward: grid (V / kTile, H, N * P); CTA (tile x, h, z = sequence * P + segment) walks its
 // segment from the initial state (P = 1) or the segment's state (P > 1), writing o and, for the
@@ -212,7 +263,6 @@ __global__ void __launch_bounds__(Walk<kTile>::kThreads, 2)
     row0 = seq * a.length + begin;
     length = min64(a.segment_length, a.length - begin);
   }
-  const int g = lane >> 2, t = lane & 3;
   const int v_col = v0 + warp * 16;  // this warp's first value column (A_seg column)
 
   // S^T rows v_col + g (+8), columns 8j + 2t (+1); S is [K, V] per (sequence, head).
@@ -224,18 +274,7 @@ __global__ void __launch_bounds__(Walk<kTile>::kThreads, 2)
     start_offset = ((static_cast<int64_t>(seq) * a.segments + segment) * H + h) * K * V;
   }
   float state[K / 8][4];
-  if constexpr (kForward) {
-    load_state_tile<K>(state, start, start_offset, V, v_col, lane);
-  } else {
-#pragma unroll
-    for (int j = 0; j < K / 8; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int c = 8 * j + 2 * t + (e & 1), vr = v_col + g + (e >> 1) * 8;
-        state[j][e] = a_columns && c == vr ? 1.0f : 0.0f;
-      }
-    }
-  }
+  walk_start_tile<K, kForward>(state, start, start_offset, V, v_col, a_columns, lane);
 
   const int64_t num_chunks = (length + kChunk - 1) / kChunk;
   // This segment's first chunk within the sequence (segments are whole chunks).
@@ -268,27 +307,7 @@ __global__ void __launch_bounds__(Walk<kTile>::kThreads, 2)
     __syncthreads();
   }
 
-  if constexpr (kForward) {
-    if (segment != a.segments - 1) return;
-    store_state_tile<K>(a.final_state, state_offset, state, V, v_col, lane);
-  } else {
-    const int64_t pair = (static_cast<int64_t>(seq) * (a.segments - 1) + segment) * H + h;
-#pragma unroll
-    for (int j = 0; j < K / 8; ++j) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int c = 8 * j + 2 * t, vr = v_col + g + half * 8;
-        if (a_columns) {
-          // A_seg[c][vr] stored transposed (at vr * K + c): the scan reads columns of A_seg.
-          *reinterpret_cast<float2*>(&a.transition_a[pair * K * K + vr * K + c]) =
-              make_float2(state[j][2 * half], state[j][2 * half + 1]);
-        } else {
-          a.transition_b[pair * K * V + c * V + vr] = state[j][2 * half];
-          a.transition_b[pair * K * V + (c + 1) * V + vr] = state[j][2 * half + 1];
-        }
-      }
-    }
-  }
+  walk_end_tile<K, kForward>(a, state, state_offset, seq, segment, h, V, v_col, a_columns, lane);
 }
 
 template <typename T, int K, int kTile, Pass kPass>
@@ -325,8 +344,12 @@ cudaError_t launch_chunked(const ChunkedArgs& a, dim3 grid, cudaStream_t stream)
 // segment state, as kda_chunked_kernel's forward and states passes do with 64-column CTAs.
 template <int K, int V, Pass kPass>
 __global__ void __launch_bounds__(kHeadThreads, 1) kda_head_kernel(const ChunkedArgs a) {
-  static_assert(kPass != Pass::kTransition, "the transition pass keeps 64-column CTAs");
+  // kForward: walks from the initial or segment state (the forward and the states pass); the
+  // transition pass: CTA x = 0 walks the K columns of A_seg from I without values, x = 1 the V
+  // columns of B_seg from 0 (grid (2, H, N (P - 1))).
+  constexpr bool kForward = kPass != Pass::kTransition;
   constexpr bool kOutputs = kPass == Pass::kForward;
+  static_assert(kForward || K == V, "the transition pass's two CTAs walk K and V columns with one shape");
   using T = bf16;
   extern __shared__ __align__(16) unsigned char shared_raw[];
   HeadShared<K, V>& sh = *reinterpret_cast<HeadShared<K, V>*>(shared_raw);
@@ -335,7 +358,10 @@ __global__ void __launch_bounds__(kHeadThreads, 1) kda_head_kernel(const Chunked
   const int pair = warp >> 1, member = warp & 1;
   const int h = blockIdx.y;
   const int H = a.heads;
-  const int seq = blockIdx.z / a.segments, segment = blockIdx.z % a.segments;
+  const int per_sequence = kForward ? a.segments : a.segments - 1;
+  const int seq = blockIdx.z / per_sequence, segment = blockIdx.z % per_sequence;
+  const bool a_columns = !kForward && blockIdx.x == 0;
+  const bool with_values = !a_columns;
   int64_t row0, length;
   if (a.cu_seqlens) {
     row0 = a.cu_seqlens[seq];
@@ -350,12 +376,12 @@ __global__ void __launch_bounds__(kHeadThreads, 1) kda_head_kernel(const Chunked
   const int64_t state_offset = (static_cast<int64_t>(seq) * H + h) * K * V;
   const float* start = a.initial_state;
   int64_t start_offset = state_offset;
-  if (a.segment_states != nullptr) {
+  if (kForward && a.segment_states != nullptr) {
     start = a.segment_states;
     start_offset = ((static_cast<int64_t>(seq) * a.segments + segment) * H + h) * K * V;
   }
   float state[K / 8][4];
-  load_state_tile<K>(state, start, start_offset, V, v_col, lane);
+  walk_start_tile<K, kForward>(state, start, start_offset, V, v_col, a_columns, lane);
 
   const int64_t num_chunks = (length + kChunk - 1) / kChunk;
   const int64_t chunk_base = a.cu_seqlens ? 0 : segment * a.segment_length / kChunk;
@@ -364,7 +390,7 @@ __global__ void __launch_bounds__(kHeadThreads, 1) kda_head_kernel(const Chunked
   if (pair < num_chunks) {
     for (int part = 0; part < kHeadGroup; ++part) {
       issue_head_loads<K, V, kOutputs>(a, static_cast<const bf16*>(a.v), sh.staging[pair], row0 + pair * kChunk, valid_rows(pair),
-                                       h, member, lane, part, beta);
+                                       h, member, lane, part, beta, with_values);
     }
   }
   float* stage = reinterpret_cast<float*>(&sh.slot[pair].k_check[0][0]) + member * kChunk * 20;
@@ -373,7 +399,7 @@ __global__ void __launch_bounds__(kHeadThreads, 1) kda_head_kernel(const Chunked
     if (mine < num_chunks) {
       cp_async_wait<0>();
       __syncwarp();
-      prepare_chunk_pair<K, V, kOutputs>(a, sh.slot[pair], sh.staging[pair], pair, member, beta, lane);
+      prepare_chunk_pair<K, V, kOutputs>(a, sh.slot[pair], sh.staging[pair], pair, member, beta, lane, with_values);
     }
     __syncthreads();
     // The next group's loads: in the forward one part before each chunk walked (a next group
@@ -385,7 +411,7 @@ __global__ void __launch_bounds__(kHeadThreads, 1) kda_head_kernel(const Chunked
     if (!kOutputs && load_next) {
       for (int part = 0; part < kHeadGroup; ++part) {
         issue_head_loads<K, V, kOutputs>(a, static_cast<const bf16*>(a.v), sh.staging[pair], row0 + next * kChunk, valid_rows(next),
-                                         h, member, lane, part, beta);
+                                         h, member, lane, part, beta, with_values);
       }
     }
     const int count = static_cast<int>(min64(kHeadGroup, num_chunks - group));
@@ -399,13 +425,12 @@ __global__ void __launch_bounds__(kHeadThreads, 1) kda_head_kernel(const Chunked
         store_chunk_state<K>(a, state, seq, h, chunk_base + chunk, v_col, lane);
       }
       walk_chunk<T, K, V, kOutputs>(a, sh.slot[s], state, stage, row0 + chunk * kChunk,
-                                    valid_rows(chunk), h, v_col, true, lane);
+                                    valid_rows(chunk), h, v_col, with_values, lane);
     }
     __syncthreads();
   }
 
-  if (segment != a.segments - 1) return;
-  store_state_tile<K>(a.final_state, state_offset, state, V, v_col, lane);
+  walk_end_tile<K, kForward>(a, state, state_offset, seq, segment, h, V, v_col, a_columns, lane);
 }
 
 template <int K, int V, Pass kPass>
@@ -668,8 +693,17 @@ cudaError_t run_chunked(ChunkedArgs a, const SegmentPlan& plan, unsigned char* w
   a.segments = static_cast<int>(plan.segments);
   a.transition_a = reinterpret_cast<float*>(workspace + layout.transition_a);
   a.transition_b = reinterpret_cast<float*>(workspace + layout.transition_b);
-  cudaError_t error = launch_chunked<T, K, kTile, Pass::kTransition>(
-      a, dim3(K / kTile + v_tiles, h, n * (p - 1)), stream);
+  cudaError_t error = cudaSuccess;
+  bool transitions_done = false;
+  if constexpr (std::is_same_v<T, bf16> && K == 128 && kTile == 64) {
+    if (a.head_walk && value_dim == 128) {  // whole heads: one CTA for A_seg, one for B_seg
+      error = launch_head<K, 128, Pass::kTransition>(a, dim3(2, h, n * (p - 1)), stream);
+      transitions_done = true;
+    }
+  }
+  if (!transitions_done) {
+    error = launch_chunked<T, K, kTile, Pass::kTransition>(a, dim3(K / kTile + v_tiles, h, n * (p - 1)), stream);
+  }
   if (error != cudaSuccess) return error;
   error = launch_segment_scan<K>(a, states, batch, stream);
   if (error != cudaSuccess) return error;

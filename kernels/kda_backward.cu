@@ -169,7 +169,6 @@ __global__ void __launch_bounds__(Walk<kTile>::kThreads, 2)
   const int h = blockIdx.y, seq = blockIdx.z;
   const int H = a.heads, V = a.value_dim;
   const int v0 = blockIdx.x * kTile, v_col = v0 + warp * 16;
-  const int g = lane >> 2, t = lane & 3;
   const int64_t length = a.length, row0 = static_cast<int64_t>(seq) * length;
   const int64_t num_chunks = (length + kChunk - 1) / kChunk;
   const int64_t state_offset = (static_cast<int64_t>(seq) * H + h) * K * V;
@@ -219,7 +218,6 @@ __global__ void __launch_bounds__(kHeadThreads, 1) kda_head_state_gradient_kerne
   const int h = blockIdx.y, seq = blockIdx.z;
   const int H = a.heads;
   const int v_col = warp * 16;
-  const int g = lane >> 2, t = lane & 3;
   const int64_t length = a.length, row0 = static_cast<int64_t>(seq) * length;
   const int64_t num_chunks = (length + kChunk - 1) / kChunk;
   const int64_t state_offset = (static_cast<int64_t>(seq) * H + h) * K * V;

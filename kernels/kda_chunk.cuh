@@ -626,7 +626,8 @@ __device__ __forceinline__ void pair_barrier(int c) {
 template <int K, int V, bool kOutputs>
 __device__ __forceinline__ void issue_head_loads(const ChunkedArgs& a, const bf16* values,
                                                  HeadStaging<K, V>& st, int64_t row0, int valid,
-                                                 int h, int p, int lane, int part, float& beta) {
+                                                 int h, int p, int lane, int part, float& beta,
+                                                 bool with_values = true) {
   const int H = a.heads;
   const int64_t last_row = row0 + valid - 1;  // a readable address for the zero-filled rows
   constexpr int kKeyHalf = K / 2, kValueHalf = V / 2;
@@ -646,6 +647,7 @@ __device__ __forceinline__ void issue_head_loads(const ChunkedArgs& a, const bf1
   } else if (part == 1) {
     key_rows(static_cast<const bf16*>(a.k), st.k);
   } else if (part == 2) {
+    if (!with_values) return;  // the A_seg columns of the transition pass: no values
 #pragma unroll
     for (int r = 0; r < kChunk * (kValueHalf / 8) / 32; ++r) {
       const int item = lane + 32 * r, i = item / (kValueHalf / 8);
@@ -672,7 +674,7 @@ __device__ __forceinline__ void issue_head_loads(const ChunkedArgs& a, const bf1
 template <int K, int V, bool kOutputs, bool kGradients = false>
 __device__ __forceinline__ void prepare_chunk_pair(const ChunkedArgs& a, ChunkSlot<K, V>& slot,
                                                    const HeadStaging<K, V>& st, int c, int p,
-                                                   float beta, int lane) {
+                                                   float beta, int lane, bool with_values = true) {
   const int c0 = p * (K / 2) + 2 * lane;  // this lane's two key columns
   float gamma[2] = {};
 #pragma unroll
@@ -794,7 +796,7 @@ __device__ __forceinline__ void prepare_chunk_pair(const ChunkedArgs& a, ChunkSl
       const int item = lane + 32 * r, i = item / (V / 2 / 8), col = p * (V / 2) + (item % (V / 2 / 8)) * 8;
       *reinterpret_cast<uint4*>(&slot.v[i][col]) = *reinterpret_cast<const uint4*>(&st.v[i][col]);
     }
-  } else {
+  } else if (with_values) {
 #pragma unroll
     for (int n0 = p * (V / 2); n0 < (p + 1) * (V / 2); n0 += 16) {
       uint32_t b[4];
