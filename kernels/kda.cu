@@ -696,7 +696,8 @@ cudaError_t run_chunked(ChunkedArgs a, const SegmentPlan& plan, unsigned char* w
   cudaError_t error = cudaSuccess;
   bool transitions_done = false;
   if constexpr (std::is_same_v<T, bf16> && K == 128 && kTile == 64) {
-    if (a.head_walk && value_dim == 128) {  // whole heads: one CTA for A_seg, one for B_seg
+    // Whole heads: one CTA for A_seg, one for B_seg (where the device gives them their shared memory).
+    if (a.head_walk && value_dim == 128 && head_walk_fits<K, 128>()) {
       error = launch_head<K, 128, Pass::kTransition>(a, dim3(2, h, n * (p - 1)), stream);
       transitions_done = true;
     }

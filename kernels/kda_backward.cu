@@ -505,6 +505,34 @@ __device__ __forceinline__ void mma_small_tile8(const A& a, const B& b, int n0, 
   store(g + 8, n0 + 2 * t + 1, acc[3] + small[3]);
 }
 
+// f(std::integral_constant<int, G>) for G = 0 .. kCount - 1: code specialised per compile-time G,
+// picked at run time by a (warp-uniform) index without a select per candidate.
+template <typename F, int... G>
+__device__ __forceinline__ void for_each_index(F&& f, std::integer_sequence<int, G...>) {
+  (f(std::integral_constant<int, G>{}), ...);
+}
+
+// Two adjacent bf16 of shared memory as a float2, and a float2 as two adjacent bf16 (hi), or as
+// hi and lo parts (SplitRows, pairwise: the same values as two scalar stores).
+__device__ __forceinline__ float2 load_bf16x2(const bf16* p) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p));
+}
+__device__ __forceinline__ void store_bf16x2(bf16* p, float x, float y) {
+  *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(x, y);
+}
+template <int kRow>
+__device__ __forceinline__ void store_split_pair(SplitRows<kRow>& rows, int i, int c, float x, float y) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(x, y);
+  const float2 back = __bfloat1622float2(h);
+  *reinterpret_cast<__nv_bfloat162*>(&rows.hi[i][c]) = h;
+  *reinterpret_cast<__nv_bfloat162*>(&rows.lo[i][c]) = __floats2bfloat162_rn(x - back.x, y - back.y);
+}
+template <int kRow>
+__device__ __forceinline__ float2 load_split_pair(const SplitRows<kRow>& rows, int i, int c) {
+  const float2 h = load_bf16x2(&rows.hi[i][c]), l = load_bf16x2(&rows.lo[i][c]);
+  return make_float2(h.x + l.x, h.y + l.y);
+}
+
 // A pair of warps (0 and 1) waits for each other (named barrier 1; barrier 0 is __syncthreads).
 __device__ __forceinline__ void warp_pair_barrier() { asm volatile("bar.sync 1, 64;\n" ::: "memory"); }
 
@@ -558,6 +586,10 @@ __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>()
   constexpr int kValueStride = kGradientThreads / V;
   constexpr int kValueItems = kChunk / kValueStride;
   const int kc = tid % K, kr = tid / K, vc = tid % V, vr = tid / V;
+  // Column pairs (bf16 phase 0 and phase 8): kPairRows consecutive rows of two adjacent key
+  // columns a thread, on the first kPairThreads threads (all 512 at K = 128, 256 at K = 32).
+  constexpr int kPairRows = (kChunk * K / 2 + kGradientThreads - 1) / kGradientThreads;
+  constexpr int kPairThreads = kChunk * K / 2 / kPairRows;
 
   // An item's loads, all in flight at once. S^T and dS'^T by cp.async. bf16 inputs: the chunk's
   // rows of q, k, v, dO and g by cp.async too, into sh.next (rows past its end zero-filled; the
@@ -635,31 +667,57 @@ __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>()
   if constexpr (kExact) {
     cp_async_wait<0>();  // sh.next, S^T and dS'^T
     __syncthreads();
+    // Staged rows past the chunk's end are zero (q, k, v, dO and g), so no row needs a guard.
+    // A thread owns two adjacent columns of kPairRows consecutive rows (pairwise loads and
+    // stores); the row group is warp-uniform at K >= 64, so picking its prefix sums of g is a
+    // uniform branch, not a select per row.
+    if (tid < kPairThreads) {
+      const int c0 = 2 * (tid % (K / 2)), group = tid / (K / 2), i0 = group * kPairRows;
+      float2 cum[kChunk];
+      float2 run = make_float2(0.0f, 0.0f);
 #pragma unroll
-    for (int r = 0; r < kKeyItems; ++r) {
-      const int i = kr + kKeyStride * r;
-      q_in[r] = __bfloat162float(sh.next.q[i][kc]);
-      k_in[r] = __bfloat162float(sh.next.k[i][kc]);
-    }
+      for (int i = 0; i < kChunk; ++i) {
+        const float2 gi = *reinterpret_cast<const float2*>(&sh.next.g[i][c0]);
+        run.x += gi.x;
+        run.y += gi.y;
+        cum[i] = run;
+      }
+      float2 gam[kPairRows];
+      for_each_index([&](auto G) {
+        constexpr int kGroup = decltype(G)::value;
+        if (group == kGroup) {
 #pragma unroll
-    for (int r = 0; r < kValueItems; ++r) {
-      const int i = vr + kValueStride * r;
-      v_in[r] = __bfloat162float(sh.next.v[i][vc]);
-      do_in[r] = __bfloat162float(sh.next.d_o[i][vc]);
+          for (int j = 0; j < kPairRows; ++j) gam[j] = cum[kGroup * kPairRows + j];
+        }
+      }, std::make_integer_sequence<int, kChunk / kPairRows>{});
+      const float2 decay = make_float2(expf(run.x), expf(run.y));
+      if (group == 0) *reinterpret_cast<float2*>(&sh.decay[c0]) = decay;
+#pragma unroll
+      for (int j = 0; j < kPairRows; ++j) {
+        const int i = i0 + j;
+        const float2 qv = load_bf16x2(&sh.next.q[i][c0]), kv = load_bf16x2(&sh.next.k[i][c0]);
+        const float2 up = make_float2(expf(gam[j].x), expf(gam[j].y));
+        const float2 down = make_float2(expf(-gam[j].x), expf(-gam[j].y));
+        *reinterpret_cast<float2*>(&sh.gamma[i][c0]) = gam[j];
+        store_split_pair(sh.q_hat, i, c0, a.scale * qv.x * up.x, a.scale * qv.y * up.y);
+        store_split_pair(sh.k_hat, i, c0, kv.x * up.x, kv.y * up.y);
+        store_split_pair(sh.k_check, i, c0, kv.x * down.x, kv.y * down.y);
+        const float2 kb = make_float2(kv.x * (decay.x * down.x), kv.y * (decay.y * down.y));
+        *reinterpret_cast<float2*>(&sh.k_bar[i][c0]) = kb;
+        store_bf16x2(&sh.a_kbar[i][c0], kb.x, kb.y);
+      }
     }
-  }
-  auto g_at = [&](int i) {
-    if constexpr (kExact) {
-      return sh.next.g[i][kc];
-    } else {
-      return g_col[i];
+    // v and dO are exact in bf16: their lo halves are never read (kSplit* = !kExact).
+    for (int e = tid; e < kChunk * V / 2; e += kGradientThreads) {
+      const int i = e / (V / 2), c = 2 * (e % (V / 2));
+      *reinterpret_cast<uint32_t*>(&sh.v.hi[i][c]) = *reinterpret_cast<const uint32_t*>(&sh.next.v[i][c]);
+      *reinterpret_cast<uint32_t*>(&sh.d_o.hi[i][c]) = *reinterpret_cast<const uint32_t*>(&sh.next.d_o[i][c]);
     }
-  };
-  {
+  } else {
     float cum = 0.0f, gam[kKeyItems] = {};
 #pragma unroll
     for (int i = 0; i < kChunk; ++i) {
-      cum += i < valid ? g_at(i) : 0.0f;
+      cum += i < valid ? g_col[i] : 0.0f;
 #pragma unroll
       for (int r = 0; r < kKeyItems; ++r) gam[r] = i == kr + kKeyStride * r ? cum : gam[r];
     }
@@ -684,8 +742,8 @@ __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>()
       sh.v.store(i, vc, i < valid ? v_in[r] : 0.0f);
       sh.d_o.store(i, vc, i < valid ? do_in[r] : 0.0f);
     }
+    cp_async_wait<0>();
   }
-  if constexpr (!kExact) cp_async_wait<0>();
   __syncthreads();
 
   // Phase 1: P = strictly_lower(K^ K~^T) and Aqk = lower_incl_diag(Q^ K~^T) on warps 0 and 1
@@ -882,18 +940,30 @@ __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>()
   __syncthreads();
 
   // Phase 8: dq, dk per element; dGamma (over Gamma, by its owner). Q^, K^, K~ as hi + lo.
+  // Two adjacent columns a thread (8-byte loads and stores), kPairRows consecutive rows.
+  if (tid < kPairThreads) {
+    const int c0 = 2 * (tid % (K / 2)), i0 = tid / (K / 2) * kPairRows;
+    const float2 decay = *reinterpret_cast<const float2*>(&sh.decay[c0]);
 #pragma unroll
-  for (int r = 0; r < kKeyItems; ++r) {
-    const int i = kr + kKeyStride * r, c = kc;
-    const float d_qhat = sh.d_qhat[i][c], d_khat = sh.d_khat[i][c], d_kcheck = sh.d_kcheck[i][c];
-    const float d_kbar = sh.d_kbar[i][c];
-    const float up = expf(sh.gamma[i][c]), down = expf(-sh.gamma[i][c]);
-    if (i < valid) {
-      a.dq[token(i) * K + c] = a.scale * d_qhat * up;
-      a.dk[token(i) * K + c] = d_khat * up + d_kcheck * down + d_kbar * (sh.decay[c] * down);
+    for (int j = 0; j < kPairRows; ++j) {
+      const int i = i0 + j;
+      auto pair = [&](const float (&x)[kChunk][Shared::kPadK]) { return *reinterpret_cast<const float2*>(&x[i][c0]); };
+      const float2 d_qhat = pair(sh.d_qhat), d_khat = pair(sh.d_khat), d_kcheck = pair(sh.d_kcheck);
+      const float2 d_kbar = pair(sh.d_kbar), gam = pair(sh.gamma), k_bar = pair(sh.k_bar);
+      const float2 q_hat = load_split_pair(sh.q_hat, i, c0), k_hat = load_split_pair(sh.k_hat, i, c0);
+      const float2 k_check = load_split_pair(sh.k_check, i, c0);
+      const float2 up = make_float2(expf(gam.x), expf(gam.y)), down = make_float2(expf(-gam.x), expf(-gam.y));
+      if (i < valid) {
+        *reinterpret_cast<float2*>(&a.dq[token(i) * K + c0]) =
+            make_float2(a.scale * d_qhat.x * up.x, a.scale * d_qhat.y * up.y);
+        *reinterpret_cast<float2*>(&a.dk[token(i) * K + c0]) =
+            make_float2(d_khat.x * up.x + d_kcheck.x * down.x + d_kbar.x * (decay.x * down.x),
+                        d_khat.y * up.y + d_kcheck.y * down.y + d_kbar.y * (decay.y * down.y));
+      }
+      *reinterpret_cast<float2*>(&sh.gamma[i][c0]) =
+          make_float2(d_qhat.x * q_hat.x + d_khat.x * k_hat.x - d_kcheck.x * k_check.x - d_kbar.x * k_bar.x,
+                      d_qhat.y * q_hat.y + d_khat.y * k_hat.y - d_kcheck.y * k_check.y - d_kbar.y * k_bar.y);
     }
-    sh.gamma[i][c] = d_qhat * sh.q_hat.load(i, c) + d_khat * sh.k_hat.load(i, c) -
-                     d_kcheck * sh.k_check.load(i, c) - d_kbar * sh.k_bar[i][c];
   }
   __syncthreads();
 
