@@ -771,23 +771,13 @@ __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>()
   }
   __syncthreads();
 
-  // Phase 2: M = (I + Diag(beta) P)^-1 by forward substitution in fp32, thread c owns column c;
+  // Phase 2: M = (I + Diag(beta) P)^-1 in fp32 (unit_lower_inverse_column), thread c owns column c;
   // beside it (warps 8-15) e^gamma's direct gradient, sum_v dS' (.) S, in slices of V rows.
-  // Right-looking: once M[j][c] is final, every later row takes its term at once (independent
-  // updates, a dependent chain of 16 instead of 120). Each row still subtracts its terms in the
-  // order j = 0, 1, ...: the same operations as row-by-row substitution, bit for bit.
   if (tid < kChunk) {
-    const int c = tid;
-    float s[kChunk];
+    float m[kChunk];
+    unit_lower_inverse_column([&](int i, int j) { return sh.beta[i] * sh.p[i][j]; }, tid, m);
 #pragma unroll
-    for (int i = 0; i < kChunk; ++i) s[i] = i == c ? 1.0f : 0.0f;
-#pragma unroll
-    for (int j = 0; j < kChunk; ++j) {
-      const float col = s[j];
-      sh.m[j][c] = col;
-#pragma unroll
-      for (int i = j + 1; i < kChunk; ++i) s[i] -= sh.beta[i] * sh.p[i][j] * col;
-    }
+    for (int i = 0; i < kChunk; ++i) sh.m[i][tid] = m[i];
   } else if (tid >= kGradientThreads / 2) {
     constexpr int kPairs = K / 2, kRows = V / Shared::kDecaySlices;
     const int x = tid - kGradientThreads / 2, pair = x % kPairs, slice = x / kPairs;

@@ -260,6 +260,21 @@ __device__ __forceinline__ void store_state_tile(float* state, int64_t offset, c
   }
 }
 
+// Column c of M = (I + L)^-1 for a strictly lower 16 x 16 L read through l(i, j), in fp32, by
+// right-looking substitution: once m[j] is final, every later row takes its term l(i, j) m[j] at
+// once. A dependent chain of 16 updates instead of the 120 of row-by-row substitution, with each
+// row's terms still subtracted in the order j = 0, 1, ...: the same operations, bit for bit.
+template <typename Lower>
+__device__ __forceinline__ void unit_lower_inverse_column(const Lower& l, int c, float (&m)[kChunk]) {
+#pragma unroll
+  for (int i = 0; i < kChunk; ++i) m[i] = i == c ? 1.0f : 0.0f;
+#pragma unroll
+  for (int j = 0; j < kChunk; ++j) {
+#pragma unroll
+    for (int i = j + 1; i < kChunk; ++i) m[i] -= l(i, j) * m[j];
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Chunked forward.
 
@@ -516,17 +531,11 @@ __device__ void prepare_chunk(const ChunkedArgs& a, ChunkSlot<K, kTile>& slot, i
   }
   __syncwarp();
 
-  // M = (I + L)^-1 by forward substitution in fp32: lane c (mod 16) owns column c of M.
+  // M = (I + L)^-1 in fp32: lane c (mod 16) owns column c of M.
   {
     const int c = lane & 15;
     float m[kChunk];
-#pragma unroll
-    for (int i = 0; i < kChunk; ++i) {
-      float s = i == c ? 1.0f : 0.0f;
-#pragma unroll
-      for (int j = 0; j < i; ++j) s -= slot.lower[i][j] * m[j];
-      m[i] = s;
-    }
+    unit_lower_inverse_column([&](int i, int j) { return slot.lower[i][j]; }, c, m);
     if (lane < 16) {
 #pragma unroll
       for (int i = 0; i < kChunk; ++i) slot.m_beta[i][c] = __float2bfloat16_rn(m[i] * beta);
@@ -737,13 +746,7 @@ __device__ __forceinline__ void prepare_chunk_pair(const ChunkedArgs& a, ChunkSl
     __syncwarp();
     const int col = lane & 15;
     float m[kChunk];
-#pragma unroll
-    for (int i = 0; i < kChunk; ++i) {
-      float s = i == col ? 1.0f : 0.0f;
-#pragma unroll
-      for (int j = 0; j < i; ++j) s -= slot.lower[i][j] * m[j];
-      m[i] = s;
-    }
+    unit_lower_inverse_column([&](int i, int j) { return slot.lower[i][j]; }, col, m);
     if (lane < 16) {
 #pragma unroll
       for (int i = 0; i < kChunk; ++i) slot.m_beta[i][col] = __float2bfloat16_rn(m[i] * beta);
