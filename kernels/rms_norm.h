@@ -1,7 +1,7 @@
 // Fused RMSNorm on the GPU (model::rms_norm, model/rms_norm.h): y = x / sqrt(mean(x^2) + eps) * w
 // over the last dimension. Framework-free launchers: raw device pointers, sizes and a stream; each
 // returns the launch's cudaError_t (cudaErrorInvalidValue for sizes outside the supported set,
-// checked before anything is launched). kernels/rms_norm_autograd.h records them for autograd.
+// checked before anything is launched). kernels/norm_autograd.h records them for autograd.
 //
 // Layouts: x, y, dy, dx [rows, width] dense row-major; w and dw [width]. "T" (x, y, dy, dx) and
 // "W" (w) are each bf16 or fp32 (RmsDtype); arithmetic is fp32, as the reference computes it for
