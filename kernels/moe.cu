@@ -60,11 +60,16 @@ int row_threads(int64_t width) {
 }
 
 // ---- warp top-k over one row ----------------------------------------------------------------------
-// Lane l holds the row's experts l, l + 32, l + 64, ... (VPL of them: coalesced loads). `taken`
-// marks the experts already selected (and the slots past n). Each round the warp reduces every
-// lane's best remaining (value, expert) to the row's best; the winning lane marks it taken and
-// rescans its own VPL values. Order: larger value first, then lower expert id: a strict total
-// order, so every lane of the xor butterfly ends with the same winner.
+// Lane l holds the row's experts l, l + 32, l + 64, ... (VPL of them: coalesced loads). Order:
+// larger value first, then lower expert id: a strict total order, so every lane of the xor
+// butterfly ends with the same winner. Each lane keeps a short list of its own next kList
+// values in that order; a round reduces the lanes' list heads to the row's best, and the winning
+// lane pops its head. A lane's values are taken in rank order, so "taken" is "ranks before or
+// equals the last value taken from this lane" (no mask), and a lane whose list runs dry refills
+// it from the values ranking after that one: a rare, divergent scan of VPL values (a lane's
+// 1 + kList-th win) instead of one per round. (Before: the winner rescanned its VPL values every
+// round: 0.124 ms for 8192 rows of 896 experts, k = 16, against 0.046 ms; the same ids, weights and
+// histograms bit for bit.)
 
 __device__ __forceinline__ bool ranks_before(float a, int ia, float b, int ib) {
   return a > b || (a == b && ia < ib);
@@ -72,13 +77,19 @@ __device__ __forceinline__ bool ranks_before(float a, int ia, float b, int ib) {
 
 template <int VPL>
 struct WarpRow {
+  // 4: the top-k of 8192 rows of 896 experts (k = 16) 0.046 ms, against 0.071 with 2, 0.058 with
+  // 3 and 0.070 with 6 (the refill's insertion grows with the list; fewer refills past 4).
+  static constexpr int kList = 4;
   float s[VPL];  // unbiased scores
   float v[VPL];  // scores + bias
-  uint32_t taken = 0;
-  float best_v = -INFINITY;  // this lane's best remaining
-  int best_i = INT_MAX;
+  int n = 0;
+  float last_v = INFINITY;  // the last value taken from this lane (nothing taken: +inf, id -1)
+  int last_i = -1;
+  float list_v[kList], list_s[kList];  // this lane's next values in rank order, their scores
+  int list_i[kList];                   // and experts (INT_MAX: none left)
 
-  __device__ void load(const float* scores_row, const float* bias, int n, int lane) {
+  __device__ void load(const float* scores_row, const float* bias, int width, int lane) {
+    n = width;
 #pragma unroll
     for (int j = 0; j < VPL; ++j) {
       const int e = lane + 32 * j;
@@ -88,30 +99,42 @@ struct WarpRow {
       } else {
         s[j] = 0.f;
         v[j] = -INFINITY;
-        taken |= 1u << j;
       }
     }
-    rescan(lane);
+    refill(lane);
   }
 
-  __device__ void rescan(int lane) {
-    best_v = -INFINITY;
-    best_i = INT_MAX;
+  // Whether slot j (expert e) is still to be taken.
+  __device__ __forceinline__ bool remaining(int j, int e) const {
+    return e < n && ranks_before(last_v, last_i, v[j], e);
+  }
+
+  // The list from the lane's remaining values: insertion into kList sorted entries.
+  __device__ void refill(int lane) {
+#pragma unroll
+    for (int t = 0; t < kList; ++t) list_v[t] = -INFINITY, list_s[t] = 0.f, list_i[t] = INT_MAX;
 #pragma unroll
     for (int j = 0; j < VPL; ++j) {
       const int e = lane + 32 * j;
-      if (!((taken >> j) & 1u) && ranks_before(v[j], e, best_v, best_i)) {
-        best_v = v[j];
-        best_i = e;
+      if (!remaining(j, e) || !ranks_before(v[j], e, list_v[kList - 1], list_i[kList - 1])) continue;
+      list_v[kList - 1] = v[j], list_s[kList - 1] = s[j], list_i[kList - 1] = e;
+#pragma unroll
+      for (int t = kList - 1; t > 0; --t) {
+        if (ranks_before(list_v[t], list_i[t], list_v[t - 1], list_i[t - 1])) {
+          const float xv = list_v[t], xs = list_s[t];
+          const int xi = list_i[t];
+          list_v[t] = list_v[t - 1], list_s[t] = list_s[t - 1], list_i[t] = list_i[t - 1];
+          list_v[t - 1] = xv, list_s[t - 1] = xs, list_i[t - 1] = xi;
+        }
       }
     }
   }
 
   // One round: the row's best remaining (value, expert) on every lane, and the winner's
-  // unbiased score; the winner is marked taken.
+  // unbiased score; the winner pops it from its list.
   __device__ void take_best(int lane, float& value, int& expert, float& score) {
-    float bv = best_v;
-    int bi = best_i;
+    float bv = list_v[0];
+    int bi = list_i[0];
 #pragma unroll
     for (int offset = 16; offset > 0; offset >>= 1) {
       const float ov = __shfl_xor_sync(kFullMask, bv, offset);
@@ -122,20 +145,28 @@ struct WarpRow {
       }
     }
     float my_score = 0.f;
-    if ((bi & 31) == lane) {
-      const int slot = bi >> 5;
+    if (bi != INT_MAX && (bi & 31) == lane && bi == list_i[0]) {
+      my_score = list_s[0];
+      last_v = list_v[0];
+      last_i = list_i[0];
 #pragma unroll
-      for (int j = 0; j < VPL; ++j) {
-        if (j == slot) {
-          my_score = s[j];
-          taken |= 1u << j;
-        }
-      }
-      rescan(lane);
+      for (int t = 0; t + 1 < kList; ++t) list_v[t] = list_v[t + 1], list_s[t] = list_s[t + 1], list_i[t] = list_i[t + 1];
+      list_v[kList - 1] = -INFINITY, list_s[kList - 1] = 0.f, list_i[kList - 1] = INT_MAX;
+      if (list_i[0] == INT_MAX) refill(lane);
     }
     value = bv;
     expert = bi;
     score = __shfl_sync(kFullMask, my_score, bi & 31);
+  }
+
+  // Bit j: slot j's expert has been taken (slots past the row's end count as taken).
+  __device__ uint32_t taken_mask(int lane) const {
+    uint32_t mask = 0;
+#pragma unroll
+    for (int j = 0; j < VPL; ++j) {
+      if (!remaining(j, lane + 32 * j)) mask |= 1u << j;
+    }
+    return mask;
   }
 };
 
@@ -227,7 +258,7 @@ __global__ void quantile_histogram_kernel(const float* __restrict__ scores,
   for (int r = 0; r <= top_k; ++r) {
     float value, score;
     int expert;
-    if (r == top_k) chosen = w.taken;  // the top_k selected (and the slots past n)
+    if (r == top_k) chosen = w.taken_mask(lane);  // the top_k selected (and the slots past n)
     w.take_best(lane, value, expert, score);
     if (r == top_k - 1) kth = value;
     if (r == top_k) alpha = value;

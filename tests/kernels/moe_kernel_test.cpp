@@ -251,6 +251,30 @@ TEST_F(MoeKernel, RouterTopkTiesKeepTheLowerExpertIds) {
   }
 }
 
+// Lane l of the kernel's warp holds experts l, l + 32, ...; each lane keeps a short list of its
+// next best and refills it when it runs dry. Here one lane (or two) holds every winner, so the
+// lists run dry again and again: the selection must still be select_experts', best first.
+TEST_F(MoeKernel, RouterTopkTakesEveryExpertFromOneLane) {
+  struct Case {
+    int64_t m, n, k;
+    std::vector<int64_t> lanes;
+  };
+  for (const Case& c : std::vector<Case>{{512, 896, 16, {7}}, {256, 1024, 32, {7, 8}}, {300, 100, 4, {3}},
+                                          {128, 896, 28, {31}}}) {
+    at::manual_seed(c.n + c.k);
+    const at::Tensor scores = at::sigmoid(at::randn({c.m, c.n}, cuda()));
+    at::Tensor bias = at::randn({c.n}, cuda()) * 0.1;
+    for (const int64_t lane : c.lanes) bias.slice(0, lane, c.n, 32).add_(3.0);
+    const std::string name = "winners in lanes of k " + std::to_string(c.k) + " n " + std::to_string(c.n);
+    const TopkCheck check = check_topk(name, scores, bias, c.k);
+    EXPECT_EQ(check.set_mismatches, 0) << name;
+    const at::Tensor ids = moe_router_topk(scores, bias, c.k).ids.cpu();
+    at::Tensor in_lanes = at::zeros_like(ids, at::kBool);
+    for (const int64_t lane : c.lanes) in_lanes = in_lanes | ((ids % 32) == lane);
+    EXPECT_TRUE(in_lanes.all().item<bool>()) << name << ": every winner comes from the boosted lanes";
+  }
+}
+
 TEST_F(MoeKernel, RouterTopkRejectsUnsupportedSizes) {
   const at::Tensor scores = at::rand({4, 1100}, cuda());
   EXPECT_FALSE(moe_router_topk_supported(scores, 8));
