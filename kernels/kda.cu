@@ -186,15 +186,9 @@ __device__ __forceinline__ void walk_start_tile(float (&state)[K / 8][4], const 
   if constexpr (kForward) {
     load_state_tile<K>(state, start, start_offset, V, v_col, lane);
   } else {
-    const int g = lane >> 2, t = lane & 3;
-#pragma unroll
-    for (int j = 0; j < K / 8; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int c = 8 * j + 2 * t + (e & 1), vr = v_col + g + (e >> 1) * 8;
-        state[j][e] = a_columns && c == vr ? 1.0f : 0.0f;
-      }
-    }
+    for_each_tile_entry<K>(v_col, lane, [&](int j, int e, int c, int vr) {
+      state[j][e] = a_columns && c == vr ? 1.0f : 0.0f;
+    });
   }
 }
 

@@ -232,32 +232,29 @@ struct FragmentOffsets {
 
 // A warp's 16 rows of a transposed state in mma accumulators, tile[j][e]: S^T row v_col + g
 // (+8 for e >= 2), column 8j + 2t (+1 for odd e); S is fp32 [K, V] at state + offset (the walks'
-// states, their gradients, the initial and final states). load: zeros when state is nullptr.
-template <int K>
-__device__ __forceinline__ void load_state_tile(float (&tile)[K / 8][4], const float* state, int64_t offset,
-                                                int V, int v_col, int lane) {
+// states, their gradients, the initial and final states). for_each_tile_entry calls
+// f(j, e, c, vr) for every entry with its S column c and S^T row vr; load: zeros when state is
+// nullptr.
+template <int K, typename F>
+__device__ __forceinline__ void for_each_tile_entry(int v_col, int lane, F&& f) {
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int j = 0; j < K / 8; ++j) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int c = 8 * j + 2 * t + (e & 1), vr = v_col + g + (e >> 1) * 8;
-      tile[j][e] = state ? state[offset + c * V + vr] : 0.0f;
-    }
+    for (int e = 0; e < 4; ++e) f(j, e, 8 * j + 2 * t + (e & 1), v_col + g + (e >> 1) * 8);
   }
+}
+template <int K>
+__device__ __forceinline__ void load_state_tile(float (&tile)[K / 8][4], const float* state, int64_t offset,
+                                                int V, int v_col, int lane) {
+  for_each_tile_entry<K>(v_col, lane, [&](int j, int e, int c, int vr) {
+    tile[j][e] = state ? state[offset + c * V + vr] : 0.0f;
+  });
 }
 template <int K>
 __device__ __forceinline__ void store_state_tile(float* state, int64_t offset, const float (&tile)[K / 8][4],
                                                  int V, int v_col, int lane) {
-  const int g = lane >> 2, t = lane & 3;
-#pragma unroll
-  for (int j = 0; j < K / 8; ++j) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int c = 8 * j + 2 * t + (e & 1), vr = v_col + g + (e >> 1) * 8;
-      state[offset + c * V + vr] = tile[j][e];
-    }
-  }
+  for_each_tile_entry<K>(v_col, lane, [&](int j, int e, int c, int vr) { state[offset + c * V + vr] = tile[j][e]; });
 }
 
 // Column c of M = (I + L)^-1 for a strictly lower 16 x 16 L read through l(i, j), in fp32, by
