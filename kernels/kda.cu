@@ -177,6 +177,20 @@ __device__ __forceinline__ void store_chunk_state(const ChunkedArgs& a, const fl
   store_state_rows<K>(base + static_cast<int64_t>(v_col) * K, state, lane);
 }
 
+// The rows a walk covers: sequence seq of a packed batch (cu_seqlens), or segment `segment` of
+// sequence seq (the whole sequence when there is one segment).
+__device__ __forceinline__ void walk_rows(const ChunkedArgs& a, int seq, int segment, int64_t& row0,
+                                          int64_t& length) {
+  if (a.cu_seqlens) {
+    row0 = a.cu_seqlens[seq];
+    length = a.cu_seqlens[seq + 1] - a.cu_seqlens[seq];
+  } else {
+    const int64_t begin = segment * a.segment_length;
+    row0 = seq * a.length + begin;
+    length = min64(a.segment_length, a.length - begin);
+  }
+}
+
 // The state tile a walk starts from: the forward's start state (0 without one); the transition
 // pass's [I | 0] (A_seg's columns from I, B_seg's from 0).
 template <int K, bool kForward>
@@ -249,14 +263,7 @@ __global__ void __launch_bounds__(Walk<kTile>::kThreads, 2)
   const int per_sequence = kForward ? a.segments : a.segments - 1;
   const int seq = blockIdx.z / per_sequence, segment = blockIdx.z % per_sequence;
   int64_t row0, length;
-  if (a.cu_seqlens) {
-    row0 = a.cu_seqlens[seq];
-    length = a.cu_seqlens[seq + 1] - a.cu_seqlens[seq];
-  } else {
-    const int64_t begin = segment * a.segment_length;
-    row0 = seq * a.length + begin;
-    length = min64(a.segment_length, a.length - begin);
-  }
+  walk_rows(a, seq, segment, row0, length);
   const int v_col = v0 + warp * 16;  // this warp's first value column (A_seg column)
 
   // S^T rows v_col + g (+8), columns 8j + 2t (+1); S is [K, V] per (sequence, head).
@@ -357,14 +364,7 @@ __global__ void __launch_bounds__(kHeadThreads, 1) kda_head_kernel(const Chunked
   const bool a_columns = !kForward && blockIdx.x == 0;
   const bool with_values = !a_columns;
   int64_t row0, length;
-  if (a.cu_seqlens) {
-    row0 = a.cu_seqlens[seq];
-    length = a.cu_seqlens[seq + 1] - a.cu_seqlens[seq];
-  } else {
-    const int64_t begin = segment * a.segment_length;
-    row0 = seq * a.length + begin;
-    length = min64(a.segment_length, a.length - begin);
-  }
+  walk_rows(a, seq, segment, row0, length);
   const int v_col = warp * 16;
 
   const int64_t state_offset = (static_cast<int64_t>(seq) * H + h) * K * V;

@@ -272,6 +272,30 @@ __device__ __forceinline__ void unit_lower_inverse_column(const Lower& l, int c,
   }
 }
 
+// W = M Diag(beta) K^ in place over K^ (w: the chunk's K^ rows), 16 columns at a time for kCount
+// tiles from column n_begin; a_m: the A fragment of M Diag(beta) (bf16).
+template <int kCount, typename Rows>
+__device__ __forceinline__ void w_columns_in_place(Rows& w, const uint32_t (&a_m)[4], int n_begin,
+                                                   const FragmentOffsets& f, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int s = 0; s < kCount; ++s) {
+    const int n0 = n_begin + 16 * s;
+    uint32_t b[4];
+    ldmatrix_x4_trans(b, &w[f.t_row][n0 + f.t_col]);
+    float acc[2][4] = {};
+    mma(acc[0], a_m, b[0], b[1]);
+    mma(acc[1], a_m, b[2], b[3]);
+    __syncwarp();
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+      const int col = n0 + n * 8 + 2 * t;
+      *reinterpret_cast<uint32_t*>(&w[g][col]) = pack_bf16(acc[n][0], acc[n][1]);
+      *reinterpret_cast<uint32_t*>(&w[g + 8][col]) = pack_bf16(acc[n][2], acc[n][3]);
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Chunked forward.
 
@@ -543,21 +567,7 @@ __device__ void prepare_chunk(const ChunkedArgs& a, ChunkSlot<K, kTile>& slot, i
   // W = M Diag(beta) K^ (in place over K^, 16 columns at a time) and U = M Diag(beta) V.
   uint32_t a_m[4];
   ldmatrix_x4(a_m, &slot.m_beta[f.a_row][f.a_col]);
-#pragma unroll
-  for (int n0 = 0; n0 < K; n0 += 16) {
-    uint32_t b[4];
-    ldmatrix_x4_trans(b, &slot.w[f.t_row][n0 + f.t_col]);
-    float acc[2][4] = {};
-    mma(acc[0], a_m, b[0], b[1]);
-    mma(acc[1], a_m, b[2], b[3]);
-    __syncwarp();
-#pragma unroll
-    for (int n = 0; n < 2; ++n) {
-      const int col = n0 + n * 8 + 2 * t;
-      *reinterpret_cast<uint32_t*>(&slot.w[g][col]) = pack_bf16(acc[n][0], acc[n][1]);
-      *reinterpret_cast<uint32_t*>(&slot.w[g + 8][col]) = pack_bf16(acc[n][2], acc[n][3]);
-    }
-  }
+  w_columns_in_place<K / 16>(slot.w, a_m, 0, f, lane);
 #pragma unroll
   for (int n0 = 0; n0 < kTile; n0 += 16) {
     if (!with_values) break;
@@ -775,21 +785,7 @@ __device__ __forceinline__ void prepare_chunk_pair(const ChunkedArgs& a, ChunkSl
   // W = M Diag(beta) K^ (in place over K^) and U = M Diag(beta) V, on this member's columns.
   uint32_t a_m[4];
   ldmatrix_x4(a_m, &slot.m_beta[f.a_row][f.a_col]);
-#pragma unroll
-  for (int n0 = p * (K / 2); n0 < (p + 1) * (K / 2); n0 += 16) {
-    uint32_t b[4];
-    ldmatrix_x4_trans(b, &slot.w[f.t_row][n0 + f.t_col]);
-    float acc[2][4] = {};
-    mma(acc[0], a_m, b[0], b[1]);
-    mma(acc[1], a_m, b[2], b[3]);
-    __syncwarp();
-#pragma unroll
-    for (int n = 0; n < 2; ++n) {
-      const int col = n0 + n * 8 + 2 * t;
-      *reinterpret_cast<uint32_t*>(&slot.w[g][col]) = pack_bf16(acc[n][0], acc[n][1]);
-      *reinterpret_cast<uint32_t*>(&slot.w[g + 8][col]) = pack_bf16(acc[n][2], acc[n][3]);
-    }
-  }
+  w_columns_in_place<K / 32>(slot.w, a_m, p * (K / 2), f, lane);
   if constexpr (kGradients) {
 #pragma unroll
     for (int r = 0; r < kChunk * (V / 2 / 8) / 32; ++r) {
