@@ -385,7 +385,9 @@ RmsNormForward rms_norm_forward(const at::Tensor& x, const at::Tensor& weight, d
 RmsNormBackward rms_norm_backward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& inv_rms,
                                   const at::Tensor& dy, bool want_dw) {
   constexpr const char* where = "kernels::rms_norm_backward";
-  TORCH_CHECK(rms_norm_supported(x, weight), where, ": unsupported x ", x.sizes(), " / weight ", weight.sizes());
+  TORCH_CHECK(rms_norm_supported(x, weight), where, ": needs CUDA bf16 / fp32 x [..., width <= ", kRmsNormMaxWidth,
+              "] and weight [width] on its device, got x ", x.sizes(), " ", x.scalar_type(), " and weight ",
+              weight.sizes(), " ", weight.scalar_type());
   const int64_t width = x.size(-1), rows = x.numel() / width;
   TORCH_CHECK(dy.sizes() == x.sizes(), where, ": dy must be ", x.sizes(), ", got ", dy.sizes());
   TORCH_CHECK(inv_rms.scalar_type() == at::kFloat && inv_rms.numel() == rows, where, ": inv_rms must be fp32 [",
