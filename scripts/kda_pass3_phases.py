@@ -3,6 +3,9 @@
 which warp holds up which barrier. On the GPU machine, from the repository root:
 
   python3 scripts/kda_pass3_phases.py [B T H [K V]]        (defaults 2 16384 64 128 128)
+  python3 scripts/kda_pass3_phases.py --kernel variant/kernels/kda_backward.cu --build OUT
+      (instrument a variant of the kernel and only build OUT, e.g. on a machine with nvcc but no
+      GPU; then `OUT B T H [K V]` on the GPU machine prints the same table)
 
 Writes an instrumented copy of kernels/kda_backward.cu into a temporary folder (each warp's lane
 0 adds clock64() since the last barrier's exit to a per-CTA, per-warp, per-phase counter just
@@ -13,6 +16,7 @@ the first loads), one column a warp, averaged over the chunks, and the largest. 
 atomics slow the pass by ~10%; read the table for shares and imbalance, time with the driver.
 A phase's time is its slowest warp's: where one column stands out, that warp is the critical path.
 """
+import argparse
 import os
 import re
 import subprocess
@@ -72,10 +76,15 @@ def instrument(kernel_source):
 
 
 def main():
-    shape = sys.argv[1:] or ["2", "16384", "64"]
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("shape", nargs="*", default=["2", "16384", "64"], help="B T H [K V]")
+    parser.add_argument("--kernel", default=os.path.join(ROOT, "kernels", "kda_backward.cu"),
+                        help="the kda_backward.cu to instrument (default: the repository's)")
+    parser.add_argument("--build", metavar="OUT", help="only build the instrumented driver as OUT")
+    args = parser.parse_args()
     work = tempfile.mkdtemp(prefix="kda_pass3_phases_")
     os.makedirs(os.path.join(work, "kernels"))
-    with open(os.path.join(ROOT, "kernels", "kda_backward.cu")) as f:
+    with open(args.kernel) as f:
         kernel = instrument(f.read())
     with open(os.path.join(work, "kernels", "kda_backward.cu"), "w") as f:
         f.write(kernel)
@@ -90,13 +99,14 @@ def main():
     driver_path = os.path.join(work, "driver.cu")
     with open(driver_path, "w") as f:
         f.write(driver)
-    binary = os.path.join(work, "driver")
+    binary = os.path.abspath(args.build) if args.build else os.path.join(work, "driver")
     nvcc = os.environ.get("NVCC", "nvcc")
     command = [nvcc, "-O3", "-std=c++17", "-arch=sm_90", "-DKDA_PHASE_PROFILE", f"-I{work}", f"-I{ROOT}",
                driver_path, os.path.join(ROOT, "kernels", "kda.cu"), "-o", binary]
     print(" ".join(command), flush=True)
     subprocess.run(command, check=True)
-    subprocess.run([binary] + shape, check=True)
+    if not args.build:
+        subprocess.run([binary] + args.shape, check=True)
     return 0
 
 
