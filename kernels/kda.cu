@@ -17,10 +17,10 @@
 // (22.9 KB and ~140 registers at K = V = 32: 6-7 per SM, bound by registers).
 //
 // Whole heads (bf16, K = V = 128, KdaChunkedOptions::head_walk, the default): kda_head_kernel, one
-// CTA of 8 warps per (sequence, head) for the forward and states passes. Chunk c of a group of 4
-// is prepared once, by the pair of warps 2c, 2c + 1 (prepare_chunk_pair, kda_chunk.cuh), from
-// raw rows staged in shared memory while the previous group was walked; bit for bit the
-// 64-column CTAs' results (1.91 ms against 3.31 at B=2 T=16K H=64).
+// CTA of 16 warps per (sequence, head) for the forward, states and transition passes: 8 walk the
+// state while 4 pairs prepare the next chunks (prepare_chunk_pair, kda_chunk.cuh), each chunk once,
+// from raw rows staged in shared memory; bit for bit the 64-column CTAs' results (1.56 ms against
+// 3.31 at B=2 T=16K H=64).
 //
 // Context parallelism (few long chains; kda.h): the same kernel in Pass::kTransition walks each
 // segment's [A_seg | B_seg] from [I | 0] without outputs, kda_segment_scan_kernel chains the
@@ -79,8 +79,8 @@ __device__ void prefetch_rows(const ChunkedArgs& a, int64_t row0, int rows, int 
 // j holds S^T[v_row + g (+8)][8j + 2t (+1)]). Writes the chunk's O for this warp's 16 value
 // columns through `stage` (this warp's private shared memory). Without kOutputs (transition
 // pass) only the state is updated; without values (A_seg columns) U is taken as zero.
-template <typename T, int K, int kTile, bool kOutputs>
-__device__ void walk_chunk(const ChunkedArgs& a, const ChunkSlot<K, kTile>& slot,
+template <typename T, int K, int kTile, bool kOutputs, typename Slot = ChunkSlot<K, kTile>>
+__device__ void walk_chunk(const ChunkedArgs& a, const Slot& slot,
                            float (&state)[K / 8][4], float* stage, int64_t row0, int valid,
                            int h, int v_col, bool with_values, int lane) {
   const FragmentOffsets f(lane);
@@ -331,16 +331,15 @@ cudaError_t launch_chunked(const ChunkedArgs& a, dim3 grid, cudaStream_t stream)
 // ---------------------------------------------------------------------------------------------
 // Whole-head forward (bf16, K = V = 128; KdaChunkedOptions::head_walk). With 64-column CTAs the
 // two CTAs of a head each prepare every chunk (Q^, K~, K_, L, Aqk, M, W: all of the key side),
-// and the prepare phase, not the walk, is most of the time (B=2, T=16K, H=64, per group of 4
-// chunks and warp: issuing the loads 1.8K cycles, waiting for them 5.5K, the rows 3.3K, L / Aqk
-// / M / W / U 2.9K, issuing the L2 prefetch 2.5K, the walk 6.1K). Here one CTA of 8 warps owns
-// the whole head: each chunk of a group is prepared once, by a pair of warps (warp 2c + p takes
-// key and value columns [64p, 64p + 64) of chunk c, the L product (p = 0) or the Aqk product
-// (p = 1), and p = 0 the forward substitution), and the next group's raw rows of q, k, v and g
-// are staged into shared memory by cp.async while the current group is walked, so the prepare
-// waits on no global load. Every value is computed by the same operations in the same order as
-// in the 64-column CTAs: the results are bit for bit theirs. 213 KB of shared memory, one CTA
-// per SM, 8 walking warps per SM as before.
+// and the prepare, not the walk, is most of the time. Here one CTA owns the whole head and
+// prepares each chunk once, with specialized warps (head_pipeline, kda_chunk.cuh): 8 walking
+// warps (16 rows of S^T each) and 4 preparing pairs at once (warp 2p + m of a pair takes key and
+// value columns [64m, 64m + 64), the L product (m = 0) or the Aqk product (m = 1), and m = 0 the
+// forward substitution). Every value is computed by the same operations in the same order as in
+// the 64-column CTAs: the results are bit for bit theirs.
+// Ladder (B=2, T=16K, H=64; kernels/README.md): 64-column CTAs 3.31 ms; whole heads with 8 warps
+// that alternated between preparing a group of 4 chunks (a pair each) and walking it 1.95 ms;
+// specialized warps 1.56 ms (with 2 preparing pairs: 2.05, with 3: 1.80).
 // Grid (1, H, N * P): CTA (h, z = sequence * P + segment) walks its segment from the initial or
 // segment state, as kda_chunked_kernel's forward and states passes do with 64-column CTAs.
 template <int K, int V, Pass kPass>
@@ -352,11 +351,11 @@ __global__ void __launch_bounds__(kHeadThreads, 1) kda_head_kernel(const Chunked
   constexpr bool kOutputs = kPass == Pass::kForward;
   static_assert(kForward || K == V, "the transition pass's two CTAs walk K and V columns with one shape");
   using T = bf16;
+  using Shared = HeadShared<K, V, /*kGradients=*/false>;
   extern __shared__ __align__(16) unsigned char shared_raw[];
-  HeadShared<K, V>& sh = *reinterpret_cast<HeadShared<K, V>*>(shared_raw);
+  Shared& sh = *reinterpret_cast<Shared*>(shared_raw);
 
   const int lane = threadIdx.x & 31, warp = warp_index();
-  const int pair = warp >> 1, member = warp & 1;
   const int h = blockIdx.y;
   const int H = a.heads;
   const int per_sequence = kForward ? a.segments : a.segments - 1;
@@ -365,71 +364,53 @@ __global__ void __launch_bounds__(kHeadThreads, 1) kda_head_kernel(const Chunked
   const bool with_values = !a_columns;
   int64_t row0, length;
   walk_rows(a, seq, segment, row0, length);
-  const int v_col = warp * 16;
-
-  const int64_t state_offset = (static_cast<int64_t>(seq) * H + h) * K * V;
-  const float* start = a.initial_state;
-  int64_t start_offset = state_offset;
-  if (kForward && a.segment_states != nullptr) {
-    start = a.segment_states;
-    start_offset = ((static_cast<int64_t>(seq) * a.segments + segment) * H + h) * K * V;
-  }
-  float state[K / 8][4];
-  walk_start_tile<K, kForward>(state, start, start_offset, V, v_col, a_columns, lane);
-
   const int64_t num_chunks = (length + kChunk - 1) / kChunk;
-  const int64_t chunk_base = a.cu_seqlens ? 0 : segment * a.segment_length / kChunk;
   auto valid_rows = [&](int64_t chunk) { return static_cast<int>(min64(kChunk, length - chunk * kChunk)); };
-  float beta = 0.0f;
-  if (pair < num_chunks) {
-    for (int part = 0; part < kHeadGroup; ++part) {
-      issue_head_loads<K, V, kOutputs>(a, static_cast<const bf16*>(a.v), sh.staging[pair], row0 + pair * kChunk, valid_rows(pair),
-                                       h, member, lane, part, beta, with_values);
-    }
-  }
-  float* stage = reinterpret_cast<float*>(&sh.slot[pair].k_check[0][0]) + member * kChunk * 20;
-  for (int64_t group = 0; group < num_chunks; group += kHeadGroup) {
-    const int64_t mine = group + pair;
-    if (mine < num_chunks) {
-      cp_async_wait<0>();
-      __syncwarp();
-      prepare_chunk_pair<K, V, kOutputs>(a, sh.slot[pair], sh.staging[pair], pair, member, beta, lane, with_values);
-    }
-    __syncthreads();
-    // The next group's loads: in the forward one part before each chunk walked (a next group
-    // means this one is full: 4 chunks, 4 parts; 2.007 -> 1.925 ms against all at once); in the
-    // states pass all at once (3.37 ms against 3.63 spread: there they would queue behind the
-    // stores of every chunk's state).
-    const int64_t next = mine + kHeadGroup;
-    const bool load_next = next < num_chunks;
-    if (!kOutputs && load_next) {
-      for (int part = 0; part < kHeadGroup; ++part) {
-        issue_head_loads<K, V, kOutputs>(a, static_cast<const bf16*>(a.v), sh.staging[pair], row0 + next * kChunk, valid_rows(next),
-                                         h, member, lane, part, beta, with_values);
-      }
-    }
-    const int count = static_cast<int>(min64(kHeadGroup, num_chunks - group));
-    for (int s = 0; s < count; ++s) {
-      if (kOutputs && load_next) {
-        issue_head_loads<K, V, kOutputs>(a, static_cast<const bf16*>(a.v), sh.staging[pair], row0 + next * kChunk, valid_rows(next),
-                                         h, member, lane, s, beta);
-      }
-      const int64_t chunk = group + s;
-      if constexpr (kPass == Pass::kStates) {
-        store_chunk_state<K>(a, state, seq, h, chunk_base + chunk, v_col, lane);
-      }
-      walk_chunk<T, K, V, kOutputs>(a, sh.slot[s], state, stage, row0 + chunk * kChunk,
-                                    valid_rows(chunk), h, v_col, with_values, lane);
-    }
-    __syncthreads();
-  }
 
-  walk_end_tile<K, kForward>(a, state, state_offset, seq, segment, h, V, v_col, a_columns, lane);
+  // Walking warps: 16 rows of S^T.
+  const bool walker = warp < kHeadWalkWarps;
+  const int v_col = warp * 16;
+  const int64_t state_offset = (static_cast<int64_t>(seq) * H + h) * K * V;
+  const int64_t chunk_base = a.cu_seqlens ? 0 : segment * a.segment_length / kChunk;
+  float state[K / 8][4];
+  if (walker) {
+    const float* start = a.initial_state;
+    int64_t start_offset = state_offset;
+    if (kForward && a.segment_states != nullptr) {
+      start = a.segment_states;
+      start_offset = ((static_cast<int64_t>(seq) * a.segments + segment) * H + h) * K * V;
+    }
+    walk_start_tile<K, kForward>(state, start, start_offset, V, v_col, a_columns, lane);
+  }
+  // Preparing pairs.
+  const int pair = (warp - kHeadWalkWarps) >> 1, member = warp & 1;
+  float beta = 0.0f;  // the staged chunk's beta (member 0, lanes 0-15)
+
+  head_pipeline(
+      num_chunks, warp,
+      [&](int slot, int64_t chunk) {
+        if constexpr (kPass == Pass::kStates) store_chunk_state<K>(a, state, seq, h, chunk_base + chunk, v_col, lane);
+        walk_chunk<T, K, V, kOutputs>(a, sh.slot[slot], state, sh.stage[warp], row0 + chunk * kChunk,
+                                      valid_rows(chunk), h, v_col, with_values, lane);
+      },
+      [&](int64_t chunk) {
+        for (int part = 0; part < 4; ++part) {
+          issue_head_loads<K, V, kOutputs>(a, static_cast<const bf16*>(a.v), sh.staging[pair], row0 + chunk * kChunk,
+                                           valid_rows(chunk), h, member, lane, part, beta, with_values);
+        }
+      },
+      [&](int slot, int64_t) {
+        prepare_chunk_pair<K, V, kOutputs, /*kGradients=*/false>(a, sh.slot[slot], sh.scratch[pair], sh.staging[pair],
+                                                                preparing_pair_barrier(pair), member, beta, lane,
+                                                                with_values);
+      });
+
+  if (walker) walk_end_tile<K, kForward>(a, state, state_offset, seq, segment, h, V, v_col, a_columns, lane);
 }
 
 template <int K, int V, Pass kPass>
 cudaError_t launch_head(const ChunkedArgs& a, dim3 grid, cudaStream_t stream) {
-  constexpr size_t shared = head_shared_bytes<K, V>();
+  constexpr size_t shared = sizeof(HeadShared<K, V, false>);
   const cudaError_t configured = cudaFuncSetAttribute(
       kda_head_kernel<K, V, kPass>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared));
   if (configured != cudaSuccess) return configured;

@@ -64,8 +64,8 @@
 //      first: store dS' (bf16, transposed, [N, H, chunks, V, K]), then
 //        dV'^T = dS'^T K_^T + dO^T Aqk,   dS^T = dS'^T Diag(e^gamma) + dO^T Q^ - dV'^T W
 //      (mma.sync m16n8k16, bf16 operands, fp32 accumulators). The last dS is d initial_state.
-//      bf16 with K = V = 128: kda_head_state_gradient_kernel, one CTA of 8 warps per (sequence,
-//      head), each chunk prepared once by a pair of warps (as the forward's kda_head_kernel).
+//      bf16 with K = V = 128: kda_head_state_gradient_kernel, one CTA of 16 warps per (sequence,
+//      head) with the forward's specialized warps: 8 walk while 4 pairs prepare (head_pipeline).
 //   3. chunk gradients (kda_chunk_gradient_kernel): every chunk independent, one CTA of 16 warps
 //      per chunk at a time (persistent: as many CTAs as fit, each taking every gridDim.x-th
 //      chunk and loading the next one's S, dS' and inputs while it finishes the current one),
@@ -101,8 +101,8 @@ struct StateGradientArgs {
 // One chunk walked backwards by one warp on its 16 rows of dS^T (d_state[K / 8][4]: n-tile j
 // holds dS^T[v_row + g (+8)][8j + 2t (+1)], the forward's state layout). slot.v holds this CTA's
 // dO columns; v_local is the warp's first column within them.
-template <int K, int kTile>
-__device__ void reverse_walk_chunk(const ChunkSlot<K, kTile>& slot, float (&d_state)[K / 8][4],
+template <int K, int kTile, typename Slot = ChunkSlot<K, kTile>>
+__device__ void reverse_walk_chunk(const Slot& slot, float (&d_state)[K / 8][4],
                                    int v_local, int lane) {
   const FragmentOffsets f(lane);
   const int t = lane & 3;
@@ -201,63 +201,60 @@ __global__ void __launch_bounds__(Walk<kTile>::kThreads, 2)
   store_state_tile<K>(b.d_initial_state, state_offset, d_state, V, v_col, lane);
 }
 
-// The reverse walk of a whole head (bf16, K = V = 128), as the forward's kda_head_kernel: one CTA
-// of 8 warps per (sequence, head) instead of two of 4 on 64 value columns each, so each chunk is
-// prepared once (by a pair of warps, prepare_chunk_pair), and the previous group's q, k, dO and
-// g are staged in shared memory while the current one is walked. The same operations in the
-// same order as kda_state_gradient_kernel: the same dS' and d initial state, bit for bit.
+// The reverse walk of a whole head (bf16, K = V = 128), with the forward's specialized warps
+// (head_pipeline, kda_chunk.cuh; kda.cu, kda_head_kernel): one CTA of 16 warps per (sequence,
+// head) instead of two of 4 on 64 value columns each, so each chunk is prepared once (by a pair
+// of warps, prepare_chunk_pair, while the walkers walk the chunks after it), last chunk first.
+// The same operations in the same order as kda_state_gradient_kernel: the same dS' and
+// d initial state, bit for bit.
 template <int K, int V>
 __global__ void __launch_bounds__(kHeadThreads, 1) kda_head_state_gradient_kernel(const StateGradientArgs b) {
+  using Shared = HeadShared<K, V, /*kGradients=*/true>;
   extern __shared__ __align__(16) unsigned char shared_raw[];
-  HeadShared<K, V>& sh = *reinterpret_cast<HeadShared<K, V>*>(shared_raw);
+  Shared& sh = *reinterpret_cast<Shared*>(shared_raw);
   const ChunkedArgs& a = b.forward;
   const bf16* d_o = static_cast<const bf16*>(b.d_o);
 
   const int lane = threadIdx.x & 31, warp = warp_index();
-  const int pair = warp >> 1, member = warp & 1;
   const int h = blockIdx.y, seq = blockIdx.z;
   const int H = a.heads;
-  const int v_col = warp * 16;
   const int64_t length = a.length, row0 = static_cast<int64_t>(seq) * length;
   const int64_t num_chunks = (length + kChunk - 1) / kChunk;
   const int64_t state_offset = (static_cast<int64_t>(seq) * H + h) * K * V;
   auto valid_rows = [&](int64_t chunk) { return static_cast<int>(min64(kChunk, length - chunk * kChunk)); };
 
+  // Walking warps: 16 rows of dS^T.
+  const bool walker = warp < kHeadWalkWarps;
+  const int v_col = warp * 16;
   float d_state[K / 8][4];
-  load_state_tile<K>(d_state, b.d_final_state, state_offset, V, v_col, lane);
-
+  if (walker) load_state_tile<K>(d_state, b.d_final_state, state_offset, V, v_col, lane);
   bf16* d_states = b.chunk_d_states + (static_cast<int64_t>(seq) * H + h) * num_chunks * V * K;
-  float beta = 0.0f;
-  auto issue = [&](int64_t chunk) {
-    for (int part = 0; part < kHeadGroup; ++part) {
-      issue_head_loads<K, V, /*kOutputs=*/true>(a, d_o, sh.staging[pair], row0 + chunk * kChunk,
-                                                valid_rows(chunk), h, member, lane, part, beta);
-    }
-  };
-  const int64_t last_group = (num_chunks - 1) / kHeadGroup * kHeadGroup;
-  if (last_group + pair < num_chunks) issue(last_group + pair);
-  for (int64_t group = last_group; group >= 0; group -= kHeadGroup) {
-    const int64_t mine = group + pair;
-    if (mine < num_chunks) {
-      cp_async_wait<0>();
-      __syncwarp();
-      prepare_chunk_pair<K, V, /*kOutputs=*/true, /*kGradients=*/true>(a, sh.slot[pair], sh.staging[pair],
-                                                                      pair, member, beta, lane);
-    }
-    __syncthreads();
-    // The previous group's loads, all at once (it is full when this is not the first group).
-    if (group > 0) issue(mine - kHeadGroup);
-    const int count = static_cast<int>(min64(kHeadGroup, num_chunks - group));
-    for (int s = count - 1; s >= 0; --s) {
-      // dS' of this chunk (the gradient of the state leaving it), as pass 3 reads it.
-      bf16* out = d_states + (group + s) * V * K;
-      store_state_rows<K>(out + static_cast<int64_t>(v_col) * K, d_state, lane);
-      reverse_walk_chunk<K, V>(sh.slot[s], d_state, v_col, lane);
-    }
-    __syncthreads();
-  }
+  // Preparing pairs.
+  const int pair = (warp - kHeadWalkWarps) >> 1, member = warp & 1;
+  float beta = 0.0f;  // the staged chunk's beta (member 0, lanes 0-15)
 
-  if (b.d_initial_state == nullptr) return;
+  // Walk order i = 0, 1, ...: chunk num_chunks - 1 - i.
+  head_pipeline(
+      num_chunks, warp,
+      [&](int slot, int64_t i) {
+        // dS' of this chunk (the gradient of the state leaving it), as pass 3 reads it.
+        bf16* out = d_states + (num_chunks - 1 - i) * V * K;
+        store_state_rows<K>(out + static_cast<int64_t>(v_col) * K, d_state, lane);
+        reverse_walk_chunk<K, V>(sh.slot[slot], d_state, v_col, lane);
+      },
+      [&](int64_t i) {
+        const int64_t chunk = num_chunks - 1 - i;
+        for (int part = 0; part < 4; ++part) {
+          issue_head_loads<K, V, /*kOutputs=*/true>(a, d_o, sh.staging[pair], row0 + chunk * kChunk,
+                                                    valid_rows(chunk), h, member, lane, part, beta);
+        }
+      },
+      [&](int slot, int64_t) {
+        prepare_chunk_pair<K, V, /*kOutputs=*/true, /*kGradients=*/true>(
+            a, sh.slot[slot], sh.scratch[pair], sh.staging[pair], preparing_pair_barrier(pair), member, beta, lane);
+      });
+
+  if (!walker || b.d_initial_state == nullptr) return;
   store_state_tile<K>(b.d_initial_state, state_offset, d_state, V, v_col, lane);
 }
 
@@ -1026,7 +1023,7 @@ cudaError_t launch_state_gradients(const StateGradientArgs& sa, int64_t batch, i
   const unsigned heads = static_cast<unsigned>(sa.forward.heads), n = static_cast<unsigned>(batch);
   if constexpr (std::is_same_v<T, bf16> && K == 128 && kTile == 64) {
     if (value_dim == 128 && head_walk_fits<K, 128>()) {  // whole heads (kda_head_state_gradient_kernel)
-      constexpr size_t shared = head_shared_bytes<K, 128>();
+      constexpr size_t shared = sizeof(HeadShared<K, 128, /*kGradients=*/true>);
       const cudaError_t error = cudaFuncSetAttribute(kda_head_state_gradient_kernel<K, 128>,
                                                      cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                      static_cast<int>(shared));

@@ -7,6 +7,7 @@
 
 #include <cuda_bf16.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
@@ -586,16 +587,21 @@ __device__ void prepare_chunk(const ChunkedArgs& a, ChunkSlot<K, kTile>& slot, i
 }
 
 // ---------------------------------------------------------------------------------------------
-// The whole-head walk (bf16, K = V = 128): one CTA of 8 warps per (sequence, head); chunk c of a
-// group of 4 is prepared once, by the pair of warps 2c and 2c + 1, from raw rows staged in shared
-// memory while the previous group was walked (kda.cu: kda_head_kernel, the forward and the
-// states pass; kda_backward.cu: the reverse walk; kernels/README.md, "Whole-head walk").
-constexpr int kHeadWarps = 8;
-constexpr int kHeadThreads = kHeadWarps * 32;
-constexpr int kHeadGroup = kHeadWarps / 2;  // chunks per group: one pair of warps each
-static_assert(kHeadGroup == 4, "the next group's loads go out in 4 parts, one per chunk walked");
+// The whole-head walks (bf16, K = V = 128): kda.cu's kda_head_kernel (the forward, states and
+// transition passes) and kda_backward.cu's kda_head_state_gradient_kernel (the reverse walk).
+// One CTA of 16 warps per (sequence, head) walks a head's chunks with specialized warps
+// (head_pipeline): 8 walking warps, each on 16 rows of the transposed state (or its gradient),
+// and 4 preparing pairs at once. Pair p prepares the chunks p, p + 4, p + 8, ... of the walk's
+// order (prepare_chunk_pair, each chunk once) into slot p of shared memory, from raw rows it
+// staged there by cp.async, while the walkers walk the slots in order (kernels/README.md,
+// "Whole-head walk").
+constexpr int kHeadWalkWarps = 8;
+constexpr int kHeadPairs = 4;  // preparing pairs, one slot each
+constexpr int kHeadWalkThreads = kHeadWalkWarps * 32;
+constexpr int kHeadThreads = kHeadWalkThreads + kHeadPairs * 64;
+constexpr int kHeadSlotThreads = kHeadWalkThreads + 64;  // a slot's barriers: the walkers and its pair
 
-// One chunk's raw inputs, staged while the previous group is walked (rows past the end zeros).
+// One chunk's raw inputs, staged by its pair (rows past the end zeros).
 template <int K, int V>
 struct alignas(16) HeadStaging {
   bf16 q[kChunk][K + 8];
@@ -604,18 +610,38 @@ struct alignas(16) HeadStaging {
   float g[kChunk][K];
 };
 
-template <int K, int V>
-struct HeadShared {
-  ChunkSlot<K, V> slot[kHeadGroup];
-  HeadStaging<K, V> staging[kHeadGroup];
+// What a walk reads of one prepared chunk (ChunkSlot without the prepare's own arrays): the
+// forward's U, or the reverse walk's dO (kGradients).
+template <int K, int V, bool kGradients>
+struct alignas(16) HeadSlot {
+  bf16 q_hat[kChunk][K + 8];  // scale q e^Gamma
+  bf16 w[kChunk][K + 8];      // K^ while preparing, then W = M Diag(beta) K^
+  bf16 k_bar[kChunk][K + 8];  // k e^(gamma - Gamma)
+  bf16 a_qk[kChunk][24];      // lower_incl_diagonal(Q^ K~^T)
+  float decay_last[K];        // e^gamma
+  float u[kGradients ? 1 : kChunk][V + 4];  // U = M Diag(beta) V (forward)
+  bf16 v[kGradients ? kChunk : 1][V + 8];   // dO (reverse walk)
 };
 
-template <int K, int V>
-constexpr size_t head_shared_bytes() {
-  return sizeof(HeadShared<K, V>);
-}
+// The prepare's own arrays, one set per pair.
+template <int K>
+struct alignas(16) PrepareScratch {
+  bf16 k_check[kChunk][K + 8];      // k e^-Gamma
+  bf16 m_beta[kChunk][24];          // M Diag(beta)
+  float lower[kChunk][kChunk + 1];  // L = Diag(beta) strictly_lower(K^ K~^T)
+};
 
-// Whether the current device gives a CTA the whole-head kernels' shared memory (213 KB at
+// 211 KB (forward: with each walking warp's O staged for 16-byte stores) and 188 KB (reverse
+// walk) at K = V = 128.
+template <int K, int V, bool kGradients>
+struct HeadShared {
+  HeadSlot<K, V, kGradients> slot[kHeadPairs];
+  PrepareScratch<K> scratch[kHeadPairs];
+  HeadStaging<K, V> staging[kHeadPairs];
+  float stage[kGradients ? 1 : kHeadWalkWarps][kChunk * 20];
+};
+
+// Whether the current device gives a CTA the whole-head kernels' shared memory (211 KB at
 // K = V = 128: sm_90; an A100's 163 KB does not): the callers fall back to the 64-column CTAs.
 template <int K, int V>
 bool head_walk_fits() {
@@ -625,17 +651,61 @@ bool head_walk_fits() {
     (void)cudaGetLastError();
     return false;
   }
-  return static_cast<size_t>(optin) >= head_shared_bytes<K, V>();
+  return static_cast<size_t>(optin) >= std::max(sizeof(HeadShared<K, V, false>), sizeof(HeadShared<K, V, true>));
 }
 
-// Named barrier of the pair of warps preparing chunk c of a group (barrier 0 is __syncthreads).
-__device__ __forceinline__ void pair_barrier(int c) {
-  asm volatile("bar.sync %0, 64;\n" ::"r"(1 + c) : "memory");
+// Named barriers (barrier 0 is __syncthreads): slot s's "full" and "empty", and each pair's own.
+static_assert(1 + 3 * kHeadPairs <= 16, "named barriers: 16 per CTA");
+__device__ __forceinline__ int full_barrier(int slot) { return 1 + slot; }
+__device__ __forceinline__ int empty_barrier(int slot) { return 1 + kHeadPairs + slot; }
+__device__ __forceinline__ int preparing_pair_barrier(int pair) { return 1 + 2 * kHeadPairs + pair; }
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// Barrier `id` of the 64 threads of a pair of warps.
+__device__ __forceinline__ void pair_barrier(int id) {
+  asm volatile("bar.sync %0, 64;\n" ::"r"(id) : "memory");
+}
+
+// The specialized-warp pipeline over `count` chunks in walk order (i = 0, 1, ...; the caller maps
+// i to a chunk). Walking warps (0-7): walk(slot, i) for every i in order, each once slot i % 4 is
+// full. Pair p (warps 8 + 2p, 9 + 2p): load(i) issues chunk i's raw rows into its staging (one
+// cp.async group), prepare(slot, i) makes chunk i's slot from them, for i = p, p + 4, ...; the
+// next chunk's rows are loaded while the walkers walk the three chunks between. Slot p's "full"
+// barrier: the pair arrives, the walkers wait; its "empty": the walkers arrive (only where the pair
+// will wait, so every arrival is matched), the pair waits before preparing its next chunk there.
+// A pair owns its slot, so a barrier always joins the same warps.
+template <typename Walk, typename Load, typename Prepare>
+__device__ __forceinline__ void head_pipeline(int64_t count, int warp, Walk&& walk, Load&& load, Prepare&& prepare) {
+  if (warp < kHeadWalkWarps) {
+    for (int64_t i = 0; i < count; ++i) {
+      const int slot = static_cast<int>(i % kHeadPairs);
+      named_barrier_sync(full_barrier(slot), kHeadSlotThreads);
+      walk(slot, i);
+      if (i + kHeadPairs < count) named_barrier_arrive(empty_barrier(slot), kHeadSlotThreads);
+    }
+    return;
+  }
+  const int pair = (warp - kHeadWalkWarps) >> 1;
+  if (pair < count) load(pair);
+  for (int64_t i = pair; i < count; i += kHeadPairs) {
+    cp_async_wait<0>();
+    __syncwarp();
+    if (i >= kHeadPairs) named_barrier_sync(empty_barrier(pair), kHeadSlotThreads);
+    prepare(pair, i);
+    named_barrier_arrive(full_barrier(pair), kHeadSlotThreads);
+    // Each member read only its own half of the staging: its next loads may go there now.
+    if (i + kHeadPairs < count) load(i + kHeadPairs);
+  }
 }
 
 // The loads of one chunk's half (member p of its pair): key and value columns [64p, 64p + 64)
 // of q (with outputs), k, v and g into its staging, by cp.async, in four parts (0: q and beta,
-// 1: k, 2: v, 3: g and the commit), so that the walk can issue one part before each of its
+// 1: k, 2: v, 3: g and the commit), so that a walk can issue one part before each of its
 // chunks: issued all at once, the 20 cp.async a lane stalled the warp ~3.8K cycles a group.
 // beta (member 0, lanes 0-15) goes to a register.
 // `values`: v for the forward, dO for the backward's reverse walk ([*, H, V] bf16 either way).
@@ -683,13 +753,15 @@ __device__ __forceinline__ void issue_head_loads(const ChunkedArgs& a, const bf1
   }
 }
 
-// The prepare phase of one chunk by the pair of warps 2c, 2c + 1 (member p), from its staging
-// (complete: each member waited for its own loads), into its slot. The operations are
+// The prepare phase of one chunk by a pair of warps (member p; `barrier`: the pair's named
+// barrier), from its staging (complete: each member waited for its own loads), into its slot:
+// what the walk reads (Q^, W, K_, Aqk, U, e^gamma) into `slot`, the prepare's own arrays (K~,
+// L, M Diag(beta)) into `scratch`. The operations are
 // prepare_chunk's, split by columns. kGradients (the backward's reverse walk): the staged values
 // are dO, copied to slot.v for the walk instead of making U.
-template <int K, int V, bool kOutputs, bool kGradients = false>
-__device__ __forceinline__ void prepare_chunk_pair(const ChunkedArgs& a, ChunkSlot<K, V>& slot,
-                                                   const HeadStaging<K, V>& st, int c, int p,
+template <int K, int V, bool kOutputs, bool kGradients, typename Slot, typename Scratch>
+__device__ __forceinline__ void prepare_chunk_pair(const ChunkedArgs& a, Slot& slot, Scratch& scratch,
+                                                   const HeadStaging<K, V>& st, int barrier, int p,
                                                    float beta, int lane, bool with_values = true) {
   const int c0 = p * (K / 2) + 2 * lane;  // this lane's two key columns
   float gamma[2] = {};
@@ -723,10 +795,10 @@ __device__ __forceinline__ void prepare_chunk_pair(const ChunkedArgs& a, ChunkSl
     }
     if constexpr (kOutputs) *reinterpret_cast<uint32_t*>(&slot.q_hat[i][c0]) = pack_bf16(q_hat[0], q_hat[1]);
     *reinterpret_cast<uint32_t*>(&slot.w[i][c0]) = pack_bf16(k_hat[0], k_hat[1]);
-    *reinterpret_cast<uint32_t*>(&slot.k_check[i][c0]) = pack_bf16(k_check[0], k_check[1]);
+    *reinterpret_cast<uint32_t*>(&scratch.k_check[i][c0]) = pack_bf16(k_check[0], k_check[1]);
     *reinterpret_cast<uint32_t*>(&slot.k_bar[i][c0]) = pack_bf16(k_bar[0], k_bar[1]);
   }
-  pair_barrier(c);
+  pair_barrier(barrier);
 
   const FragmentOffsets f(lane);
   const int g = lane >> 2, t = lane & 3;
@@ -737,7 +809,7 @@ __device__ __forceinline__ void prepare_chunk_pair(const ChunkedArgs& a, ChunkSl
     for (int k0 = 0; k0 < K; k0 += 16) {
       uint32_t a_k[4], b[4];
       ldmatrix_x4(a_k, &slot.w[f.a_row][k0 + f.a_col]);
-      ldmatrix_x4(b, &slot.k_check[f.b_row][k0 + f.b_col]);
+      ldmatrix_x4(b, &scratch.k_check[f.b_row][k0 + f.b_col]);
       mma(l_acc[0], a_k, b[0], b[1]);
       mma(l_acc[1], a_k, b[2], b[3]);
     }
@@ -747,16 +819,16 @@ __device__ __forceinline__ void prepare_chunk_pair(const ChunkedArgs& a, ChunkSl
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int i = g + (e >> 1) * 8, j = n * 8 + 2 * t + (e & 1);
-        slot.lower[i][j] = j < i ? beta_row[e >> 1] * l_acc[n][e] : 0.0f;
+        scratch.lower[i][j] = j < i ? beta_row[e >> 1] * l_acc[n][e] : 0.0f;
       }
     }
     __syncwarp();
     const int col = lane & 15;
     float m[kChunk];
-    unit_lower_inverse_column([&](int i, int j) { return slot.lower[i][j]; }, col, m);
+    unit_lower_inverse_column([&](int i, int j) { return scratch.lower[i][j]; }, col, m);
     if (lane < 16) {
 #pragma unroll
-      for (int i = 0; i < kChunk; ++i) slot.m_beta[i][col] = __float2bfloat16_rn(m[i] * beta);
+      for (int i = 0; i < kChunk; ++i) scratch.m_beta[i][col] = __float2bfloat16_rn(m[i] * beta);
     }
   } else if constexpr (kOutputs) {
     // Aqk = lower_incl_diagonal(Q^ K~^T).
@@ -765,7 +837,7 @@ __device__ __forceinline__ void prepare_chunk_pair(const ChunkedArgs& a, ChunkSl
     for (int k0 = 0; k0 < K; k0 += 16) {
       uint32_t a_q[4], b[4];
       ldmatrix_x4(a_q, &slot.q_hat[f.a_row][k0 + f.a_col]);
-      ldmatrix_x4(b, &slot.k_check[f.b_row][k0 + f.b_col]);
+      ldmatrix_x4(b, &scratch.k_check[f.b_row][k0 + f.b_col]);
       mma(a_acc[0], a_q, b[0], b[1]);
       mma(a_acc[1], a_q, b[2], b[3]);
     }
@@ -780,11 +852,11 @@ __device__ __forceinline__ void prepare_chunk_pair(const ChunkedArgs& a, ChunkSl
       }
     }
   }
-  pair_barrier(c);
+  pair_barrier(barrier);
 
   // W = M Diag(beta) K^ (in place over K^) and U = M Diag(beta) V, on this member's columns.
   uint32_t a_m[4];
-  ldmatrix_x4(a_m, &slot.m_beta[f.a_row][f.a_col]);
+  ldmatrix_x4(a_m, &scratch.m_beta[f.a_row][f.a_col]);
   w_columns_in_place<K / 32>(slot.w, a_m, p * (K / 2), f, lane);
   if constexpr (kGradients) {
 #pragma unroll
