@@ -524,7 +524,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   for (int i = threadIdx.x; i < K; i += blockDim.x) {
     key[i] = to_float(k[head * K + i]);
     query[i] = scale * to_float(q[head * K + i]);
-    decay[i] = __expf(g[head * K + i]);
+    decay[i] = exp_ftz(g[head * K + i]);
   }
   __syncthreads();
 

@@ -687,14 +687,15 @@ __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>()
           for (int j = 0; j < kPairRows; ++j) gam[j] = cum[kGroup * kPairRows + j];
         }
       }, std::make_integer_sequence<int, kChunk / kPairRows>{});
-      const float2 decay = make_float2(__expf(run.x), __expf(run.y));
+      const float2 decay = make_float2(exp_ftz(run.x), exp_ftz(run.y));
       if (group == 0) *reinterpret_cast<float2*>(&sh.decay[c0]) = decay;
 #pragma unroll
       for (int j = 0; j < kPairRows; ++j) {
         const int i = i0 + j;
         const float2 qv = load_bf16x2(&sh.next.q[i][c0]), kv = load_bf16x2(&sh.next.k[i][c0]);
-        const float2 up = make_float2(__expf(gam[j].x), __expf(gam[j].y));
-        const float2 down = make_float2(__expf(-gam[j].x), __expf(-gam[j].y));
+        float2 up, down;
+        exp_both(gam[j].x, up.x, down.x);
+        exp_both(gam[j].y, up.y, down.y);
         *reinterpret_cast<float2*>(&sh.gamma[i][c0]) = gam[j];
         store_split_pair(sh.q_hat, i, c0, a.scale * qv.x * up.x, a.scale * qv.y * up.y);
         store_split_pair(sh.k_hat, i, c0, kv.x * up.x, kv.y * up.y);
@@ -718,13 +719,14 @@ __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>()
 #pragma unroll
       for (int r = 0; r < kKeyItems; ++r) gam[r] = i == kr + kKeyStride * r ? cum : gam[r];
     }
-    const float decay = __expf(cum);
+    const float decay = exp_ftz(cum);
     if (kr == 0) sh.decay[kc] = decay;
 #pragma unroll
     for (int r = 0; r < kKeyItems; ++r) {
       const int i = kr + kKeyStride * r;
       const float qv = i < valid ? q_in[r] : 0.0f, kv = i < valid ? k_in[r] : 0.0f;
-      const float up = __expf(gam[r]), down = __expf(-gam[r]);
+      float up, down;
+      exp_both(gam[r], up, down);
       sh.gamma[i][kc] = gam[r];
       sh.q_hat.store(i, kc, a.scale * qv * up);
       sh.k_hat.store(i, kc, kv * up);
@@ -943,7 +945,9 @@ __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>()
       const float2 d_kbar = pair(sh.d_kbar), gam = pair(sh.gamma), k_bar = pair(sh.k_bar);
       const float2 q_hat = load_split_pair(sh.q_hat, i, c0), k_hat = load_split_pair(sh.k_hat, i, c0);
       const float2 k_check = load_split_pair(sh.k_check, i, c0);
-      const float2 up = make_float2(__expf(gam.x), __expf(gam.y)), down = make_float2(__expf(-gam.x), __expf(-gam.y));
+      float2 up, down;
+      exp_both(gam.x, up.x, down.x);
+      exp_both(gam.y, up.y, down.y);
       if (i < valid) {
         *reinterpret_cast<float2*>(&a.dq[token(i) * K + c0]) =
             make_float2(a.scale * d_qhat.x * up.x, a.scale * d_qhat.y * up.y);
