@@ -724,6 +724,26 @@ __device__ __forceinline__ void head_pipeline(int64_t count, int warp, Walk&& wa
   }
 }
 
+// Rows [0, 16) of a chunk of a [rows, H, kWidth] tensor (head_row: the [rows, H] index of its
+// first row), member p's half of the columns, into `rows` (row stride kRow) by 16-byte cp.async;
+// rows past `valid` are zero-filled (their address: the last real row's). A lane's column is the
+// same in every row it loads, so only the row moves: one pointer, plus row x stride.
+template <int kWidth, int kRow, typename E>
+__device__ __forceinline__ void stage_half_rows(E (*rows)[kRow], const E* x, int64_t head_row, int heads, int valid,
+                                                int p, int lane) {
+  constexpr int kPer = 16 / static_cast<int>(sizeof(E));  // elements a piece
+  constexpr int kPieces = kWidth / 2 / kPer;                // pieces of a half row
+  static_assert(32 % kPieces == 0, "a lane's column is the same in every row it loads");
+  const int col = p * (kWidth / 2) + (lane % kPieces) * kPer;
+  const E* base = x + head_row * kWidth + col;
+  const int64_t stride = static_cast<int64_t>(heads) * kWidth;
+#pragma unroll
+  for (int r = 0; r < kChunk * kPieces / 32; ++r) {
+    const int i = (lane + 32 * r) / kPieces;
+    cp_async16_or_zero(&rows[i][col], base + min(i, valid - 1) * stride, i < valid);
+  }
+}
+
 // The loads of one chunk's half (member p of its pair): key and value columns [64p, 64p + 64)
 // of q (with outputs), k, v and g into its staging, by cp.async, in four parts (0: q and beta,
 // 1: k, 2: v, 3: g and the commit), so that a walk can issue one part before each of its
@@ -735,41 +755,18 @@ __device__ __forceinline__ void issue_head_loads(const ChunkedArgs& a, const bf1
                                                  HeadStaging<K, V>& st, int64_t row0, int valid,
                                                  int h, int p, int lane, int part, float& beta,
                                                  bool with_values = true) {
-  const int H = a.heads;
-  const int64_t last_row = row0 + valid - 1;  // a readable address for the zero-filled rows
-  constexpr int kKeyHalf = K / 2, kValueHalf = V / 2;
-  // A bf16 half row is 8 pieces of 16 bytes; a g half row 16.
-  auto key_rows = [&](const bf16* x, bf16 (*rows)[K + 8]) {
-#pragma unroll
-    for (int r = 0; r < kChunk * (kKeyHalf / 8) / 32; ++r) {
-      const int item = lane + 32 * r, i = item / (kKeyHalf / 8);
-      const int col = p * kKeyHalf + (item % (kKeyHalf / 8)) * 8;
-      const int64_t src = (min64(row0 + i, last_row) * H + h) * static_cast<int64_t>(K) + col;
-      cp_async16_or_zero(&rows[i][col], x + src, i < valid);
-    }
-  };
+  const int64_t head_row = row0 * a.heads + h;  // [rows, H] index of the chunk's first row
+  constexpr int kRowK = K + 8, kRowV = V + 8;
   if (part == 0) {
-    if constexpr (kOutputs) key_rows(static_cast<const bf16*>(a.q), st.q);
-    beta = p == 0 && lane < valid ? __bfloat162float(static_cast<const bf16*>(a.beta)[(row0 + lane) * H + h]) : 0.0f;
+    if constexpr (kOutputs) stage_half_rows<K, kRowK>(st.q, static_cast<const bf16*>(a.q), head_row, a.heads, valid, p, lane);
+    beta = p == 0 && lane < valid ? __bfloat162float(static_cast<const bf16*>(a.beta)[(row0 + lane) * a.heads + h]) : 0.0f;
   } else if (part == 1) {
-    key_rows(static_cast<const bf16*>(a.k), st.k);
+    stage_half_rows<K, kRowK>(st.k, static_cast<const bf16*>(a.k), head_row, a.heads, valid, p, lane);
   } else if (part == 2) {
     if (!with_values) return;  // the A_seg columns of the transition pass: no values
-#pragma unroll
-    for (int r = 0; r < kChunk * (kValueHalf / 8) / 32; ++r) {
-      const int item = lane + 32 * r, i = item / (kValueHalf / 8);
-      const int col = p * kValueHalf + (item % (kValueHalf / 8)) * 8;
-      const int64_t src = (min64(row0 + i, last_row) * H + h) * static_cast<int64_t>(V) + col;
-      cp_async16_or_zero(&st.v[i][col], values + src, i < valid);
-    }
+    stage_half_rows<V, kRowV>(st.v, values, head_row, a.heads, valid, p, lane);
   } else {
-#pragma unroll
-    for (int r = 0; r < kChunk * (kKeyHalf / 4) / 32; ++r) {
-      const int item = lane + 32 * r, i = item / (kKeyHalf / 4);
-      const int col = p * kKeyHalf + (item % (kKeyHalf / 4)) * 4;
-      const int64_t src = (min64(row0 + i, last_row) * H + h) * static_cast<int64_t>(K) + col;
-      cp_async16_or_zero(&st.g[i][col], a.g + src, i < valid);
-    }
+    stage_half_rows<K, K>(st.g, a.g, head_row, a.heads, valid, p, lane);
     cp_async_commit();
   }
 }
