@@ -875,8 +875,8 @@ Result<KernelsBenchResult> run_kernels_bench(const KernelsBenchOptions& options)
     if (!kda) return r;
     r.copy_gb_per_s = measure_copy_gb_per_s(options);
     // The same with two CTAs of 4 warps per head, 64 value columns each, instead of one CTA of
-    // 8 warps (KdaChunkedOptions::head_walk, on by default): what the whole-head walk is worth,
-    // measured in the same run (bit for bit the same results).
+    // 16 specialized warps (KdaChunkedOptions::head_walk, on by default): what the whole-head
+    // walk is worth, measured in the same run (bit for bit the same results).
     r.kda_forward_column_tiles_ms =
         bench_forward(options, 2, 16384, 64, r.copy_gb_per_s, 0, /*reference=*/false,
                       /*head_walk=*/false)

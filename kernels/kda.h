@@ -74,12 +74,12 @@ struct KdaChunkedOptions {
   // 3.33 ms with it, 3.47 ms without; T=64K, H=4: 1.17 / 1.20 ms. (While the compiler kept two
   // copies of the prepare phase, it was the other way round: kernels/README.md, ladder.)
   bool prefetch = true;
-  // bf16 with K = V = 128 (the model's heads): the forward (and the backward's state recompute)
-  // walks each head with one CTA of 8 warps instead of two CTAs of 4 on 64 value columns each:
-  // every chunk is prepared once instead of twice, and the next group's inputs are staged in
-  // shared memory while the current one is walked (kernels/README.md). Bit for bit the same
-  // results; false: the 64-column CTAs (what the tests and the bench compare against). Devices
-  // that cannot give a CTA its 213 KB of shared memory take the 64-column CTAs either way.
+  // bf16 with K = V = 128 (the model's heads): the forward (and the backward's state passes)
+  // walks each head with one CTA of 16 warps instead of two CTAs of 4 on 64 value columns each:
+  // 8 warps walk the state while 4 pairs prepare the next chunks, each chunk once instead of
+  // twice (kernels/README.md, "Whole-head walk"). Bit for bit the same results; false: the
+  // 64-column CTAs (what the tests and the bench compare against). Devices that cannot give a
+  // CTA its 211 KB of shared memory take the 64-column CTAs either way.
   bool head_walk = true;
   // For the backward (kda_chunked_backward): when set, bf16 [N, H, ceil(length / 16), V, K]
   // receives the state entering every chunk of 16 tokens, transposed (row = value column), as

@@ -386,8 +386,9 @@ TEST_F(KdaKernel, L2PrefetchChangesNothing) {
 }
 
 TEST_F(KdaKernel, HeadWalkEqualsTheColumnTilesBitForBit) {
-  // bf16 K = V = 128: one CTA of 8 warps per head (KdaChunkedOptions::head_walk, the default)
-  // computes every value with the operations of the two 64-column CTAs, in the same order:
+  // bf16 K = V = 128: one CTA of 16 specialized warps per head (KdaChunkedOptions::head_walk,
+  // the default) computes every value with the operations of the two 64-column CTAs, in the same
+  // order (its 8 walkers and 4 preparing pairs meet at named barriers, one slot a pair):
   // serial and context-parallel, partly filled groups and chunks, packed sequences, an initial
   // state; and the backward's state recompute (through the gradients).
   for (int64_t length : {1, 77, 1000}) {
