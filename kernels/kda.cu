@@ -149,19 +149,20 @@ __device__ void walk_chunk(const ChunkedArgs& a, const Slot& slot,
     __syncwarp();
   }
 
-  // S^T = S^T Diag(e^gamma) + V'^T K_.
+  // S^T = S^T Diag(e^gamma) + V'^T K_ = (S^T + V'^T K~) Diag(e^gamma), as K_ = K~ Diag(e^gamma):
+  // the prepare makes K~ for L and Aqk anyway, and the decay's multiplies are the same.
 #pragma unroll
   for (int n0 = 0; n0 < K; n0 += 16) {
     uint32_t b[4];
-    ldmatrix_x4_trans(b, &slot.k_bar[f.t_row][n0 + f.t_col]);
+    ldmatrix_x4_trans(b, &slot.k_walk[f.t_row][n0 + f.t_col]);
+    mma(state[n0 / 8], va, b[0], b[1]);
+    mma(state[n0 / 8 + 1], va, b[2], b[3]);
 #pragma unroll
     for (int n = 0; n < 2; ++n) {
       const int j = n0 / 8 + n;
       const float2 d = *reinterpret_cast<const float2*>(&slot.decay_last[8 * j + 2 * t]);
       state[j][0] *= d.x, state[j][1] *= d.y, state[j][2] *= d.x, state[j][3] *= d.y;
     }
-    mma(state[n0 / 8], va, b[0], b[1]);
-    mma(state[n0 / 8 + 1], va, b[2], b[3]);
   }
 }
 

@@ -79,7 +79,7 @@ struct KdaChunkedOptions {
   // 8 warps walk the state while 4 pairs prepare the next chunks, each chunk once instead of
   // twice (kernels/README.md, "Whole-head walk"). Bit for bit the same results; false: the
   // 64-column CTAs (what the tests and the bench compare against). Devices that cannot give a
-  // CTA its 211 KB of shared memory take the 64-column CTAs either way.
+  // CTA its 191 KB of shared memory take the 64-column CTAs either way.
   bool head_walk = true;
   // For the backward (kda_chunked_backward): when set, bf16 [N, H, ceil(length / 16), V, K]
   // receives the state entering every chunk of 16 tokens, transposed (row = value column), as

@@ -107,7 +107,7 @@ __device__ void reverse_walk_chunk(const Slot& slot, float (&d_state)[K / 8][4],
   const FragmentOffsets f(lane);
   const int t = lane & 3;
 
-  // dV'^T = dS'^T K_^T + dO^T Aqk   [16 value rows x 16 tokens]
+  // dV'^T = dS'^T K_^T + dO^T Aqk   [16 value rows x 16 tokens] (slot.k_walk: K_ here)
   float x[2][4] = {};
 #pragma unroll
   for (int k0 = 0; k0 < K; k0 += 16) {
@@ -117,7 +117,7 @@ __device__ void reverse_walk_chunk(const Slot& slot, float (&d_state)[K / 8][4],
                            pack_bf16(d_state[j + 1][0], d_state[j + 1][1]),
                            pack_bf16(d_state[j + 1][2], d_state[j + 1][3])};
     uint32_t b[4];
-    ldmatrix_x4(b, &slot.k_bar[f.b_row][k0 + f.b_col]);
+    ldmatrix_x4(b, &slot.k_walk[f.b_row][k0 + f.b_col]);
     mma(x[0], s, b[0], b[1]);
     mma(x[1], s, b[2], b[3]);
   }
@@ -181,7 +181,7 @@ __global__ void __launch_bounds__(Walk<kTile>::kThreads, 2)
     const int64_t mine = group + warp;
     if (mine < num_chunks) {
       const int valid = static_cast<int>(min64(kChunk, length - mine * kChunk));
-      prepare_chunk<T, K, kTile, /*kOutputs=*/true>(a, slots[warp], row0 + mine * kChunk, valid,
+      prepare_chunk<T, K, kTile, /*kOutputs=*/true, /*kGradients=*/true>(a, slots[warp], row0 + mine * kChunk, valid,
                                                     h, v0, /*with_values=*/false, lane);
       load_value_rows<T, kTile>(static_cast<const T*>(b.d_o), slots[warp].v, row0 + mine * kChunk,
                                 valid, h, H, V, v0, lane);

@@ -332,7 +332,9 @@ struct alignas(16) ChunkSlot {
   static_assert(kRow * sizeof(bf16) >= 20 * sizeof(float), "k_check too small to stage O");
   bf16 q_hat[kChunk][kRow];    // scale q e^Gamma
   bf16 w[kChunk][kRow];        // K^ = k e^Gamma while preparing, then W = M Diag(beta) K^
-  bf16 k_bar[kChunk][kRow];    // k e^(gamma - Gamma)
+  // The K operand of the walk's state update: K~ in the forward walks, S^T <- (S^T + V'^T K~)
+  // Diag(e^gamma) (k_check is O's staging then); K_ = K~ Diag(e^gamma) in the reverse walk.
+  bf16 k_walk[kChunk][kRow];
   bf16 k_check[kChunk][kRow];  // k e^-Gamma (prepare only); the walk stages this warp's O here
   bf16 a_qk[kChunk][24];       // lower_incl_diagonal(Q^ K~^T)
   bf16 m_beta[kChunk][24];     // M Diag(beta)       (prepare only)
@@ -401,7 +403,8 @@ __device__ void load_value_rows(const T* x, bf16 (*rows)[kTile + 8], int64_t row
 // (valid in 1..16; missing rows are zeros, which leaves the real rows exact).
 // kOutputs: also Q^ and Aqk (the forward). with_values: also V and U (false for the A_seg columns
 // of the transition pass, whose values are zero; U is then left unwritten).
-template <typename T, int K, int kTile, bool kOutputs>
+// kGradients (the backward's reverse walk): slot.k_walk gets K_ instead of K~.
+template <typename T, int K, int kTile, bool kOutputs, bool kGradients = false>
 __device__ void prepare_chunk(const ChunkedArgs& a, ChunkSlot<K, kTile>& slot, int64_t row0,
                               int valid, int h, int v0, bool with_values, int lane) {
   // Key columns per lane, an even number (stored as bf16 pairs): at K = 32 lanes 0-15 hold two
@@ -514,9 +517,10 @@ __device__ void prepare_chunk(const ChunkedArgs& a, ChunkSlot<K, kTile>& slot, i
           *reinterpret_cast<uint32_t*>(&slot.q_hat[i][c0 + c]) = pack_bf16(q_hat[c], q_hat[c + 1]);
         }
         *reinterpret_cast<uint32_t*>(&slot.w[i][c0 + c]) = pack_bf16(k_hat[c], k_hat[c + 1]);
-        *reinterpret_cast<uint32_t*>(&slot.k_check[i][c0 + c]) =
-            pack_bf16(k_check[c], k_check[c + 1]);
-        *reinterpret_cast<uint32_t*>(&slot.k_bar[i][c0 + c]) = pack_bf16(k_bar[c], k_bar[c + 1]);
+        const uint32_t k_check_pair = pack_bf16(k_check[c], k_check[c + 1]);
+        *reinterpret_cast<uint32_t*>(&slot.k_check[i][c0 + c]) = k_check_pair;
+        *reinterpret_cast<uint32_t*>(&slot.k_walk[i][c0 + c]) =
+            kGradients ? pack_bf16(k_bar[c], k_bar[c + 1]) : k_check_pair;
       }
     }
   };
@@ -631,13 +635,13 @@ struct alignas(16) HeadStaging {
   float g[kChunk][K];
 };
 
-// What a walk reads of one prepared chunk (ChunkSlot without the prepare's own arrays): the
-// forward's U, or the reverse walk's dO (kGradients).
+// What a walk reads of one prepared chunk (ChunkSlot without the prepare's own arrays; K~ once,
+// for L, Aqk and the walk): the forward's U, or the reverse walk's dO (kGradients).
 template <int K, int V, bool kGradients>
 struct alignas(16) HeadSlot {
   bf16 q_hat[kChunk][K + 8];  // scale q e^Gamma
   bf16 w[kChunk][K + 8];      // K^ while preparing, then W = M Diag(beta) K^
-  bf16 k_bar[kChunk][K + 8];  // k e^(gamma - Gamma)
+  bf16 k_walk[kChunk][K + 8];   // forward: K~ = k e^-Gamma (L, Aqk, the state update); reverse: K_
   bf16 a_qk[kChunk][24];      // lower_incl_diagonal(Q^ K~^T)
   float decay_last[K];        // e^gamma
   float u[kGradients ? 1 : kChunk][V + 4];  // U = M Diag(beta) V (forward)
@@ -645,24 +649,24 @@ struct alignas(16) HeadSlot {
 };
 
 // The prepare's own arrays, one set per pair.
-template <int K>
+template <int K, bool kGradients>
 struct alignas(16) PrepareScratch {
-  bf16 k_check[kChunk][K + 8];      // k e^-Gamma
+  bf16 k_check[kGradients ? kChunk : 1][K + 8];  // K~ for L and Aqk (reverse walk: k_walk is K_)
   bf16 m_beta[kChunk][24];          // M Diag(beta)
   float lower[kChunk][kChunk + 1];  // L = Diag(beta) strictly_lower(K^ K~^T)
 };
 
-// 211 KB (forward: with each walking warp's O staged for 16-byte stores) and 188 KB (reverse
+// 191 KB (forward: with each walking warp's O staged for 16-byte stores) and 182 KB (reverse
 // walk) at K = V = 128.
 template <int K, int V, bool kGradients>
 struct HeadShared {
   HeadSlot<K, V, kGradients> slot[kHeadPairs];
-  PrepareScratch<K> scratch[kHeadPairs];
+  PrepareScratch<K, kGradients> scratch[kHeadPairs];
   HeadStaging<K, V> staging[kHeadPairs];
   float stage[kGradients ? 1 : kHeadWalkWarps][kChunk * 20];
 };
 
-// Whether the current device gives a CTA the whole-head kernels' shared memory (211 KB at
+// Whether the current device gives a CTA the whole-head kernels' shared memory (191 KB at
 // K = V = 128: sm_90; an A100's 163 KB does not): the callers fall back to the 64-column CTAs.
 template <int K, int V>
 bool head_walk_fits() {
@@ -773,8 +777,8 @@ __device__ __forceinline__ void issue_head_loads(const ChunkedArgs& a, const bf1
 
 // The prepare phase of one chunk by a pair of warps (member p; `barrier`: the pair's named
 // barrier), from its staging (complete: each member waited for its own loads), into its slot:
-// what the walk reads (Q^, W, K_, Aqk, U, e^gamma) into `slot`, the prepare's own arrays (K~,
-// L, M Diag(beta)) into `scratch`. The operations are
+// what the walk reads (Q^, W, K~, Aqk, U, e^gamma) into `slot`, the prepare's own arrays (L,
+// M Diag(beta)) into `scratch`. The operations are
 // prepare_chunk's, split by columns. kGradients (the backward's reverse walk): the staged values
 // are dO, copied to slot.v for the walk instead of making U.
 template <int K, int V, bool kOutputs, bool kGradients, typename Slot, typename Scratch>
@@ -782,17 +786,20 @@ __device__ __forceinline__ void prepare_chunk_pair(const ChunkedArgs& a, Slot& s
                                                    const HeadStaging<K, V>& st, int barrier, int p,
                                                    float beta, int lane, bool with_values = true) {
   const int c0 = p * (K / 2) + 2 * lane;  // this lane's two key columns
-  float gamma[2] = {};
+  // K~ for L and Aqk: the walk's operand in the forward; the reverse walk's is K_ (k_walk), which
+  // needs e^gamma in the rows, hence a first pass over g there.
+  bf16 (*k_tilde)[K + 8] = nullptr;
+  if constexpr (kGradients) k_tilde = scratch.k_check; else k_tilde = slot.k_walk;
+  float decay_last[2] = {};
+  if constexpr (kGradients) {
+    float gamma[2] = {};
 #pragma unroll
-  for (int i = 0; i < kChunk; ++i) {
-    const float2 gi = *reinterpret_cast<const float2*>(&st.g[i][c0]);
-    gamma[0] += gi.x, gamma[1] += gi.y;
+    for (int i = 0; i < kChunk; ++i) {
+      const float2 gi = *reinterpret_cast<const float2*>(&st.g[i][c0]);
+      gamma[0] += gi.x, gamma[1] += gi.y;
+    }
+    decay_last[0] = exp_ftz(gamma[0]), decay_last[1] = exp_ftz(gamma[1]);
   }
-  float decay_last[2];
-#pragma unroll
-  for (int j = 0; j < 2; ++j) decay_last[j] = exp_ftz(gamma[j]);
-  *reinterpret_cast<float2*>(&slot.decay_last[c0]) = make_float2(decay_last[0], decay_last[1]);
-
   float cum[2] = {};
 #pragma unroll
   for (int i = 0; i < kChunk; ++i) {
@@ -814,9 +821,11 @@ __device__ __forceinline__ void prepare_chunk_pair(const ChunkedArgs& a, Slot& s
     }
     if constexpr (kOutputs) *reinterpret_cast<uint32_t*>(&slot.q_hat[i][c0]) = pack_bf16(q_hat[0], q_hat[1]);
     *reinterpret_cast<uint32_t*>(&slot.w[i][c0]) = pack_bf16(k_hat[0], k_hat[1]);
-    *reinterpret_cast<uint32_t*>(&scratch.k_check[i][c0]) = pack_bf16(k_check[0], k_check[1]);
-    *reinterpret_cast<uint32_t*>(&slot.k_bar[i][c0]) = pack_bf16(k_bar[0], k_bar[1]);
+    *reinterpret_cast<uint32_t*>(&k_tilde[i][c0]) = pack_bf16(k_check[0], k_check[1]);
+    if constexpr (kGradients) *reinterpret_cast<uint32_t*>(&slot.k_walk[i][c0]) = pack_bf16(k_bar[0], k_bar[1]);
   }
+  // e^gamma: Gamma of the last row (rows past the end add zeros; the first pass's sum, bit for bit).
+  *reinterpret_cast<float2*>(&slot.decay_last[c0]) = make_float2(exp_ftz(cum[0]), exp_ftz(cum[1]));
   pair_barrier(barrier);
 
   const FragmentOffsets f(lane);
@@ -828,7 +837,7 @@ __device__ __forceinline__ void prepare_chunk_pair(const ChunkedArgs& a, Slot& s
     for (int k0 = 0; k0 < K; k0 += 16) {
       uint32_t a_k[4], b[4];
       ldmatrix_x4(a_k, &slot.w[f.a_row][k0 + f.a_col]);
-      ldmatrix_x4(b, &scratch.k_check[f.b_row][k0 + f.b_col]);
+      ldmatrix_x4(b, &k_tilde[f.b_row][k0 + f.b_col]);
       mma(l_acc[0], a_k, b[0], b[1]);
       mma(l_acc[1], a_k, b[2], b[3]);
     }
@@ -856,7 +865,7 @@ __device__ __forceinline__ void prepare_chunk_pair(const ChunkedArgs& a, Slot& s
     for (int k0 = 0; k0 < K; k0 += 16) {
       uint32_t a_q[4], b[4];
       ldmatrix_x4(a_q, &slot.q_hat[f.a_row][k0 + f.a_col]);
-      ldmatrix_x4(b, &scratch.k_check[f.b_row][k0 + f.b_col]);
+      ldmatrix_x4(b, &k_tilde[f.b_row][k0 + f.b_col]);
       mma(a_acc[0], a_q, b[0], b[1]);
       mma(a_acc[1], a_q, b[2], b[3]);
     }
