@@ -7,11 +7,12 @@
 // whole sequence (64 registers at K = 128, 16 at K = 32), so that S^T is directly the A operand
 // of the next chunk's products (an m16n8 accumulator pair is an m16k16 A fragment, as in
 // FlashAttention-2). Chunks of 16 tokens are processed in groups of one chunk per warp (4, or 2):
-//   prepare  (parallel) warp w prepares chunk w of the group alone: Gamma, Q^, K^, K~, K_,
+//   prepare  (parallel) warp w prepares chunk w of the group alone: Gamma, Q^, K^, K~,
 //            L and Aqk (mma), M = (I + L)^-1 (fp32 forward substitution), W = M Diag(beta) K^,
 //            U = M Diag(beta) V (mma), written to its slot in shared memory;
 //   walk     (serial)   all warps walk the group's chunks in order, each on its 16 state rows:
-//            V'^T = U^T - S^T W^T,  O^T = S^T Q^^T + V'^T Aqk^T,  S^T = S^T Diag(e^gamma) + V'^T K_.
+//            V'^T = U^T - S^T W^T,  O^T = S^T Q^^T + V'^T Aqk^T,
+//            S^T = (S^T + V'^T K~) Diag(e^gamma)   (= S^T Diag(e^gamma) + V'^T K_, K_ = K~ Diag(e^gamma)).
 // Two CTAs of 4 warps fit on an SM (108.8 KB of shared memory each at K = 128), so one CTA's
 // global loads in the prepare phase overlap the other's walk; the 2-warp CTAs are smaller
 // (22.9 KB and ~140 registers at K = V = 32: 6-7 per SM, bound by registers).
