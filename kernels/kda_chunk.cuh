@@ -750,8 +750,10 @@ __device__ __forceinline__ void stage_half_rows(E (*rows)[kRow], const E* x, int
 
 // The loads of one chunk's half (member p of its pair): key and value columns [64p, 64p + 64)
 // of q (with outputs), k, v and g into its staging, by cp.async, in four parts (0: q and beta,
-// 1: k, 2: v, 3: g and the commit), so that a walk can issue one part before each of its
-// chunks: issued all at once, the 20 cp.async a lane stalled the warp ~3.8K cycles a group.
+// 1: k, 2: v, 3: g and the commit; one cp.async group). Both callers now issue the four at once
+// (a preparing pair, right after its prepare); the parts are what the alternating 8-warp walk
+// spread over the chunks it walked. Folding them into one call changes the machine code of
+// three kernels (scripts/same_sass.py), so it waits for a GPU run.
 // beta (member 0, lanes 0-15) goes to a register.
 // `values`: v for the forward, dO for the backward's reverse walk ([*, H, V] bf16 either way).
 template <int K, int V, bool kOutputs>
