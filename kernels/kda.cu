@@ -32,6 +32,7 @@
 
 #include <cuda_bf16.h>
 
+#include <cmath>
 #include <cstdint>
 #include <type_traits>
 
@@ -179,6 +180,12 @@ __device__ __forceinline__ void store_chunk_state(const ChunkedArgs& a, const fl
   store_state_rows<K>(base + static_cast<int64_t>(v_col) * K, state, lane);
 }
 
+// A segment's first token within its sequence: segment 0 holds first_segment_length tokens, every
+// other segment_length (the last may hold fewer). Segments are whole chunks.
+__device__ __forceinline__ int64_t segment_begin(const ChunkedArgs& a, int segment) {
+  return segment == 0 ? 0 : a.first_segment_length + (segment - 1) * a.segment_length;
+}
+
 // The rows a walk covers: sequence seq of a packed batch (cu_seqlens), or segment `segment` of
 // sequence seq (the whole sequence when there is one segment).
 __device__ __forceinline__ void walk_rows(const ChunkedArgs& a, int seq, int segment, int64_t& row0,
@@ -187,10 +194,20 @@ __device__ __forceinline__ void walk_rows(const ChunkedArgs& a, int seq, int seg
     row0 = a.cu_seqlens[seq];
     length = a.cu_seqlens[seq + 1] - a.cu_seqlens[seq];
   } else {
-    const int64_t begin = segment * a.segment_length;
+    const int64_t begin = segment_begin(a, segment);
     row0 = seq * a.length + begin;
-    length = min64(a.segment_length, a.length - begin);
+    length = min64(segment == 0 ? a.first_segment_length : a.segment_length, a.length - begin);
   }
+}
+
+// Which (sequence, segment) grid z stands for: every segment in the forward and states passes
+// (1..P-1 when the lead walked segment 0 in the transition pass), 0..P-2 in the transition pass.
+template <bool kForward>
+__device__ __forceinline__ void walk_segment(const ChunkedArgs& a, int& seq, int& segment) {
+  const int first = kForward && a.lead ? 1 : 0;
+  const int per_sequence = kForward ? a.segments - first : a.segments - 1;
+  seq = blockIdx.z / per_sequence;
+  segment = first + blockIdx.z % per_sequence;
 }
 
 // The state tile a walk starts from: the forward's start state (0 without one); the transition
@@ -215,8 +232,12 @@ __device__ __forceinline__ void walk_end_tile(const ChunkedArgs& a, const float 
                                               int64_t state_offset, int seq, int segment, int h,
                                               int V, int v_col, bool a_columns, int lane) {
   if constexpr (kForward) {
-    if (segment != a.segments - 1) return;
-    store_state_tile<K>(a.final_state, state_offset, state, V, v_col, lane);
+    if (segment == a.segments - 1) {
+      store_state_tile<K>(a.final_state, state_offset, state, V, v_col, lane);
+    } else if (segment == 0 && a.lead) {  // the lead: segment 1's start state, for the scan
+      const int64_t start = ((static_cast<int64_t>(seq) * a.segments + 1) * a.heads + h) * K * V;
+      store_state_tile<K>(a.lead_states, start, state, V, v_col, lane);
+    }
   } else {
     const int g = lane >> 2, t = lane & 3;
     const int64_t pair = (static_cast<int64_t>(seq) * (a.segments - 1) + segment) * a.heads + h;
@@ -244,9 +265,10 @@ __device__ __forceinline__ void walk_end_tile(const ChunkedArgs& a, const float 
 // last segment, final_state.
 // Transition: grid (K / kTile + V / kTile, H, N * (P - 1)); tiles x < K / kTile are kTile columns
 // of A_seg (state starts at I, values zero), the others kTile columns of B_seg (state starts at 0).
+// With the lead, segment 0's CTAs x < V / kTile walk it forward instead (kLead: kForward, or
+// kStates in the backward's states pass), and the forward pass's grid z covers segments 1..P-1.
 template <typename T, int K, int kTile, Pass kPass>
-__global__ void __launch_bounds__(Walk<kTile>::kThreads, 2)
-    kda_chunked_kernel(const ChunkedArgs a) {
+__device__ __forceinline__ void chunked_walk(const ChunkedArgs& a, int seq, int segment, int x) {
   // kForward: walks from the initial or segment state (the forward and the state recompute);
   // kOutputs: also Q^, Aqk and o (the forward only).
   constexpr bool kForward = kPass != Pass::kTransition;
@@ -259,11 +281,9 @@ __global__ void __launch_bounds__(Walk<kTile>::kThreads, 2)
   const int lane = threadIdx.x & 31, warp = warp_index();
   const int h = blockIdx.y;
   const int H = a.heads, V = a.value_dim;
-  const bool a_columns = !kForward && blockIdx.x < K / kTile;  // A_seg columns (transition)
+  const bool a_columns = !kForward && x < K / kTile;  // A_seg columns (transition)
   const bool with_values = !a_columns;
-  const int v0 = (kForward || a_columns ? blockIdx.x : blockIdx.x - K / kTile) * kTile;
-  const int per_sequence = kForward ? a.segments : a.segments - 1;
-  const int seq = blockIdx.z / per_sequence, segment = blockIdx.z % per_sequence;
+  const int v0 = (kForward || a_columns ? x : x - K / kTile) * kTile;
   int64_t row0, length;
   walk_rows(a, seq, segment, row0, length);
   const int v_col = v0 + warp * 16;  // this warp's first value column (A_seg column)
@@ -281,7 +301,7 @@ __global__ void __launch_bounds__(Walk<kTile>::kThreads, 2)
 
   const int64_t num_chunks = (length + kChunk - 1) / kChunk;
   // This segment's first chunk within the sequence (segments are whole chunks).
-  const int64_t chunk_base = a.cu_seqlens ? 0 : segment * a.segment_length / kChunk;
+  const int64_t chunk_base = a.cu_seqlens ? 0 : segment_begin(a, segment) / kChunk;
   for (int64_t group = 0; group < num_chunks; group += kWarps) {
     const int64_t mine = group + warp;
     if (mine < num_chunks) {
@@ -313,20 +333,33 @@ __global__ void __launch_bounds__(Walk<kTile>::kThreads, 2)
   walk_end_tile<K, kForward>(a, state, state_offset, seq, segment, h, V, v_col, a_columns, lane);
 }
 
-template <typename T, int K, int kTile, Pass kPass>
+template <typename T, int K, int kTile, Pass kPass, Pass kLead = kPass>
+__global__ void __launch_bounds__(Walk<kTile>::kThreads, 2)
+    kda_chunked_kernel(const ChunkedArgs a) {
+  int seq, segment;
+  walk_segment<kPass != Pass::kTransition>(a, seq, segment);
+  if constexpr (kLead != kPass) {
+    if (segment == 0) {  // the lead: segment 0 forward, one CTA per value tile
+      if (blockIdx.x < a.value_dim / kTile) chunked_walk<T, K, kTile, kLead>(a, seq, 0, blockIdx.x);
+      return;
+    }
+  }
+  chunked_walk<T, K, kTile, kPass>(a, seq, segment, blockIdx.x);
+}
+
+template <typename T, int K, int kTile, Pass kPass, Pass kLead = kPass>
 cudaError_t launch_chunked(const ChunkedArgs& a, dim3 grid, cudaStream_t stream) {
   constexpr size_t shared = chunked_shared_bytes<K, kTile>();
+  auto* kernel = kda_chunked_kernel<T, K, kTile, kPass, kLead>;
   // Set on every launch: the attribute belongs to the current device, and costs ~1 us.
-  const cudaError_t configured = cudaFuncSetAttribute(
-      kda_chunked_kernel<T, K, kTile, kPass>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-      static_cast<int>(shared));
+  const cudaError_t configured =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared));
   if (configured != cudaSuccess) return configured;
   // As much shared memory as the SM has (two CTAs of 108.8 KB must fit).
-  const cudaError_t carveout = cudaFuncSetAttribute(
-      kda_chunked_kernel<T, K, kTile, kPass>, cudaFuncAttributePreferredSharedMemoryCarveout,
-      cudaSharedmemCarveoutMaxShared);
+  const cudaError_t carveout = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                                    cudaSharedmemCarveoutMaxShared);
   if (carveout != cudaSuccess) return carveout;
-  kda_chunked_kernel<T, K, kTile, kPass><<<grid, Walk<kTile>::kThreads, shared, stream>>>(a);
+  kernel<<<grid, Walk<kTile>::kThreads, shared, stream>>>(a);
   return cudaGetLastError();
 }
 
@@ -345,7 +378,7 @@ cudaError_t launch_chunked(const ChunkedArgs& a, dim3 grid, cudaStream_t stream)
 // Grid (1, H, N * P): CTA (h, z = sequence * P + segment) walks its segment from the initial or
 // segment state, as kda_chunked_kernel's forward and states passes do with 64-column CTAs.
 template <int K, int V, Pass kPass>
-__global__ void __launch_bounds__(kHeadThreads, 1) kda_head_kernel(const ChunkedArgs a) {
+__device__ __forceinline__ void head_walk(const ChunkedArgs& a, int seq, int segment, bool a_columns) {
   // kForward: walks from the initial or segment state (the forward and the states pass); the
   // transition pass: CTA x = 0 walks the K columns of A_seg from I without values, x = 1 the V
   // columns of B_seg from 0 (grid (2, H, N (P - 1))).
@@ -360,9 +393,6 @@ __global__ void __launch_bounds__(kHeadThreads, 1) kda_head_kernel(const Chunked
   const int lane = threadIdx.x & 31, warp = warp_index();
   const int h = blockIdx.y;
   const int H = a.heads;
-  const int per_sequence = kForward ? a.segments : a.segments - 1;
-  const int seq = blockIdx.z / per_sequence, segment = blockIdx.z % per_sequence;
-  const bool a_columns = !kForward && blockIdx.x == 0;
   const bool with_values = !a_columns;
   int64_t row0, length;
   walk_rows(a, seq, segment, row0, length);
@@ -373,7 +403,7 @@ __global__ void __launch_bounds__(kHeadThreads, 1) kda_head_kernel(const Chunked
   const bool walker = warp < kHeadWalkWarps;
   const int v_col = warp * 16;
   const int64_t state_offset = (static_cast<int64_t>(seq) * H + h) * K * V;
-  const int64_t chunk_base = a.cu_seqlens ? 0 : segment * a.segment_length / kChunk;
+  const int64_t chunk_base = a.cu_seqlens ? 0 : segment_begin(a, segment) / kChunk;
   float state[K / 8][4];
   if (walker) {
     const float* start = a.initial_state;
@@ -410,95 +440,147 @@ __global__ void __launch_bounds__(kHeadThreads, 1) kda_head_kernel(const Chunked
   if (walker) walk_end_tile<K, kForward>(a, state, state_offset, seq, segment, h, V, v_col, a_columns, lane);
 }
 
-template <int K, int V, Pass kPass>
+// With the lead (kLead != kPass: the transition pass), segment 0's CTA x = 0 walks it forward
+// (kForward, or kStates in the backward's states pass) and x = 1 has nothing to do.
+template <int K, int V, Pass kPass, Pass kLead = kPass>
+__global__ void __launch_bounds__(kHeadThreads, 1) kda_head_kernel(const ChunkedArgs a) {
+  int seq, segment;
+  walk_segment<kPass != Pass::kTransition>(a, seq, segment);
+  if constexpr (kLead != kPass) {
+    if (segment == 0) {
+      if (blockIdx.x == 0) head_walk<K, V, kLead>(a, seq, 0, false);
+      return;
+    }
+  }
+  head_walk<K, V, kPass>(a, seq, segment, kPass == Pass::kTransition && blockIdx.x == 0);
+}
+
+template <int K, int V, Pass kPass, Pass kLead = kPass>
 cudaError_t launch_head(const ChunkedArgs& a, dim3 grid, cudaStream_t stream) {
   constexpr size_t shared = sizeof(HeadShared<K, V, false>);
-  const cudaError_t configured = cudaFuncSetAttribute(
-      kda_head_kernel<K, V, kPass>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared));
+  auto* kernel = kda_head_kernel<K, V, kPass, kLead>;
+  const cudaError_t configured =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared));
   if (configured != cudaSuccess) return configured;
-  kda_head_kernel<K, V, kPass><<<grid, kHeadThreads, shared, stream>>>(a);
+  kernel<<<grid, kHeadThreads, shared, stream>>>(a);
   return cudaGetLastError();
 }
 
 // ---------------------------------------------------------------------------------------------
 // Segment scan of context parallelism: S_start[0] = initial state (or 0), S_start[p + 1] =
-// A_p S_start[p] + B_p, in fp32 on CUDA cores. One CTA of K threads per (sequence, head, 4 value
-// columns): thread i owns row i of the 4 columns; the state's 4 columns are shared through
-// shared memory. A_p is stored transposed (A_p^T[j][i] at j * K + i); the next segment's A^T is
-// copied into shared memory (cp.async, double-buffered) while the current one is used, so the
-// serial chain over segments waits on L2 latency once, not once per load.
+// A_p S_start[p] + B_p, in fp32 on CUDA cores; with the lead, S_start[1] is already in
+// segment_states (segment 0's walk stored it) and the scan starts there (first = 1).
+// One CTA of kGroups * K threads per (sequence, head, kGroups * 4 value columns): thread (g, i)
+// owns row i of its group's 4 columns, whose S_start[p] is shared through shared memory. A_p is
+// stored transposed (A_p^T[j][i] at j * K + i); the next step's A^T is copied into shared memory
+// (cp.async, double-buffered) and its B's rows loaded into registers while the current step
+// runs. Every CTA reads each A_p whole (64 KB at K = 128) whatever its columns, so the CTAs of a
+// step move 32 / kGroups copies of it from L2 (kernels/README.md, "Context parallelism").
 constexpr int kScanColumns = 4;
 
-template <int K>
-constexpr size_t scan_shared_bytes() {
-  return (2 * K * K + K * kScanColumns) * sizeof(float);
+// next[c] += sum over j of A[i][j] S[j][c] (c = 0..3): a(j) = A[i][j], x(j) = S[j][c..c+3], both in
+// shared memory. Four partial sums over the quarters of j, each an fmaf chain, added pairwise at
+// the end: one chain of K fmaf waited on each load's latency (~30 cycles a j, 1.9 us a step at
+// K = 128, most of the scan's time); four chains give the loads four times the work to hide
+// behind.
+template <int K, typename LoadA, typename LoadX>
+__device__ __forceinline__ void scan_step_products(float4& next, LoadA&& a_of, LoadX&& x_of) {
+  constexpr int kParts = 4, kQuarter = K / kParts;
+  float4 part[kParts];
+#pragma unroll
+  for (int q = 0; q < kParts; ++q) part[q] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll 8
+  for (int u = 0; u < kQuarter; ++u) {
+#pragma unroll
+    for (int q = 0; q < kParts; ++q) {
+      const float a = a_of(q * kQuarter + u);
+      const float4 x = x_of(q * kQuarter + u);
+      part[q].x = fmaf(a, x.x, part[q].x);
+      part[q].y = fmaf(a, x.y, part[q].y);
+      part[q].z = fmaf(a, x.z, part[q].z);
+      part[q].w = fmaf(a, x.w, part[q].w);
+    }
+  }
+  next.x += (part[0].x + part[1].x) + (part[2].x + part[3].x);
+  next.y += (part[0].y + part[1].y) + (part[2].y + part[3].y);
+  next.z += (part[0].z + part[1].z) + (part[2].z + part[3].z);
+  next.w += (part[0].w + part[1].w) + (part[2].w + part[3].w);
 }
 
-template <int K>
-__global__ void __launch_bounds__(K) kda_segment_scan_kernel(const float* initial_state,
-                                                            const float* transition_a,
-                                                            const float* transition_b,
-                                                            float* segment_states, int heads,
-                                                            int value_dim, int segments) {
+template <int K, int kGroups>
+constexpr size_t scan_shared_bytes() {
+  return (2 * K * K + kGroups * K * kScanColumns) * sizeof(float);
+}
+
+template <int K, int kGroups>
+__global__ void __launch_bounds__(K * kGroups) kda_segment_scan_kernel(const float* initial_state,
+                                                                      const float* transition_a,
+                                                                      const float* transition_b,
+                                                                      float* segment_states, int heads,
+                                                                      int value_dim, int segments, int first) {
   extern __shared__ __align__(16) unsigned char scan_raw[];
   float* a_shared = reinterpret_cast<float*>(scan_raw);  // [2][K * K]: A_p^T, A_{p+1}^T
-  float* column = a_shared + 2 * K * K;                  // [K][4]: S_start[p], this CTA's columns
-  const int i = threadIdx.x, h = blockIdx.y, seq = blockIdx.z;
-  const int v0 = blockIdx.x * kScanColumns;
+  const int i = threadIdx.x % K, group = threadIdx.x / K, h = blockIdx.y, seq = blockIdx.z;
+  float* column = a_shared + 2 * K * K + group * K * kScanColumns;  // [K][4]: S_start[p], this group's columns
+  const int v0 = (blockIdx.x * kGroups + group) * kScanColumns;
   const int H = heads, V = value_dim, P = segments;
   const int64_t head = static_cast<int64_t>(seq) * H + h;
   auto pair = [&](int p) { return (static_cast<int64_t>(seq) * (P - 1) + p) * H + h; };
   auto fetch = [&](int p) {  // A_p^T into buffer p % 2, 16 bytes per copy, coalesced
     const float* from = transition_a + pair(p) * K * K;
     float* to = a_shared + (p & 1) * K * K;
-    for (int x = 4 * i; x < K * K; x += 4 * K) cp_async16(to + x, from + x);
+    for (int x = 4 * static_cast<int>(threadIdx.x); x < K * K; x += 4 * K * kGroups) cp_async16(to + x, from + x);
     cp_async_commit();
   };
+  auto load_b = [&](int p) { return *reinterpret_cast<const float4*>(&transition_b[pair(p) * K * V + i * V + v0]); };
 
   float4 s = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  if (initial_state) s = *reinterpret_cast<const float4*>(&initial_state[head * K * V + i * V + v0]);
-  if (P > 1) fetch(0);
-  for (int p = 0;; ++p) {
+  if (first > 0) {
+    s = *reinterpret_cast<const float4*>(&segment_states[((static_cast<int64_t>(seq) * P + first) * H + h) * K * V + i * V + v0]);
+  } else if (initial_state) {
+    s = *reinterpret_cast<const float4*>(&initial_state[head * K * V + i * V + v0]);
+  }
+  float4 b = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  if (first < P - 1) {
+    fetch(first);
+    b = load_b(first);
+  }
+  for (int p = first;; ++p) {
     const int64_t pair_state = ((static_cast<int64_t>(seq) * P + p) * H + h) * K * V;
     *reinterpret_cast<float4*>(&segment_states[pair_state + i * V + v0]) = s;
     if (p == P - 1) break;
-    float4 next = *reinterpret_cast<const float4*>(&transition_b[pair(p) * K * V + i * V + v0]);
+    float4 next = b;
     *reinterpret_cast<float4*>(&column[i * kScanColumns]) = s;
     if (p + 1 < P - 1) {
-      fetch(p + 1);  // its buffer was last read in step p - 1, before that step's final barrier
+      b = load_b(p + 1);  // used in the next step
+      fetch(p + 1);       // its buffer was last read in step p - 1, before that step's final barrier
       cp_async_wait<1>();
     } else {
       cp_async_wait<0>();
     }
     __syncthreads();  // A_p^T and the columns of S_start[p] are in shared memory
     const float* a_t = a_shared + (p & 1) * K * K;
-#pragma unroll 16
-    for (int j = 0; j < K; ++j) {
-      const float a = a_t[j * K + i];  // A_p[i][j]
-      const float4 x = *reinterpret_cast<const float4*>(&column[j * kScanColumns]);
-      next.x = fmaf(a, x.x, next.x);
-      next.y = fmaf(a, x.y, next.y);
-      next.z = fmaf(a, x.z, next.z);
-      next.w = fmaf(a, x.w, next.w);
-    }
+    scan_step_products<K>(
+        next, [&](int j) { return a_t[j * K + i]; },  // A_p[i][j]
+        [&](int j) { return *reinterpret_cast<const float4*>(&column[j * kScanColumns]); });
     s = next;
     __syncthreads();  // everyone is done with A_p^T's buffer and the columns
   }
 }
 
-template <int K>
+// kGroups: measured on an H200 at B=1 T=64K H=4, P=34 (kernels/README.md).
+template <int K, int kGroups = 1>
 cudaError_t launch_segment_scan(const ChunkedArgs& a, float* segment_states, int64_t batch,
                                 cudaStream_t stream) {
-  constexpr size_t shared = scan_shared_bytes<K>();
+  constexpr size_t shared = scan_shared_bytes<K, kGroups>();
+  auto* kernel = kda_segment_scan_kernel<K, kGroups>;
   const cudaError_t configured =
-      cudaFuncSetAttribute(kda_segment_scan_kernel<K>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           static_cast<int>(shared));
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared));
   if (configured != cudaSuccess) return configured;
-  const dim3 grid(static_cast<unsigned>(a.value_dim / kScanColumns), static_cast<unsigned>(a.heads),
+  const dim3 grid(static_cast<unsigned>(a.value_dim / (kGroups * kScanColumns)), static_cast<unsigned>(a.heads),
                   static_cast<unsigned>(batch));
-  kda_segment_scan_kernel<K><<<grid, K, shared, stream>>>(a.initial_state, a.transition_a,
-                                                          a.transition_b, segment_states, a.heads,
-                                                          a.value_dim, a.segments);
+  kernel<<<grid, K * kGroups, shared, stream>>>(a.initial_state, a.transition_a, a.transition_b, segment_states,
+                                                a.heads, a.value_dim, a.segments, a.lead ? 1 : 0);
   return cudaGetLastError();
 }
 
@@ -592,16 +674,27 @@ constexpr int64_t kContextParallelMinSegments = 4;   // automatic: fewer do not 
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// Whole-head context parallelism: a transition CTA's time per chunk against a forward CTA's, both
+// with the GPU full (no Q^, Aqk or outputs; A_seg's CTA no values), measured on an H200 at B=1
+// T=64K H=4 (kernels/README.md, "Context parallelism"): sizes the lead.
+constexpr double kTransitionCost = 0.72;
+
 struct SegmentPlan {
-  int64_t segment_length;  // tokens per segment (the last may be shorter)
-  int64_t segments;        // P; 1 = the serial walk
+  int64_t segment_length;        // tokens per segment after the first (the last may be shorter)
+  int64_t segments;              // P; 1 = the serial walk
+  int64_t first_segment_length;  // segment 0's tokens
+  bool lead;                     // segment 0 is walked forward in the transition pass (kda.h)
 };
 
+// whole_heads: the walks take one CTA per (sequence, head) (kda_head_kernel), so the automatic
+// plan is theirs: P - 1 = SMs / chains segments after the lead fill one wave of the forward pass,
+// and the lead is as long as the transition pass's waves of segment walks take (kTransitionCost).
 SegmentPlan plan_segments(bool packed, int64_t batch, int64_t length, int64_t heads,
-                          int64_t key_dim, int64_t value_dim, int64_t requested) {
-  const SegmentPlan serial{length, 1};
+                          int64_t key_dim, int64_t value_dim, int64_t requested,
+                          int64_t requested_lead, bool whole_heads) {
+  const SegmentPlan serial{length, 1, length, false};
   if (packed || requested < 0 || length == 0 || batch < 1 || heads < 1) return serial;
-  int64_t segment = requested;
+  int64_t segment = requested, lead = requested_lead > 0 ? requested_lead : 0;
   if (requested == 0) {
     if (length < kContextParallelMinLength) return serial;
     int device = 0, sms = 0;
@@ -610,19 +703,46 @@ SegmentPlan plan_segments(bool packed, int64_t batch, int64_t length, int64_t he
       (void)cudaGetLastError();
       return serial;
     }
-    // Chains walked serially, one CTA each; about 8 walking warps per SM (2 CTAs of 4 warps, as
-    // measured with 64 columns; 4 of 2 warps with 32) is what fills the GPU.
-    const int64_t tile = walk_tile(key_dim, value_dim);
-    const int64_t chains = batch * heads * (value_dim / tile);
-    const int64_t wanted = 2 * (64 / tile) * static_cast<int64_t>(sms) / chains;
-    if (wanted < kContextParallelMinSegments) return serial;
-    const int64_t group = Walk<64>::kWarps * kChunk;  // whole groups of chunks for either CTA
-    segment = ceil_div(ceil_div(length, wanted), group) * group;
-    if (segment < kContextParallelMinSegment) segment = kContextParallelMinSegment;
+    if (whole_heads && requested_lead == 0) {
+      const int64_t chains = batch * heads;
+      const int64_t after_lead = sms / chains;  // segments 1..P-1: one forward CTA each per head
+      if (after_lead + 1 < kContextParallelMinSegments) return serial;
+      // The transition pass: two CTAs per (segment 1..P-2, head) and the lead's.
+      const int64_t waves = ceil_div((2 * after_lead - 1) * chains, sms);
+      const double ratio = static_cast<double>(waves) * kTransitionCost;  // the lead against a segment
+      const double chunks = static_cast<double>(ceil_div(length, kChunk));
+      segment = static_cast<int64_t>(std::ceil(chunks / (static_cast<double>(after_lead) + ratio))) * kChunk;
+      if (segment < kContextParallelMinSegment) segment = kContextParallelMinSegment;
+      lead = static_cast<int64_t>(std::lround(ratio * static_cast<double>(segment / kChunk))) * kChunk;
+    } else {
+      // Chains walked serially, one CTA each; about 8 walking warps per SM (2 CTAs of 4 warps, as
+      // measured with 64 columns; 4 of 2 warps with 32) is what fills the GPU.
+      const int64_t tile = walk_tile(key_dim, value_dim);
+      const int64_t chains = batch * heads * (value_dim / tile);
+      const int64_t wanted = 2 * (64 / tile) * static_cast<int64_t>(sms) / chains;
+      if (wanted < kContextParallelMinSegments) return serial;
+      const int64_t group = Walk<64>::kWarps * kChunk;  // whole groups of chunks for either CTA
+      segment = ceil_div(ceil_div(length, wanted), group) * group;
+      if (segment < kContextParallelMinSegment) segment = kContextParallelMinSegment;
+    }
   }
-  const int64_t segments = ceil_div(length, segment);
-  if (segments <= 1 || batch * segments > 65535) return serial;
-  return {segment, segments};
+  const int64_t first = lead > 0 ? lead : segment;
+  if (first >= length) return serial;
+  const int64_t segments = 1 + ceil_div(length - first, segment);
+  if (batch * segments > 65535) return serial;
+  return {segment, segments, first, lead > 0};
+}
+
+// Whether run_chunked walks whole heads (kda_head_kernel) for these inputs.
+bool walks_whole_heads(KdaDtype dtype, int64_t key_dim, int64_t value_dim, const KdaChunkedOptions& options) {
+  return dtype == KdaDtype::kBFloat16 && key_dim == 128 && value_dim == 128 && options.head_walk &&
+         head_walk_fits<128, 128>();
+}
+
+SegmentPlan plan_segments(KdaDtype dtype, bool packed, int64_t batch, int64_t length, int64_t heads,
+                          int64_t key_dim, int64_t value_dim, const KdaChunkedOptions& options) {
+  return plan_segments(packed, batch, length, heads, key_dim, value_dim, options.segment_length,
+                       options.lead_length, walks_whole_heads(dtype, key_dim, value_dim, options));
 }
 
 // The workspace of the context-parallel path: segment states [N, P, H, K, V], then A_seg^T
@@ -667,26 +787,35 @@ cudaError_t run_chunked(ChunkedArgs a, const SegmentPlan& plan, unsigned char* w
   const unsigned p = static_cast<unsigned>(plan.segments);
   float* states = reinterpret_cast<float*>(workspace + layout.states);
   a.segment_length = plan.segment_length;
+  a.first_segment_length = plan.first_segment_length;
   a.segments = static_cast<int>(plan.segments);
+  a.lead = plan.lead;
+  a.lead_states = plan.lead ? states : nullptr;
   a.transition_a = reinterpret_cast<float*>(workspace + layout.transition_a);
   a.transition_b = reinterpret_cast<float*>(workspace + layout.transition_b);
-  cudaError_t error = cudaSuccess;
-  bool transitions_done = false;
-  if constexpr (std::is_same_v<T, bf16> && K == 128 && kTile == 64) {
-    // Whole heads: one CTA for A_seg, one for B_seg (where the device gives them their shared memory).
-    if (a.head_walk && value_dim == 128 && head_walk_fits<K, 128>()) {
-      error = launch_head<K, 128, Pass::kTransition>(a, dim3(2, h, n * (p - 1)), stream);
-      transitions_done = true;
+  // The transition pass (segments 0..P-2; with the lead, segment 0 walked forward instead).
+  auto transitions = [&](auto lead) -> cudaError_t {
+    constexpr Pass kLead = decltype(lead)::value;
+    if constexpr (std::is_same_v<T, bf16> && K == 128 && kTile == 64) {
+      // Whole heads: one CTA for A_seg, one for B_seg (where the device gives them their shared memory).
+      if (a.head_walk && value_dim == 128 && head_walk_fits<K, 128>()) {
+        return launch_head<K, 128, Pass::kTransition, kLead>(a, dim3(2, h, n * (p - 1)), stream);
+      }
     }
-  }
-  if (!transitions_done) {
-    error = launch_chunked<T, K, kTile, Pass::kTransition>(a, dim3(K / kTile + v_tiles, h, n * (p - 1)), stream);
-  }
+    return launch_chunked<T, K, kTile, Pass::kTransition, kLead>(a, dim3(K / kTile + v_tiles, h, n * (p - 1)),
+                                                                 stream);
+  };
+  using Lead = std::integral_constant<Pass, Pass::kForward>;
+  using LeadStates = std::integral_constant<Pass, Pass::kStates>;
+  using NoLead = std::integral_constant<Pass, Pass::kTransition>;
+  cudaError_t error = !plan.lead ? transitions(NoLead{}) : keep_states ? transitions(LeadStates{}) : transitions(Lead{});
   if (error != cudaSuccess) return error;
-  error = launch_segment_scan<K>(a, states, batch, stream);
-  if (error != cudaSuccess) return error;
+  if (!plan.lead || p > 2) {  // with the lead and P = 2, segment 1's start is the lead's end state
+    error = launch_segment_scan<K>(a, states, batch, stream);
+    if (error != cudaSuccess) return error;
+  }
   a.segment_states = states;
-  return walk(n * p);
+  return walk(n * (plan.lead ? p - 1 : p));
 }
 
 bool chunked_sizes_supported(int64_t batch, int64_t length, int64_t heads, int64_t key_dim,
@@ -697,15 +826,15 @@ bool chunked_sizes_supported(int64_t batch, int64_t length, int64_t heads, int64
 
 }  // namespace
 
-size_t kda_chunked_forward_workspace_bytes(bool packed, int64_t batch, int64_t length,
+size_t kda_chunked_forward_workspace_bytes(KdaDtype dtype, bool packed, int64_t batch, int64_t length,
                                            int64_t heads, int64_t key_dim, int64_t value_dim,
                                            const KdaChunkedOptions& options) {
   if (!chunked_sizes_supported(batch, length, heads, key_dim, value_dim) ||
-      (options.segment_length > 0 && options.segment_length % kChunk != 0)) {
+      (options.segment_length > 0 && options.segment_length % kChunk != 0) ||
+      (options.lead_length > 0 && options.lead_length % kChunk != 0)) {
     return 0;
   }
-  const SegmentPlan plan =
-      plan_segments(packed, batch, length, heads, key_dim, value_dim, options.segment_length);
+  const SegmentPlan plan = plan_segments(dtype, packed, batch, length, heads, key_dim, value_dim, options);
   return WorkspaceLayout(plan, batch, heads, key_dim, value_dim).bytes;
 }
 
@@ -726,7 +855,8 @@ cudaError_t kda_chunked_forward(KdaDtype dtype, const void* q, const void* k, co
                                 int64_t value_dim, float scale, const KdaChunkedOptions& options,
                                 cudaStream_t stream) {
   if (!chunked_sizes_supported(batch, length, heads, key_dim, value_dim) ||
-      (options.segment_length > 0 && options.segment_length % kChunk != 0)) {
+      (options.segment_length > 0 && options.segment_length % kChunk != 0) ||
+      (options.lead_length > 0 && options.lead_length % kChunk != 0)) {
     return cudaErrorInvalidValue;
   }
   if (batch == 0) return cudaSuccess;
@@ -744,8 +874,8 @@ cudaError_t kda_chunked_forward(KdaDtype dtype, const void* q, const void* k, co
       (options.chunk_states != nullptr && cu_seqlens != nullptr)) {
     return cudaErrorInvalidValue;
   }
-  const SegmentPlan plan = plan_segments(cu_seqlens != nullptr, batch, length, heads, key_dim,
-                                         value_dim, options.segment_length);
+  const SegmentPlan plan =
+      plan_segments(dtype, cu_seqlens != nullptr, batch, length, heads, key_dim, value_dim, options);
   const WorkspaceLayout layout(plan, batch, heads, key_dim, value_dim);
   unsigned char* workspace = static_cast<unsigned char*>(options.workspace);
   bool allocated = false;
@@ -763,7 +893,8 @@ cudaError_t kda_chunked_forward(KdaDtype dtype, const void* q, const void* k, co
   a.q = q, a.k = k, a.v = v, a.beta = beta, a.g = g, a.initial_state = initial_state;
   a.o = o, a.final_state = final_state, a.cu_seqlens = cu_seqlens, a.length = length;
   a.heads = static_cast<int>(heads), a.value_dim = static_cast<int>(value_dim), a.scale = scale;
-  a.segment_length = length, a.segments = 1;
+  a.segment_length = length, a.first_segment_length = length, a.segments = 1;
+  a.lead = false, a.lead_states = nullptr;
   a.prefetch = options.prefetch;
   a.head_walk = options.head_walk;
   a.chunk_states = options.chunk_states;

@@ -58,12 +58,24 @@ enum class KdaDtype : int32_t { kBFloat16 = 0, kFloat32 = 1 };
 //      final_state).
 // About 2-3 forward passes of work, all of it parallel. The numerics are those of the serial
 // walk (bf16 matmul operands, fp32 accumulation; the scan is fp32), not bitwise equal to it.
+// The lead: segment 0 starts from the known initial state, so it needs no transition. With a
+// lead, pass 1 walks segment 0 forward (outputs, and its end state as segment 1's start) in the
+// same launch as the other segments' transitions, the scan starts at segment 1 and pass 3 walks
+// segments 1..P-1. Pass 1 takes two waves of CTAs where pass 3 takes one, so the lead can be
+// about twice as long as the other segments for free: every segment is shorter.
 struct KdaChunkedOptions {
   // 0: automatic (context parallel when the serial walk's CTAs, batch * heads * V/64 of 4 warps
   // or batch * heads * V/32 of 2 warps, leave the SMs mostly idle and the sequence is long);
   // < 0: never; > 0: segments of this many tokens (a multiple of 16; context parallel whenever
   // that makes more than one segment; ignored with cu_seqlens).
   int64_t segment_length = 0;
+  // Tokens of the lead (segment 0 walked forward during pass 1, above): 0 automatic (with
+  // whole-head walks, `head_walk` below, and an automatic segment_length: as long as pass 1's
+  // waves take, and P - 1 = SMs / (batch * heads) segments after it); < 0 none (segment 0 is an
+  // ordinary segment); > 0 this many tokens (a multiple of 16; the other segments then have
+  // segment_length tokens, or the automatic length). A lead of the whole sequence is the
+  // serial walk.
+  int64_t lead_length = 0;
   // Scratch for the context-parallel path, kda_chunked_forward_workspace_bytes() bytes, 16-byte
   // aligned, used only within the call's stream order. nullptr: taken from the stream-ordered
   // allocator (cudaMallocAsync / cudaFreeAsync) when the path is taken.
@@ -90,7 +102,7 @@ struct KdaChunkedOptions {
 
 // Bytes of workspace kda_chunked_forward needs with these options on the current device (0 when
 // it will walk serially). `packed`: cu_seqlens is given.
-size_t kda_chunked_forward_workspace_bytes(bool packed, int64_t batch, int64_t length,
+size_t kda_chunked_forward_workspace_bytes(KdaDtype dtype, bool packed, int64_t batch, int64_t length,
                                            int64_t heads, int64_t key_dim, int64_t value_dim,
                                            const KdaChunkedOptions& options);
 

@@ -1128,7 +1128,7 @@ cudaError_t kda_chunked_backward(KdaDtype dtype, const void* q, const void* k, c
     sa.forward.q = q, sa.forward.k = k, sa.forward.v = v, sa.forward.beta = beta;
     sa.forward.g = g, sa.forward.length = length, sa.forward.heads = static_cast<int>(heads);
     sa.forward.value_dim = static_cast<int>(value_dim), sa.forward.scale = scale;
-    sa.forward.segment_length = length, sa.forward.segments = 1;
+    sa.forward.segment_length = length, sa.forward.first_segment_length = length, sa.forward.segments = 1;
     sa.d_o = d_o, sa.d_final_state = d_final_state, sa.d_initial_state = d_initial_state;
     sa.chunk_d_states = d_states;
     ChunkGradientArgs ca{};

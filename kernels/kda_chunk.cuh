@@ -364,6 +364,14 @@ struct ChunkedArgs {
   // serial walk (and always with cu_seqlens). CTAs along grid z are (sequence, segment) pairs.
   int64_t segment_length;
   int segments;
+  // Segment 0's tokens (== segment_length unless it is the lead, which may be longer).
+  int64_t first_segment_length;
+  // The lead (P > 1): the transition pass walks segment 0 forward from the initial state (outputs,
+  // or chunk states in the states pass) alongside the other segments' transitions, and stores its
+  // end state as segment 1's start in lead_states [N, P, H, K, V]; the scan starts there and the
+  // forward pass walks segments 1..P-1 only. Segment 0's transition pair is then unused.
+  bool lead;
+  float* lead_states;
   const float* segment_states;  // forward pass: [N, P, H, K, V] state entering each segment
   float* transition_a;          // transition pass: [N, P - 1, H, K, K], A_seg transposed
   float* transition_b;          // transition pass: [N, P - 1, H, K, V], B_seg

@@ -145,7 +145,7 @@ KdaChunkedOutput kda_chunked(const at::Tensor& q, const at::Tensor& k, const at:
                              const at::Tensor& g, const at::Tensor& beta,
                              const at::Tensor& initial_state, double scale,
                              const at::Tensor& cu_seqlens, int64_t segment_length,
-                             bool prefetch, bool head_walk) {
+                             bool prefetch, bool head_walk, int64_t lead_length) {
   constexpr const char* where = "kernels::kda_chunked";
   const auto [batch, length, heads, key, value] =
       check_kda_sequence(where, q, k, v, g, beta, /*d_o=*/at::Tensor());
@@ -183,13 +183,16 @@ KdaChunkedOutput kda_chunked(const at::Tensor& q, const at::Tensor& k, const at:
   at::Tensor final_state = at::empty(state_shape, q.options().dtype(at::kFloat));
   TORCH_CHECK(segment_length <= 0 || segment_length % 16 == 0, where,
               ": segment_length must be a multiple of 16 (the chunk), got ", segment_length);
+  TORCH_CHECK(lead_length <= 0 || lead_length % 16 == 0, where,
+              ": lead_length must be a multiple of 16 (the chunk), got ", lead_length);
   KdaChunkedOptions options;
   options.segment_length = segment_length;
+  options.lead_length = lead_length;
   options.prefetch = prefetch;
   options.head_walk = head_walk;
   // The context-parallel path's scratch (none for the serial walk), from the caching allocator.
   const size_t workspace_bytes = kda_chunked_forward_workspace_bytes(
-      offsets.defined(), sequences, length, heads, key, value, options);
+      kernel_dtype(q.scalar_type()), offsets.defined(), sequences, length, heads, key, value, options);
   at::Tensor workspace;
   if (workspace_bytes > 0) {
     workspace = at::empty({static_cast<int64_t>(workspace_bytes)}, q.options().dtype(at::kByte));

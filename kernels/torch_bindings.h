@@ -30,13 +30,14 @@ bool kda_chunked_supported(const at::Tensor& q, const at::Tensor& k, const at::T
 // segment_length: context parallelism inside the GPU (KdaChunkedOptions in kernels/kda.h):
 // 0 automatic, < 0 never, > 0 segments of this many tokens (a multiple of 16). Its workspace
 // comes from the caching allocator. prefetch, head_walk: KdaChunkedOptions::prefetch and
-// ::head_walk (same results, bit for bit).
+// ::head_walk (same results, bit for bit, under the same segments). lead_length:
+// KdaChunkedOptions::lead_length (0 automatic, < 0 none, > 0 tokens, a multiple of 16).
 KdaChunkedOutput kda_chunked(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              const at::Tensor& g, const at::Tensor& beta,
                              const at::Tensor& initial_state, double scale,
                              const at::Tensor& cu_seqlens = at::Tensor(),
                              int64_t segment_length = 0, bool prefetch = true,
-                             bool head_walk = true);
+                             bool head_walk = true, int64_t lead_length = 0);
 
 // The gradients of kda_chunked (no cu_seqlens, no context-parallel options) with respect to its
 // inputs, from the gradients of its outputs: d_o [B, T, H, V] (any float dtype; converted to q's),

@@ -273,7 +273,10 @@ TEST_F(KdaKernel, PackedVariableLengthsEqualSeparateCalls) {
 // T = 4096 + 37: with 256-token segments P = 17 and the last segment holds 37 tokens (a partly
 // filled last chunk); 400-token segments (25 chunks) end in a partly filled group of 4 chunks;
 // 4128-token segments leave a last segment of 5 tokens (one partial chunk); 0 is the automatic
-// choice (context parallel on an H200 for 8 chains of 4133 tokens at K = V = 128, 4 at 32). Each
+// choice (context parallel on an H200 for 8 chains of 4133 tokens at K = V = 128, 4 at 32; with
+// whole heads, 4 chains, its lead of segment 0 walked forward during the transition pass). The
+// explicit leads: 512 tokens before 256-token segments; 4000 tokens, which leaves one segment (P = 2,
+// no scan); a lead of the whole sequence (the serial walk); none with the automatic segments. Each
 // result is compared with the serial walk (segment_length = -1) and the fp64 chunked reference.
 // Both at K = V = 128 and at the tiny model's 32 (CTAs of 2 warps, groups of 2 chunks).
 TEST_F(KdaKernel, ContextParallelMatchesSerialAndFp64) {
@@ -292,11 +295,14 @@ TEST_F(KdaKernel, ContextParallelMatchesSerialAndFp64) {
       const std::string prefix = "K" + std::to_string(shape.key) + " V" +
                                  std::to_string(shape.value) + " " + gc.name;
       expect_close((prefix + ", serial vs fp64").c_str(), serial, expected, kBf16Tolerance);
-      for (int64_t segment : {256, 400, 4128, 0}) {
-        const KdaChunkedOutput parallel = kda_chunked(in.q, in.k, in.v, in.g, in.beta, in.state,
-                                                      in.scale, at::Tensor(), segment);
+      const std::pair<int64_t, int64_t> plans[] = {{256, 0},   {400, 0}, {4128, 0}, {0, 0},
+                                                   {256, 512}, {400, 4000}, {256, 4144}, {0, -1}};
+      for (const auto& [segment, lead] : plans) {
+        const KdaChunkedOutput parallel = kda_chunked(in.q, in.k, in.v, in.g, in.beta, in.state, in.scale,
+                                                      at::Tensor(), segment, true, true, lead);
         const std::string name = prefix + ", segments of " +
-                                 (segment ? std::to_string(segment) : std::string("auto"));
+                                 (segment ? std::to_string(segment) : std::string("auto")) + ", lead " +
+                                 (lead ? std::to_string(lead) : std::string("auto"));
         expect_close((name + " vs fp64").c_str(), parallel, expected, kBf16Tolerance);
         expect_close((name + " vs serial").c_str(), parallel, {serial.o, serial.final_state},
                      kBf16Tolerance);
@@ -310,7 +316,7 @@ TEST_F(KdaKernel, ContextParallelCoversEveryShapeAndDtype) {
     int64_t batch, length, heads, key, value;
     at::ScalarType dtype;
     bool with_state;
-    int64_t segment;
+    int64_t segment, lead = 0;
   };
   // The last case is the automatic choice at the tiny model's widths (2-warp CTAs; on an H200,
   // 2 chains of 4133 tokens: context parallel).
@@ -320,16 +326,21 @@ TEST_F(KdaKernel, ContextParallelCoversEveryShapeAndDtype) {
       {1, 1000, 2, 32, 32, at::kBFloat16, true, 160},  {2, 700, 1, 32, 128, at::kFloat, true, 64},
       {1, 555, 3, 128, 32, at::kBFloat16, false, 96},  {1, 300, 2, 32, 64, at::kBFloat16, true, 16},
       {1, 4133, 2, 32, 32, at::kBFloat16, true, 0},
+      // Leads on the 64-column CTAs (fp32, K or V of 32 or 64): segment 0 walked forward in the
+      // transition pass by one CTA per value tile.
+      {1, 1000, 2, 64, 64, at::kFloat, true, 160, 400},   {2, 700, 1, 32, 128, at::kFloat, true, 64, 96},
+      {1, 555, 3, 128, 32, at::kBFloat16, false, 96, 160}, {1, 300, 2, 128, 128, at::kFloat, false, 16, 32},
   };
   for (const Case& c : cases) {
     const Inputs in = make_inputs(c.batch, c.length, c.heads, c.key, c.value, c.dtype,
                                   Gates::kRandom, c.with_state, /*seed=*/81 + c.length);
     const std::string name = shape_name(c.batch, c.length, c.heads, c.key, c.value, c.dtype) +
                              (c.with_state ? " +state" : "") + " segments of " +
-                             (c.segment ? std::to_string(c.segment) : std::string("auto"));
+                             (c.segment ? std::to_string(c.segment) : std::string("auto")) + " lead " +
+                             std::to_string(c.lead);
     expect_close(name.c_str(),
                  kda_chunked(in.q, in.k, in.v, in.g, in.beta, in.state, in.scale, at::Tensor(),
-                             c.segment),
+                             c.segment, true, true, c.lead),
                  reference(in, /*token_by_token=*/false), kBf16Tolerance);
   }
 }
@@ -344,7 +355,7 @@ TEST_F(KdaKernel, ContextParallelLauncherUpdatesTheStateInPlace) {
   at::Tensor o = at::empty_like(in.v);
   KdaChunkedOptions options;
   options.segment_length = 128;
-  ASSERT_GT(kda_chunked_forward_workspace_bytes(false, 1, 1000, 2, 128, 128, options), 0u);
+  ASSERT_GT(kda_chunked_forward_workspace_bytes(KdaDtype::kBFloat16, false, 1, 1000, 2, 128, 128, options), 0u);
   const cudaError_t error = kda_chunked_forward(
       KdaDtype::kBFloat16, in.q.data_ptr(), in.k.data_ptr(), in.v.data_ptr(),
       in.g.data_ptr<float>(), in.beta.data_ptr(), state.data_ptr<float>(), o.data_ptr(),
@@ -353,14 +364,24 @@ TEST_F(KdaKernel, ContextParallelLauncherUpdatesTheStateInPlace) {
   ASSERT_EQ(error, cudaSuccess) << cudaGetErrorString(error);
   EXPECT_EQ(max_error(state, expected.final_state), 0.0);
   EXPECT_EQ(max_error(o, expected.o), 0.0);
-  // A segment length that is not a multiple of the chunk is refused before any launch.
-  options.segment_length = 100;
-  EXPECT_EQ(kda_chunked_forward(KdaDtype::kBFloat16, in.q.data_ptr(), in.k.data_ptr(),
-                                in.v.data_ptr(), in.g.data_ptr<float>(), in.beta.data_ptr(),
-                                state.data_ptr<float>(), o.data_ptr(), state.data_ptr<float>(),
-                                nullptr, 1, 1000, 2, 128, 128, static_cast<float>(in.scale),
-                                options, nullptr),
-            cudaErrorInvalidValue);
+  // A segment or lead length that is not a multiple of the chunk is refused before any launch.
+  for (const auto& [segment, lead] : {std::pair<int64_t, int64_t>{100, 0}, {128, 100}}) {
+    options.segment_length = segment;
+    options.lead_length = lead;
+    EXPECT_EQ(kda_chunked_forward(KdaDtype::kBFloat16, in.q.data_ptr(), in.k.data_ptr(),
+                                  in.v.data_ptr(), in.g.data_ptr<float>(), in.beta.data_ptr(),
+                                  state.data_ptr<float>(), o.data_ptr(), state.data_ptr<float>(),
+                                  nullptr, 1, 1000, 2, 128, 128, static_cast<float>(in.scale),
+                                  options, nullptr),
+              cudaErrorInvalidValue)
+        << "segment " << segment << " lead " << lead;
+  }
+  try {
+    kda_chunked(in.q, in.k, in.v, in.g, in.beta, in.state, in.scale, at::Tensor(), 128, true, true, 100);
+    ADD_FAILURE() << "a lead of 100 tokens was accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("lead_length must be a multiple of 16"), std::string::npos) << e.what();
+  }
 }
 
 TEST_F(KdaKernel, L2PrefetchChangesNothing) {
@@ -393,12 +414,15 @@ TEST_F(KdaKernel, HeadWalkEqualsTheColumnTilesBitForBit) {
   // state; and the backward's state recompute (through the gradients).
   for (int64_t length : {1, 77, 1000}) {
     const Inputs in = make_inputs(2, length, 3, 128, 128, at::kBFloat16, Gates::kRandom, true, 96);
-    for (int64_t segment : {-1, 192}) {
+    // Context parallel also with a lead (segment 0 walked forward during the transition pass, by
+    // the whole-head kernel's x = 0 CTA or by the two 64-column CTAs).
+    for (const auto& [segment, lead] : {std::pair<int64_t, int64_t>{-1, 0}, {192, -1}, {192, 320}}) {
       const KdaChunkedOutput head = kda_chunked(in.q, in.k, in.v, in.g, in.beta, in.state, in.scale,
-                                                at::Tensor(), segment, true, /*head_walk=*/true);
+                                                at::Tensor(), segment, true, /*head_walk=*/true, lead);
       const KdaChunkedOutput tiles = kda_chunked(in.q, in.k, in.v, in.g, in.beta, in.state, in.scale,
-                                                 at::Tensor(), segment, true, /*head_walk=*/false);
-      const std::string name = "T " + std::to_string(length) + " segment_length " + std::to_string(segment);
+                                                 at::Tensor(), segment, true, /*head_walk=*/false, lead);
+      const std::string name = "T " + std::to_string(length) + " segment_length " + std::to_string(segment) +
+                               " lead " + std::to_string(lead);
       EXPECT_EQ(max_error(head.o, tiles.o), 0.0) << name;
       EXPECT_EQ(max_error(head.final_state, tiles.final_state), 0.0) << name;
     }
@@ -625,6 +649,18 @@ TEST_F(KdaKernel, BackwardOfALongSequenceMatches) {
   }
 }
 
+TEST_F(KdaKernel, BackwardThroughTheContextParallelStatePassMatches) {
+  // One sequence of 4133 tokens with 2 heads: the backward's state recompute (pass 1) is context
+  // parallel on an H200 (with whole heads, its lead of segment 0 stores chunk states during the
+  // transition pass). g = 0 carries the state across every segment.
+  for (const Gates gates : {Gates::kRandom, Gates::kOne}) {
+    const Inputs in = make_inputs(1, 4133, 2, 128, 128, at::kBFloat16, gates, true, 15);
+    const auto [d_o, d_final] = output_gradients(in, /*with_final=*/true, 16);
+    expect_gradients(shape_name(1, 4133, 2, 128, 128, at::kBFloat16) + (gates == Gates::kOne ? " g = 0" : ""),
+                     kernel_gradients(in, d_o, d_final), reference_gradients(in, d_o, d_final));
+  }
+}
+
 TEST_F(KdaKernel, BackwardOfAnEmptySequencePassesTheStateGradientThrough) {
   const Inputs in = make_inputs(2, 0, 2, 64, 64, at::kBFloat16, Gates::kRandom, true, 1);
   const auto [d_o, d_final] = output_gradients(in, /*with_final=*/true, 2);
@@ -657,7 +693,7 @@ TEST_F(KdaKernel, LaunchersAndBindingsRejectUnsupportedSizes) {
                                   /*heads=*/1, key, value, 1.0f, nullptr),
               cudaErrorInvalidValue)
         << name;
-    EXPECT_EQ(kda_chunked_forward_workspace_bytes(false, 1, 8192, 1, key, value, {}), 0u) << name;
+    EXPECT_EQ(kda_chunked_forward_workspace_bytes(KdaDtype::kBFloat16, false, 1, 8192, 1, key, value, {}), 0u) << name;
     EXPECT_EQ(kda_chunked_backward(KdaDtype::kBFloat16, nullptr, nullptr, nullptr, nullptr, nullptr,
                                    nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
                                    nullptr, nullptr, /*batch=*/1, /*length=*/16, /*heads=*/1, key,
