@@ -149,8 +149,9 @@ double bench_backward(const KernelsBenchOptions& o, int64_t batch, int64_t lengt
   const KdaInputs in = make_inputs(batch, length, heads, key, value);
   const auto f32 = in.q.options().dtype(at::kFloat);
   const at::Tensor d_o = at::randn(in.v.sizes(), f32).to(at::kBFloat16);
-  at::Tensor dq = at::empty(in.q.sizes(), f32), dk = at::empty(in.q.sizes(), f32);
-  at::Tensor dg = at::empty(in.q.sizes(), f32), dv = at::empty(in.v.sizes(), f32);
+  // dq, dk, dv in the inputs' bf16 (kernels/kda.h), dg and dbeta in fp32.
+  at::Tensor dq = at::empty_like(in.q), dk = at::empty_like(in.q);
+  at::Tensor dg = at::empty(in.q.sizes(), f32), dv = at::empty_like(in.v);
   at::Tensor dbeta = at::empty(in.beta.sizes(), f32);
   at::Tensor d_state = at::empty({batch, heads, key, value}, f32);
   const size_t workspace_bytes =
@@ -164,7 +165,7 @@ double bench_backward(const KernelsBenchOptions& o, int64_t batch, int64_t lengt
         const cudaError_t e = kernels::kda_chunked_backward(
             kernels::KdaDtype::kBFloat16, in.q.data_ptr(), in.k.data_ptr(), in.v.data_ptr(),
             in.g.data_ptr<float>(), in.beta.data_ptr(), nullptr, d_o.data_ptr(), nullptr,
-            dq.data_ptr<float>(), dk.data_ptr<float>(), dv.data_ptr<float>(),
+            dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
             dg.data_ptr<float>(), dbeta.data_ptr<float>(), d_state.data_ptr<float>(), batch,
             length, heads, key, value, static_cast<float>(in.scale), workspace.data_ptr(),
             workspace_bytes, stream);

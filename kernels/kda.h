@@ -129,8 +129,9 @@ cudaError_t kda_chunked_forward(KdaDtype dtype, const void* q, const void* k, co
 //   q, k, v, g, beta, initial_state, scale: exactly as given to kda_chunked_forward
 //   d_o            T   [B, L, H, V]   gradient of o
 //   d_final_state  f32 [B, H, K, V]   gradient of final_state, or nullptr (zeros)
-//   dq, dk, dg     f32 [B, L, H, K]   written (every position); dg is per key channel
-//   dv             f32 [B, L, H, V]   written
+//   dq, dk         T   [B, L, H, K]   written (every position), in q's dtype (rounded once)
+//   dg             f32 [B, L, H, K]   written; dg is per key channel
+//   dv             T   [B, L, H, V]   written
 //   dbeta          f32 [B, L, H]      written
 //   d_initial_state f32 [B, H, K, V]  written, or nullptr (not wanted); written also when
 //                                     initial_state is nullptr (the gradient of a zero state)
@@ -146,8 +147,8 @@ size_t kda_chunked_backward_workspace_bytes(int64_t batch, int64_t length, int64
 
 cudaError_t kda_chunked_backward(KdaDtype dtype, const void* q, const void* k, const void* v,
                                  const float* g, const void* beta, const float* initial_state,
-                                 const void* d_o, const float* d_final_state, float* dq,
-                                 float* dk, float* dv, float* dg, float* dbeta,
+                                 const void* d_o, const float* d_final_state, void* dq,
+                                 void* dk, void* dv, float* dg, float* dbeta,
                                  float* d_initial_state, int64_t batch, int64_t length,
                                  int64_t heads, int64_t key_dim, int64_t value_dim, float scale,
                                  void* workspace, size_t workspace_bytes, cudaStream_t stream);

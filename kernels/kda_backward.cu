@@ -284,7 +284,8 @@ struct ChunkGradientArgs {
   const float* g;
   const bf16* chunk_states;    // [N, H, chunks, V, K] S entering each chunk
   const bf16* chunk_d_states;  // [N, H, chunks, V, K] dS' leaving each chunk
-  float *dq, *dk, *dv, *dg, *dbeta;
+  void *dq, *dk, *dv;          // T, as q, k, v
+  float *dg, *dbeta;
   int64_t length;
   int64_t items;  // chunks x heads x sequences
   int heads;
@@ -850,7 +851,7 @@ __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>()
         mma_small_a_tile16<true>([&](int i, int r) { return sh.m[r][i]; }, &sh.live.dvn_s.hi[0][0],
                                  &sh.live.dvn_s.lo[0][0], kRowV, (task - kKb - kDw) * 16, lane,
                                  [&](int i, int c, float y) {
-                                   if (i < valid) a.dv[token(i) * V + c] = sh.beta[i] * y;
+                                   if (i < valid) static_cast<T*>(a.dv)[token(i) * V + c] = from_float<T>(sh.beta[i] * y);
                                  });
       }
     }
@@ -949,11 +950,10 @@ __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>()
       exp_both(gam.x, up.x, down.x);
       exp_both(gam.y, up.y, down.y);
       if (i < valid) {
-        *reinterpret_cast<float2*>(&a.dq[token(i) * K + c0]) =
-            make_float2(a.scale * d_qhat.x * up.x, a.scale * d_qhat.y * up.y);
-        *reinterpret_cast<float2*>(&a.dk[token(i) * K + c0]) =
-            make_float2(d_khat.x * up.x + d_kcheck.x * down.x + d_kbar.x * (decay.x * down.x),
-                        d_khat.y * up.y + d_kcheck.y * down.y + d_kbar.y * (decay.y * down.y));
+        store_pair(static_cast<T*>(a.dq) + token(i) * K + c0, a.scale * d_qhat.x * up.x, a.scale * d_qhat.y * up.y);
+        store_pair(static_cast<T*>(a.dk) + token(i) * K + c0,
+                   d_khat.x * up.x + d_kcheck.x * down.x + d_kbar.x * (decay.x * down.x),
+                   d_khat.y * up.y + d_kcheck.y * down.y + d_kbar.y * (decay.y * down.y));
       }
       *reinterpret_cast<float2*>(&sh.gamma[i][c0]) =
           make_float2(d_qhat.x * q_hat.x + d_khat.x * k_hat.x - d_kcheck.x * k_check.x - d_kbar.x * k_bar.x,
@@ -1080,8 +1080,8 @@ size_t kda_chunked_backward_workspace_bytes(int64_t batch, int64_t length, int64
 
 cudaError_t kda_chunked_backward(KdaDtype dtype, const void* q, const void* k, const void* v,
                                  const float* g, const void* beta, const float* initial_state,
-                                 const void* d_o, const float* d_final_state, float* dq,
-                                 float* dk, float* dv, float* dg, float* dbeta,
+                                 const void* d_o, const float* d_final_state, void* dq,
+                                 void* dk, void* dv, float* dg, float* dbeta,
                                  float* d_initial_state, int64_t batch, int64_t length,
                                  int64_t heads, int64_t key_dim, int64_t value_dim, float scale,
                                  void* workspace, size_t workspace_bytes, cudaStream_t stream) {

@@ -229,9 +229,11 @@ KdaChunkedGradients kda_chunked_backward(const at::Tensor& q, const at::Tensor& 
   const c10::cuda::CUDAGuard guard(device);
   const KdaLaunchInputs c = kda_launch_inputs(q, k, v, g, beta);
   const at::Tensor doc = aligned_contiguous(d_o.to(q.scalar_type()));
+  // dq, dk, dv come out in q's dtype (the kernel rounds each once, as a cast would); dg, dbeta
+  // and d_initial_state in fp32.
   const auto f32 = q.options().dtype(at::kFloat);
-  at::Tensor dq = at::empty(q.sizes(), f32), dk = at::empty(q.sizes(), f32);
-  at::Tensor dg = at::empty(q.sizes(), f32), dv = at::empty(v.sizes(), f32);
+  at::Tensor dq = at::empty(q.sizes(), q.options()), dk = at::empty(q.sizes(), q.options());
+  at::Tensor dg = at::empty(q.sizes(), f32), dv = at::empty(v.sizes(), q.options());
   at::Tensor dbeta = at::empty(beta.sizes(), f32);
   at::Tensor d_initial = at::empty(state_shape, f32);
   const size_t workspace_bytes =
@@ -245,16 +247,16 @@ KdaChunkedGradients kda_chunked_backward(const at::Tensor& q, const at::Tensor& 
           kernel_dtype(q.scalar_type()), c.q.data_ptr(), c.k.data_ptr(), c.v.data_ptr(),
           c.g.data_ptr<float>(), c.beta.data_ptr(),
           state_in.defined() ? state_in.data_ptr<float>() : nullptr, doc.data_ptr(),
-          d_state_out.defined() ? d_state_out.data_ptr<float>() : nullptr, dq.data_ptr<float>(),
-          dk.data_ptr<float>(), dv.data_ptr<float>(), dg.data_ptr<float>(),
+          d_state_out.defined() ? d_state_out.data_ptr<float>() : nullptr, dq.data_ptr(),
+          dk.data_ptr(), dv.data_ptr(), dg.data_ptr<float>(),
           dbeta.data_ptr<float>(), d_initial.data_ptr<float>(), batch, length, heads, key, value,
           static_cast<float>(scale), workspace.defined() ? workspace.data_ptr() : nullptr,
           workspace_bytes, at::cuda::getCurrentCUDAStream(device.index()).stream()),
       where);
   KdaChunkedGradients out;
-  out.dq = dq.to(q.scalar_type());
-  out.dk = dk.to(k.scalar_type());
-  out.dv = dv.to(v.scalar_type());
+  out.dq = dq;
+  out.dk = dk;
+  out.dv = dv;
   out.dg = dg.to(g.scalar_type());
   out.dbeta = dbeta.to(beta.scalar_type());
   out.d_initial_state =

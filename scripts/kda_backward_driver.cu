@@ -34,12 +34,12 @@ int main(int argc, char** argv) {
                 V = argc > 5 ? atoll(argv[5]) : 128;
   const std::string file = argc > 6 ? argv[6] : "";
   const int64_t n = B * T * H, chunks = (T + kChunk - 1) / kChunk;
-  bf16 *q, *k, *v, *beta, *d_o; float *g, *d_final, *dq, *dk, *dv, *dg, *dbeta, *d_init;
+  bf16 *q, *k, *v, *beta, *d_o, *dq, *dk, *dv; float *g, *d_final, *dg, *dbeta, *d_init;
   cudaMalloc(&q, n * K * 2); cudaMalloc(&k, n * K * 2); cudaMalloc(&v, n * V * 2);
   cudaMalloc(&d_o, n * V * 2); cudaMalloc(&beta, n * 2); cudaMalloc(&g, n * K * 4);
   cudaMalloc(&d_final, B * H * K * V * 4); cudaMalloc(&d_init, B * H * K * V * 4);
-  cudaMalloc(&dq, n * K * 4); cudaMalloc(&dk, n * K * 4); cudaMalloc(&dg, n * K * 4);
-  cudaMalloc(&dv, n * V * 4); cudaMalloc(&dbeta, n * 4);
+  cudaMalloc(&dq, n * K * 2); cudaMalloc(&dk, n * K * 2); cudaMalloc(&dg, n * K * 4);  // dq, dk, dv: bf16
+  cudaMalloc(&dv, n * V * 2); cudaMalloc(&dbeta, n * 4);
   fill_bf16<<<1024, 256>>>(q, n * K, 1, 0.09f); fill_bf16<<<1024, 256>>>(k, n * K, 2, 0.09f);
   fill_bf16<<<1024, 256>>>(v, n * V, 3, 1.0f); fill_bf16<<<1024, 256>>>(beta, n, 4, 0.5f);
   fill_f32<<<1024, 256>>>(g, n * K, 5, -0.3f, 0.0f); fill_bf16<<<1024, 256>>>(d_o, n * V, 6, 1.0f);
@@ -68,7 +68,8 @@ int main(int argc, char** argv) {
   StateGradientArgs sa{};
   sa.forward.q = q, sa.forward.k = k, sa.forward.v = v, sa.forward.beta = beta, sa.forward.g = g;
   sa.forward.length = T, sa.forward.heads = static_cast<int>(H), sa.forward.value_dim = static_cast<int>(V);
-  sa.forward.scale = scale, sa.forward.segment_length = T, sa.forward.segments = 1;
+  sa.forward.scale = scale, sa.forward.segment_length = T, sa.forward.first_segment_length = T;
+  sa.forward.segments = 1;
   sa.d_o = d_o, sa.d_final_state = d_final, sa.d_initial_state = d_init, sa.chunk_d_states = d_states;
   ChunkGradientArgs ca{};
   ca.q = q, ca.k = k, ca.v = v, ca.beta = beta, ca.d_o = d_o, ca.g = g;
@@ -122,16 +123,26 @@ int main(int argc, char** argv) {
   }
 #endif
 
-  struct Out { const char* name; float* p; int64_t count; };
-  const std::vector<Out> outs = {{"dq", dq, n * K}, {"dk", dk, n * K}, {"dv", dv, n * V},
-                                 {"dg", dg, n * K}, {"dbeta", dbeta, n}, {"d_init", d_init, B * H * K * V}};
+  struct Out { const char* name; const void* p; int64_t count; bool bf16; };
+  const std::vector<Out> outs = {{"dq", dq, n * K, true},    {"dk", dk, n * K, true},
+                                 {"dv", dv, n * V, true},    {"dg", dg, n * K, false},
+                                 {"dbeta", dbeta, n, false}, {"d_init", d_init, B * H * K * V, false}};
   if (file.empty()) return 0;
   FILE* f = std::fopen(file.c_str(), "rb");
   const bool compare = f != nullptr;
   if (!compare) f = std::fopen(file.c_str(), "wb");
   for (const Out& o : outs) {
     std::vector<float> mine(o.count), ref(o.count);
-    cudaMemcpy(mine.data(), o.p, o.count * 4, cudaMemcpyDeviceToHost);
+    if (o.bf16) {
+      std::vector<uint16_t> raw(o.count);
+      cudaMemcpy(raw.data(), o.p, o.count * 2, cudaMemcpyDeviceToHost);
+      for (int64_t i = 0; i < o.count; ++i) {
+        const uint32_t bits = static_cast<uint32_t>(raw[i]) << 16;
+        std::memcpy(&mine[i], &bits, 4);
+      }
+    } else {
+      cudaMemcpy(mine.data(), o.p, o.count * 4, cudaMemcpyDeviceToHost);
+    }
     if (!compare) { std::fwrite(mine.data(), 4, o.count, f); continue; }
     if (std::fread(ref.data(), 4, o.count, f) != static_cast<size_t>(o.count)) { std::printf("short file\n"); return 1; }
     double worst = 0, largest = 0; bool finite = true;
