@@ -507,30 +507,33 @@ __device__ __forceinline__ void scan_step_products(float4& next, LoadA&& a_of, L
   next.w += (part[0].w + part[1].w) + (part[2].w + part[3].w);
 }
 
-template <int K, int kGroups>
+template <int K, int kGroups, int kDepth>
 constexpr size_t scan_shared_bytes() {
-  return (2 * K * K + kGroups * K * kScanColumns) * sizeof(float);
+  return (kDepth * K * K + kGroups * K * kScanColumns) * sizeof(float);
 }
 
-template <int K, int kGroups>
+// kDepth buffers of A^T: each fetched kDepth - 1 steps before it is used.
+template <int K, int kGroups, int kDepth>
 __global__ void __launch_bounds__(K * kGroups) kda_segment_scan_kernel(const float* initial_state,
                                                                       const float* transition_a,
                                                                       const float* transition_b,
                                                                       float* segment_states, int heads,
                                                                       int value_dim, int segments, int first) {
   extern __shared__ __align__(16) unsigned char scan_raw[];
-  float* a_shared = reinterpret_cast<float*>(scan_raw);  // [2][K * K]: A_p^T, A_{p+1}^T
+  float* a_shared = reinterpret_cast<float*>(scan_raw);  // [kDepth][K * K]: A_p^T, A_{p+1}^T, ...
   const int i = threadIdx.x % K, group = threadIdx.x / K, h = blockIdx.y, seq = blockIdx.z;
-  float* column = a_shared + 2 * K * K + group * K * kScanColumns;  // [K][4]: S_start[p], this group's columns
+  float* column = a_shared + kDepth * K * K + group * K * kScanColumns;  // [K][4]: S_start[p], this group's columns
   const int v0 = (blockIdx.x * kGroups + group) * kScanColumns;
   const int H = heads, V = value_dim, P = segments;
   const int64_t head = static_cast<int64_t>(seq) * H + h;
   auto pair = [&](int p) { return (static_cast<int64_t>(seq) * (P - 1) + p) * H + h; };
-  auto fetch = [&](int p) {  // A_p^T into buffer p % 2, 16 bytes per copy, coalesced
-    const float* from = transition_a + pair(p) * K * K;
-    float* to = a_shared + (p & 1) * K * K;
-    for (int x = 4 * static_cast<int>(threadIdx.x); x < K * K; x += 4 * K * kGroups) cp_async16(to + x, from + x);
-    cp_async_commit();
+  auto fetch = [&](int p) {  // A_p^T into buffer p % kDepth, 16 bytes per copy, coalesced (none past P - 2)
+    if (p < P - 1) {
+      const float* from = transition_a + pair(p) * K * K;
+      float* to = a_shared + (p % kDepth) * K * K;
+      for (int x = 4 * static_cast<int>(threadIdx.x); x < K * K; x += 4 * K * kGroups) cp_async16(to + x, from + x);
+    }
+    cp_async_commit();  // one group a fetch, empty or not: the wait below counts them
   };
   auto load_b = [&](int p) { return *reinterpret_cast<const float4*>(&transition_b[pair(p) * K * V + i * V + v0]); };
 
@@ -541,25 +544,19 @@ __global__ void __launch_bounds__(K * kGroups) kda_segment_scan_kernel(const flo
     s = *reinterpret_cast<const float4*>(&initial_state[head * K * V + i * V + v0]);
   }
   float4 b = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  if (first < P - 1) {
-    fetch(first);
-    b = load_b(first);
-  }
+  if (first < P - 1) b = load_b(first);
+  for (int d = 0; d < kDepth - 1; ++d) fetch(first + d);
   for (int p = first;; ++p) {
     const int64_t pair_state = ((static_cast<int64_t>(seq) * P + p) * H + h) * K * V;
     *reinterpret_cast<float4*>(&segment_states[pair_state + i * V + v0]) = s;
     if (p == P - 1) break;
     float4 next = b;
     *reinterpret_cast<float4*>(&column[i * kScanColumns]) = s;
-    if (p + 1 < P - 1) {
-      b = load_b(p + 1);  // used in the next step
-      fetch(p + 1);       // its buffer was last read in step p - 1, before that step's final barrier
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
+    if (p + 1 < P - 1) b = load_b(p + 1);  // used in the next step
+    fetch(p + kDepth - 1);  // its buffer was last read in step p - 1, before that step's final barrier
+    cp_async_wait<kDepth - 1>();
     __syncthreads();  // A_p^T and the columns of S_start[p] are in shared memory
-    const float* a_t = a_shared + (p & 1) * K * K;
+    const float* a_t = a_shared + (p % kDepth) * K * K;
     scan_step_products<K>(
         next, [&](int j) { return a_t[j * K + i]; },  // A_p[i][j]
         [&](int j) { return *reinterpret_cast<const float4*>(&column[j * kScanColumns]); });
@@ -568,12 +565,11 @@ __global__ void __launch_bounds__(K * kGroups) kda_segment_scan_kernel(const flo
   }
 }
 
-// kGroups: measured on an H200 at B=1 T=64K H=4, P=34 (kernels/README.md).
-template <int K, int kGroups = 1>
-cudaError_t launch_segment_scan(const ChunkedArgs& a, float* segment_states, int64_t batch,
-                                cudaStream_t stream) {
-  constexpr size_t shared = scan_shared_bytes<K, kGroups>();
-  auto* kernel = kda_segment_scan_kernel<K, kGroups>;
+template <int K, int kGroups, int kDepth>
+cudaError_t launch_segment_scan_with(const ChunkedArgs& a, float* segment_states, int64_t batch,
+                                     cudaStream_t stream) {
+  constexpr size_t shared = scan_shared_bytes<K, kGroups, kDepth>();
+  auto* kernel = kda_segment_scan_kernel<K, kGroups, kDepth>;
   const cudaError_t configured =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared));
   if (configured != cudaSuccess) return configured;
@@ -582,6 +578,23 @@ cudaError_t launch_segment_scan(const ChunkedArgs& a, float* segment_states, int
   kernel<<<grid, K * kGroups, shared, stream>>>(a.initial_state, a.transition_a, a.transition_b, segment_states,
                                                 a.heads, a.value_dim, a.segments, a.lead ? 1 : 0);
   return cudaGetLastError();
+}
+
+// One group of 4 columns a CTA and A^T fetched two steps ahead (three buffers, 194 KB at K = 128)
+// where the device gives a CTA that much shared memory, one step ahead otherwise. Measured on an
+// H200 at B=1 T=64K H=4, P=34: 0.061 ms with three buffers, 0.069 with two; with two: 0.069 for
+// one group, 0.084 for 2 groups, 0.147 for 4 (kernels/README.md).
+template <int K>
+cudaError_t launch_segment_scan(const ChunkedArgs& a, float* segment_states, int64_t batch,
+                                cudaStream_t stream) {
+  int device = 0, optin = 0;
+  cudaError_t error = cudaGetDevice(&device);
+  if (error == cudaSuccess) error = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  if (error != cudaSuccess) return error;
+  if (static_cast<size_t>(optin) >= scan_shared_bytes<K, 1, 3>()) {
+    return launch_segment_scan_with<K, 1, 3>(a, segment_states, batch, stream);
+  }
+  return launch_segment_scan_with<K, 1, 2>(a, segment_states, batch, stream);
 }
 
 // ---------------------------------------------------------------------------------------------

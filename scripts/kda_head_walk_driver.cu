@@ -175,9 +175,11 @@ void time_phases(int64_t B, int64_t T, int64_t H, int64_t seg, int64_t lead) {
     else launch_head<128, 128, Pass::kTransition>(a, dim3(2, h, nb * (p - 1)), 0);
   });
   const float t2 = median([&] { launch_segment_scan<128>(a, states, B, 0); });
-  const float t2_2 = median([&] { launch_segment_scan<128, 2>(a, states, B, 0); });
-  const float t2_4 = median([&] { launch_segment_scan<128, 4>(a, states, B, 0); });
-  std::printf("  scan with 1 (default) / 2 / 4 groups of 4 columns a CTA: %.4f %.4f %.4f ms\n", t2, t2_2, t2_4);
+  const float t2_2 = median([&] { launch_segment_scan_with<128, 1, 2>(a, states, B, 0); });
+  const float t2_g2 = median([&] { launch_segment_scan_with<128, 2, 2>(a, states, B, 0); });
+  const float t2_g4 = median([&] { launch_segment_scan_with<128, 4, 2>(a, states, B, 0); });
+  std::printf("  scan: the launcher's %.4f ms; 1 / 2 / 4 groups of 4 columns a CTA with two buffers of A: %.4f %.4f "
+              "%.4f ms\n", t2, t2_2, t2_g2, t2_g4);
   ChunkedArgs f = a;
   f.segment_states = states;
   const float t3 = median([&] { launch_head<128, 128, Pass::kForward>(f, dim3(1, h, nb * (plan.lead ? p - 1 : p)), 0); });
