@@ -29,6 +29,26 @@ using namespace odyssey::kernels;
 
 namespace {
 
+// 20 launches of `launch`, each timed by CUDA events, sorted: [0] is the best, [10] the median.
+template <typename F>
+std::vector<float> time_launches(F&& launch) {
+  cudaEvent_t start, stop;
+  cudaEventCreate(&start), cudaEventCreate(&stop);
+  std::vector<float> ms;
+  for (int r = 0; r < 20; ++r) {
+    cudaEventRecord(start);
+    launch();
+    cudaEventRecord(stop);
+    cudaEventSynchronize(stop);
+    float t = 0.0f;
+    cudaEventElapsedTime(&t, start, stop);
+    ms.push_back(t);
+  }
+  std::sort(ms.begin(), ms.end());
+  cudaEventDestroy(start), cudaEventDestroy(stop);
+  return ms;
+}
+
 // Returns 1 where the two paths differ or a launch fails.
 int run_case(int64_t B, int64_t T, int64_t H, int64_t seg, int64_t lead, bool timing, bool states, bool with_init,
              int paths = 2) {
@@ -96,20 +116,7 @@ int run_case(int64_t B, int64_t T, int64_t H, int64_t seg, int64_t lead, bool ti
     const char* names[2] = {"head walk", "64-col"};
     if (paths == 1) std::printf("B=%ld T=%ld H=%ld seg=%ld lead=%ld:", (long)B, (long)T, (long)H, (long)seg, (long)lead);
     for (int path = 0; path < paths; ++path) {
-      cudaEvent_t start, stop;
-      cudaEventCreate(&start);
-      cudaEventCreate(&stop);
-      std::vector<float> ms;
-      for (int r = 0; r < 20; ++r) {
-        cudaEventRecord(start);
-        run(path);
-        cudaEventRecord(stop);
-        cudaEventSynchronize(stop);
-        float t = 0.0f;
-        cudaEventElapsedTime(&t, start, stop);
-        ms.push_back(t);
-      }
-      std::sort(ms.begin(), ms.end());
+      const std::vector<float> ms = time_launches([&] { run(path); });
       std::printf("  %-10s best %.3f ms  median %.3f ms\n", names[path], ms[0], ms[10]);
       std::fflush(stdout);
     }
@@ -154,22 +161,7 @@ void time_phases(int64_t B, int64_t T, int64_t H, int64_t seg, int64_t lead) {
   a.transition_a = reinterpret_cast<float*>(ws + layout.transition_a);
   a.transition_b = reinterpret_cast<float*>(ws + layout.transition_b);
   const unsigned h = static_cast<unsigned>(H), nb = static_cast<unsigned>(B), p = static_cast<unsigned>(plan.segments);
-  auto median = [](auto launch) {
-    cudaEvent_t start, stop;
-    cudaEventCreate(&start), cudaEventCreate(&stop);
-    std::vector<float> ms;
-    for (int r = 0; r < 20; ++r) {
-      cudaEventRecord(start);
-      launch();
-      cudaEventRecord(stop);
-      cudaEventSynchronize(stop);
-      float t = 0.0f;
-      cudaEventElapsedTime(&t, start, stop);
-      ms.push_back(t);
-    }
-    std::sort(ms.begin(), ms.end());
-    return ms[10];
-  };
+  auto median = [](auto launch) { return time_launches(launch)[10]; };
   const float t1 = median([&] {
     if (plan.lead) launch_head<128, 128, Pass::kTransition, Pass::kForward>(a, dim3(2, h, nb * (p - 1)), 0);
     else launch_head<128, 128, Pass::kTransition>(a, dim3(2, h, nb * (p - 1)), 0);
