@@ -923,6 +923,16 @@ cudaError_t kda_chunked_forward(KdaDtype dtype, const void* q, const void* k, co
   return error;
 }
 
+cudaError_t launch_kda_segment_scan(int64_t key_dim, const float* initial, const float* transition_a,
+                                    const float* transition_b, float* states, int64_t batch, int heads,
+                                    int value_dim, int segments, cudaStream_t stream) {
+  ChunkedArgs a{};
+  a.initial_state = initial;
+  a.transition_a = const_cast<float*>(transition_a), a.transition_b = const_cast<float*>(transition_b);
+  a.heads = heads, a.value_dim = value_dim, a.segments = segments, a.lead = false;
+  return with_head_width(key_dim, [&](auto key) { return launch_segment_scan<key()>(a, states, batch, stream); });
+}
+
 cudaError_t kda_decode_step(KdaDtype dtype, const void* q, const void* k, const void* v,
                             const float* g, const void* beta, float* state, void* o,
                             int64_t batch, int64_t heads, int64_t key_dim, int64_t value_dim,

@@ -125,7 +125,9 @@ cudaError_t kda_chunked_forward(KdaDtype dtype, const void* q, const void* k, co
 // entering every chunk is recomputed (a forward pass with KdaChunkedOptions::chunk_states, no
 // outputs), then a reverse walk carries dS from the last chunk to the first, then every chunk's
 // input gradients are computed independently (design and derivation: kda_backward.cu). bf16
-// with K = V = 128: the first two passes walk whole heads (KdaChunkedOptions::head_walk).
+// with K = V = 128: the first two passes walk whole heads (KdaChunkedOptions::head_walk), and
+// with few (sequence, head) pairs and 4096 tokens or more both are context parallel (the
+// reverse walk as segment transitions, a scan from d_final_state and the segments' walks).
 //   q, k, v, g, beta, initial_state, scale: exactly as given to kda_chunked_forward
 //   d_o            T   [B, L, H, V]   gradient of o
 //   d_final_state  f32 [B, H, K, V]   gradient of final_state, or nullptr (zeros)

@@ -65,7 +65,10 @@
 //        dV'^T = dS'^T K_^T + dO^T Aqk,   dS^T = dS'^T Diag(e^gamma) + dO^T Q^ - dV'^T W
 //      (mma.sync m16n8k16, bf16 operands, fp32 accumulators). The last dS is d initial_state.
 //      bf16 with K = V = 128: kda_head_state_gradient_kernel, one CTA of 16 warps per (sequence,
-//      head) with the forward's specialized warps: 8 walk while 4 pairs prepare (head_pipeline).
+//      head) with the forward's specialized warps: 8 walk while 4 pairs prepare (head_pipeline);
+//      with few heads and a long sequence, context parallel (ReversePlan): segment transitions
+//      walked in parallel, the forward's segment scan from d_final_state, then every segment's
+//      reverse walk from its dS.
 //   3. chunk gradients (kda_chunk_gradient_kernel): every chunk independent, one CTA of 16 warps
 //      per chunk at a time (persistent: as many CTAs as fit, each taking every gridDim.x-th
 //      chunk and loading the next one's S, dS' and inputs while it finishes the current one),
@@ -207,8 +210,21 @@ __global__ void __launch_bounds__(Walk<kTile>::kThreads, 2)
 // of warps, prepare_chunk_pair, while the walkers walk the chunks after it), last chunk first.
 // The same operations in the same order as kda_state_gradient_kernel: the same dS' and
 // d initial state, bit for bit.
-template <int K, int V>
+//
+// Context parallelism (few heads, long sequences; reverse_plan): the reverse step is affine in
+// dS', dS = (Diag(e^gamma) - W^T K_) dS' + (Q^^T - W^T Aqk^T) dO, so a segment's
+// dS_enter = A'_p dS_leave + B'_p, as the forward's transitions, transposed:
+//   kTransition  grid (2, H, N (P - 1)), segments p = 1..P-1: x = 0 walks A'_p's K columns from I
+//                with dO = 0, x = 1 B'_p's from 0; both stored at pair slot P - 1 - p (A'^T, as
+//                the forward's A_seg), so that kda.cu's segment scan, started from d_final_state,
+//                gives dS leaving segment P - 1 - r at states[r];
+//   kForward     grid (1, H, N P): every segment's reverse walk from its dS_leave, storing dS' for
+//                its chunks; segment 0 writes d initial_state.
+// P = 1 (forward.segments) is the serial walk: one segment of every chunk from d_final_state.
+template <int K, int V, Pass kPass>
 __global__ void __launch_bounds__(kHeadThreads, 1) kda_head_state_gradient_kernel(const StateGradientArgs b) {
+  static_assert(kPass != Pass::kStates, "the reverse walk or its transitions");
+  constexpr bool kTransition = kPass == Pass::kTransition;
   using Shared = HeadShared<K, V, /*kGradients=*/true>;
   extern __shared__ __align__(16) unsigned char shared_raw[];
   Shared& sh = *reinterpret_cast<Shared*>(shared_raw);
@@ -216,10 +232,18 @@ __global__ void __launch_bounds__(kHeadThreads, 1) kda_head_state_gradient_kerne
   const bf16* d_o = static_cast<const bf16*>(b.d_o);
 
   const int lane = threadIdx.x & 31, warp = warp_index();
-  const int h = blockIdx.y, seq = blockIdx.z;
+  const int h = blockIdx.y, P = a.segments;
+  const int per_sequence = kTransition ? P - 1 : P;
+  const int seq = blockIdx.z / per_sequence;
+  const int segment = (kTransition ? 1 : 0) + static_cast<int>(blockIdx.z % per_sequence);
+  const bool a_columns = kTransition && blockIdx.x == 0;  // A'_p: from I, dO = 0
   const int H = a.heads;
   const int64_t length = a.length, row0 = static_cast<int64_t>(seq) * length;
   const int64_t num_chunks = (length + kChunk - 1) / kChunk;
+  // Chunks a segment (P > 1: segment_length is whole chunks; P = 1: every chunk, a partial last one too).
+  const int64_t segment_chunks = (a.segment_length + kChunk - 1) / kChunk;
+  const int64_t chunk_end = min64(num_chunks, (segment + 1) * segment_chunks);
+  const int64_t count = chunk_end - min64(num_chunks, segment * segment_chunks);
   const int64_t state_offset = (static_cast<int64_t>(seq) * H + h) * K * V;
   auto valid_rows = [&](int64_t chunk) { return static_cast<int>(min64(kChunk, length - chunk * kChunk)); };
 
@@ -227,35 +251,63 @@ __global__ void __launch_bounds__(kHeadThreads, 1) kda_head_state_gradient_kerne
   const bool walker = warp < kHeadWalkWarps;
   const int v_col = warp * 16;
   float d_state[K / 8][4];
-  if (walker) load_state_tile<K>(d_state, b.d_final_state, state_offset, V, v_col, lane);
+  if (walker) {
+    if constexpr (kTransition) {
+      for_each_tile_entry<K>(v_col, lane, [&](int j, int e, int c, int vr) {
+        d_state[j][e] = a_columns && c == vr ? 1.0f : 0.0f;
+      });
+    } else if (P > 1) {
+      const int64_t r = P - 1 - segment;  // the scan's order: from the last segment
+      load_state_tile<K>(d_state, a.segment_states, ((static_cast<int64_t>(seq) * P + r) * H + h) * K * V, V, v_col,
+                         lane);
+    } else {
+      load_state_tile<K>(d_state, b.d_final_state, state_offset, V, v_col, lane);
+    }
+  }
   bf16* d_states = b.chunk_d_states + (static_cast<int64_t>(seq) * H + h) * num_chunks * V * K;
   // Preparing pairs.
   const int pair = (warp - kHeadWalkWarps) >> 1, member = warp & 1;
   float beta = 0.0f;  // the staged chunk's beta (member 0, lanes 0-15)
 
-  // Walk order i = 0, 1, ...: chunk num_chunks - 1 - i.
+  // Walk order i = 0, 1, ...: chunk chunk_end - 1 - i.
   head_pipeline(
-      num_chunks, warp,
+      count, warp,
       [&](int slot, int64_t i) {
-        // dS' of this chunk (the gradient of the state leaving it), as pass 3 reads it.
-        bf16* out = d_states + (num_chunks - 1 - i) * V * K;
-        store_state_rows<K>(out + static_cast<int64_t>(v_col) * K, d_state, lane);
+        if constexpr (!kTransition) {
+          // dS' of this chunk (the gradient of the state leaving it), as pass 3 reads it.
+          bf16* out = d_states + (chunk_end - 1 - i) * V * K;
+          store_state_rows<K>(out + static_cast<int64_t>(v_col) * K, d_state, lane);
+        }
         reverse_walk_chunk<K, V>(sh.slot[slot], d_state, v_col, lane);
       },
       [&](int64_t i) {
-        const int64_t chunk = num_chunks - 1 - i;
+        const int64_t chunk = chunk_end - 1 - i;
         for (int part = 0; part < 4; ++part) {
           issue_head_loads<K, V, /*kOutputs=*/true>(a, d_o, sh.staging[pair], row0 + chunk * kChunk,
-                                                    valid_rows(chunk), h, member, lane, part, beta);
+                                                    valid_rows(chunk), h, member, lane, part, beta, !a_columns);
         }
       },
       [&](int slot, int64_t) {
         prepare_chunk_pair<K, V, /*kOutputs=*/true, /*kGradients=*/true>(
-            a, sh.slot[slot], sh.scratch[pair], sh.staging[pair], preparing_pair_barrier(pair), member, beta, lane);
+            a, sh.slot[slot], sh.scratch[pair], sh.staging[pair], preparing_pair_barrier(pair), member, beta, lane,
+            !a_columns);
       });
 
-  if (!walker || b.d_initial_state == nullptr) return;
-  store_state_tile<K>(b.d_initial_state, state_offset, d_state, V, v_col, lane);
+  if (!walker) return;
+  if constexpr (kTransition) {
+    // A'_p transposed (A'^T[vr][c] at vr K + c, the scan's layout) or B'_p, at pair slot P - 1 - p.
+    const int64_t slot = (static_cast<int64_t>(seq) * (P - 1) + (P - 1 - segment)) * H + h;
+    for_each_tile_entry<K>(v_col, lane, [&](int j, int e, int c, int vr) {
+      if (a_columns) {
+        a.transition_a[slot * K * K + static_cast<int64_t>(vr) * K + c] = d_state[j][e];
+      } else {
+        a.transition_b[slot * K * V + static_cast<int64_t>(c) * V + vr] = d_state[j][e];
+      }
+    });
+  } else {
+    if (segment != 0 || b.d_initial_state == nullptr) return;
+    store_state_tile<K>(b.d_initial_state, state_offset, d_state, V, v_col, lane);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -986,15 +1038,55 @@ __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>()
 // ---------------------------------------------------------------------------------------------
 // Launch.
 
+// Context parallelism of the reverse walk (whole heads only: bf16, K = V = 128, where the device
+// gives a CTA the shared memory): with few (sequence, head) chains and a long sequence the serial
+// reverse walk leaves most SMs idle (B=1 T=64K H=4: 4 CTAs walking 4096 chunks each, 7.3 ms).
+// Then P segments of whole chunks: about one wave of segment walks (SMs / chains), at least 16
+// chunks each, only from 4096 tokens and 4 segments (as the forward's context parallelism).
+struct ReversePlan {
+  int64_t segment_length = 0;  // tokens (a multiple of 16); the last segment may be shorter
+  int segments = 1;            // P; 1 = the serial walk
+};
+
+ReversePlan reverse_plan(int64_t batch, int64_t length, int64_t heads, int64_t key, int64_t value) {
+  ReversePlan plan{length, 1};
+  if (key != 128 || value != 128 || length < 4096 || batch < 1 || !head_walk_fits<128, 128>()) return plan;
+  int device = 0, sms = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return plan;
+  }
+  const int64_t wanted = sms / (batch * heads);
+  if (wanted < 4) return plan;
+  const int64_t chunks = (length + kChunk - 1) / kChunk;
+  const int64_t segment_chunks = std::max<int64_t>(16, (chunks + wanted - 1) / wanted);
+  const int64_t segments = (chunks + segment_chunks - 1) / segment_chunks;
+  if (segments < 4 || batch * segments > 65535) return plan;
+  return {segment_chunks * kChunk, static_cast<int>(segments)};
+}
+
 struct BackwardLayout {
   size_t states = 0, d_states = 0, final_state = 0, bytes = 0;
-  BackwardLayout(int64_t batch, int64_t length, int64_t heads, int64_t key, int64_t value) {
+  // The reverse walk's context parallelism (ReversePlan; none when P = 1): the dS leaving every
+  // segment [N, P, H, K, V], then A'^T [N, P - 1, H, K, K] and B' [N, P - 1, H, K, V], fp32.
+  ReversePlan reverse;
+  size_t segment_states = 0, transition_a = 0, transition_b = 0;
+  BackwardLayout(int64_t batch, int64_t length, int64_t heads, int64_t key, int64_t value)
+      : reverse(reverse_plan(batch, length, heads, key, value)) {
     auto aligned = [](size_t n) { return (n + 255) / 256 * 256; };
     const size_t chunks = static_cast<size_t>((length + kChunk - 1) / kChunk);
     const size_t per_chunk = static_cast<size_t>(batch * heads) * chunks * key * value * sizeof(bf16);
     d_states = aligned(per_chunk);
     final_state = d_states + aligned(per_chunk);
     bytes = final_state + aligned(static_cast<size_t>(batch * heads * key * value) * sizeof(float));
+    if (reverse.segments > 1) {
+      const size_t pairs = static_cast<size_t>(batch * heads), p = static_cast<size_t>(reverse.segments);
+      segment_states = bytes;
+      transition_a = segment_states + aligned(pairs * p * key * value * sizeof(float));
+      transition_b = transition_a + aligned(pairs * (p - 1) * key * key * sizeof(float));
+      bytes = transition_b + aligned(pairs * (p - 1) * key * value * sizeof(float));
+    }
   }
 };
 
@@ -1028,14 +1120,29 @@ cudaError_t launch_state_gradients(const StateGradientArgs& sa, int64_t batch, i
   if constexpr (std::is_same_v<T, bf16> && K == 128 && kTile == 64) {
     if (value_dim == 128 && head_walk_fits<K, 128>()) {  // whole heads (kda_head_state_gradient_kernel)
       constexpr size_t shared = sizeof(HeadShared<K, 128, /*kGradients=*/true>);
-      const cudaError_t error = cudaFuncSetAttribute(kda_head_state_gradient_kernel<K, 128>,
-                                                     cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                     static_cast<int>(shared));
-      if (error != cudaSuccess) return error;
-      kda_head_state_gradient_kernel<K, 128><<<dim3(1, heads, n), kHeadThreads, shared, stream>>>(sa);
-      return cudaGetLastError();
+      auto launch = [&](auto pass, dim3 grid) {
+        auto* kernel = kda_head_state_gradient_kernel<K, 128, decltype(pass)::value>;
+        const cudaError_t error =
+            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared));
+        if (error != cudaSuccess) return error;
+        kernel<<<grid, kHeadThreads, shared, stream>>>(sa);
+        return cudaGetLastError();
+      };
+      using Walk = std::integral_constant<Pass, Pass::kForward>;
+      using Transition = std::integral_constant<Pass, Pass::kTransition>;
+      const unsigned p = static_cast<unsigned>(sa.forward.segments);
+      if (p > 1) {  // context parallel (ReversePlan): transitions, the scan from d_final_state, segments
+        cudaError_t error = launch(Transition{}, dim3(2, heads, n * (p - 1)));
+        if (error != cudaSuccess) return error;
+        error = launch_kda_segment_scan(K, sa.d_final_state, sa.forward.transition_a, sa.forward.transition_b,
+                                        const_cast<float*>(sa.forward.segment_states), batch, sa.forward.heads,
+                                        static_cast<int>(value_dim), static_cast<int>(p), stream);
+        if (error != cudaSuccess) return error;
+      }
+      return launch(Walk{}, dim3(1, heads, n * p));
     }
   }
+  if (sa.forward.segments != 1) return cudaErrorInvalidValue;  // planned for whole heads only
   constexpr size_t shared = chunked_shared_bytes<K, kTile>();
   cudaError_t error = cudaFuncSetAttribute(kda_state_gradient_kernel<T, K, kTile>,
                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -1129,6 +1236,13 @@ cudaError_t kda_chunked_backward(KdaDtype dtype, const void* q, const void* k, c
     sa.forward.g = g, sa.forward.length = length, sa.forward.heads = static_cast<int>(heads);
     sa.forward.value_dim = static_cast<int>(value_dim), sa.forward.scale = scale;
     sa.forward.segment_length = length, sa.forward.first_segment_length = length, sa.forward.segments = 1;
+    if (dtype == KdaDtype::kBFloat16 && layout.reverse.segments > 1) {  // the whole-head reverse walk's plan
+      sa.forward.segment_length = layout.reverse.segment_length;
+      sa.forward.segments = layout.reverse.segments;
+      sa.forward.segment_states = reinterpret_cast<float*>(scratch + layout.segment_states);
+      sa.forward.transition_a = reinterpret_cast<float*>(scratch + layout.transition_a);
+      sa.forward.transition_b = reinterpret_cast<float*>(scratch + layout.transition_b);
+    }
     sa.d_o = d_o, sa.d_final_state = d_final_state, sa.d_initial_state = d_initial_state;
     sa.chunk_d_states = d_states;
     ChunkGradientArgs ca{};

@@ -904,10 +904,12 @@ __device__ __forceinline__ void prepare_chunk_pair(const ChunkedArgs& a, Slot& s
   ldmatrix_x4(a_m, &scratch.m_beta[f.a_row][f.a_col]);
   w_columns_in_place<K / 32>(slot.w, a_m, p * (K / 2), f, lane);
   if constexpr (kGradients) {
+    // dO for the walk; zeros without values (the A' columns of the reverse walk's transition pass).
 #pragma unroll
     for (int r = 0; r < kChunk * (V / 2 / 8) / 32; ++r) {
       const int item = lane + 32 * r, i = item / (V / 2 / 8), col = p * (V / 2) + (item % (V / 2 / 8)) * 8;
-      *reinterpret_cast<uint4*>(&slot.v[i][col]) = *reinterpret_cast<const uint4*>(&st.v[i][col]);
+      *reinterpret_cast<uint4*>(&slot.v[i][col]) =
+          with_values ? *reinterpret_cast<const uint4*>(&st.v[i][col]) : make_uint4(0, 0, 0, 0);
     }
   } else if (with_values) {
 #pragma unroll
@@ -965,4 +967,13 @@ __device__ __forceinline__ void store_state_rows(bf16* out, const float (&state)
 }
 
 }  // namespace
+
+// The segment scan of context parallelism (kda.cu), for the backward's reverse walk too:
+// states[0] = initial (zeros when nullptr), states[p + 1] = A_p states[p] + B_p for p = 0..P-2,
+// A_p^T at transition_a + ((n (P - 1) + p) H + h) K K, B_p at transition_b + (...) K V, states
+// [N, P, H, K, V], all fp32.
+cudaError_t launch_kda_segment_scan(int64_t key_dim, const float* initial, const float* transition_a,
+                                    const float* transition_b, float* states, int64_t batch, int heads,
+                                    int value_dim, int segments, cudaStream_t stream);
+
 }  // namespace odyssey::kernels

@@ -70,6 +70,13 @@ int main(int argc, char** argv) {
   sa.forward.length = T, sa.forward.heads = static_cast<int>(H), sa.forward.value_dim = static_cast<int>(V);
   sa.forward.scale = scale, sa.forward.segment_length = T, sa.forward.first_segment_length = T;
   sa.forward.segments = 1;
+  if (layout.reverse.segments > 1) {  // the reverse walk's context parallelism, as kda_chunked_backward sets it
+    sa.forward.segment_length = layout.reverse.segment_length, sa.forward.segments = layout.reverse.segments;
+    sa.forward.segment_states = reinterpret_cast<float*>(workspace + layout.segment_states);
+    sa.forward.transition_a = reinterpret_cast<float*>(workspace + layout.transition_a);
+    sa.forward.transition_b = reinterpret_cast<float*>(workspace + layout.transition_b);
+    std::printf("reverse walk: %d segments of %ld tokens\n", layout.reverse.segments, (long)layout.reverse.segment_length);
+  }
   sa.d_o = d_o, sa.d_final_state = d_final, sa.d_initial_state = d_init, sa.chunk_d_states = d_states;
   ChunkGradientArgs ca{};
   ca.q = q, ca.k = k, ca.v = v, ca.beta = beta, ca.d_o = d_o, ca.g = g;
