@@ -219,9 +219,7 @@ __device__ __forceinline__ void walk_start_tile(float (&state)[K / 8][4], const 
   if constexpr (kForward) {
     load_state_tile<K>(state, start, start_offset, V, v_col, lane);
   } else {
-    for_each_tile_entry<K>(v_col, lane, [&](int j, int e, int c, int vr) {
-      state[j][e] = a_columns && c == vr ? 1.0f : 0.0f;
-    });
+    transition_start_tile<K>(state, v_col, a_columns, lane);
   }
 }
 
@@ -239,23 +237,8 @@ __device__ __forceinline__ void walk_end_tile(const ChunkedArgs& a, const float 
       store_state_tile<K>(a.lead_states, start, state, V, v_col, lane);
     }
   } else {
-    const int g = lane >> 2, t = lane & 3;
     const int64_t pair = (static_cast<int64_t>(seq) * (a.segments - 1) + segment) * a.heads + h;
-#pragma unroll
-    for (int j = 0; j < K / 8; ++j) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int c = 8 * j + 2 * t, vr = v_col + g + half * 8;
-        if (a_columns) {
-          // A_seg[c][vr] stored transposed (at vr * K + c): the scan reads columns of A_seg.
-          *reinterpret_cast<float2*>(&a.transition_a[pair * K * K + vr * K + c]) =
-              make_float2(state[j][2 * half], state[j][2 * half + 1]);
-        } else {
-          a.transition_b[pair * K * V + c * V + vr] = state[j][2 * half];
-          a.transition_b[pair * K * V + (c + 1) * V + vr] = state[j][2 * half + 1];
-        }
-      }
-    }
+    store_transition_tile<K>(a, state, pair, V, v_col, a_columns, lane);
   }
 }
 
@@ -470,12 +453,12 @@ cudaError_t launch_head(const ChunkedArgs& a, dim3 grid, cudaStream_t stream) {
 // Segment scan of context parallelism: S_start[0] = initial state (or 0), S_start[p + 1] =
 // A_p S_start[p] + B_p, in fp32 on CUDA cores; with the lead, S_start[1] is already in
 // segment_states (segment 0's walk stored it) and the scan starts there (first = 1).
-// One CTA of kGroups * K threads per (sequence, head, kGroups * 4 value columns): thread (g, i)
-// owns row i of its group's 4 columns, whose S_start[p] is shared through shared memory. A_p is
-// stored transposed (A_p^T[j][i] at j * K + i); the next step's A^T is copied into shared memory
-// (cp.async, double-buffered) and its B's rows loaded into registers while the current step
-// runs. Every CTA reads each A_p whole (64 KB at K = 128) whatever its columns, so the CTAs of a
-// step move 32 / kGroups copies of it from L2 (kernels/README.md, "Context parallelism").
+// One CTA of K threads per (sequence, head, 4 value columns): thread i owns row i of the 4
+// columns, whose S_start[p] is shared through shared memory. A_p is stored transposed (A_p^T[j][i]
+// at j * K + i) and copied into shared memory by cp.async kDepth - 1 steps before its use (kDepth
+// buffers), B_p's rows into registers one step before; so the serial chain waits on neither.
+// (CTAs of 2 or 4 groups of 4 columns, each reading A_p once for more columns, were slower: the
+// FMAs, not L2, bound a step; kernels/README.md, "Context parallelism".)
 constexpr int kScanColumns = 4;
 
 // next[c] += sum over j of A[i][j] S[j][c] (c = 0..3): a(j) = A[i][j], x(j) = S[j][c..c+3], both in
@@ -507,23 +490,22 @@ __device__ __forceinline__ void scan_step_products(float4& next, LoadA&& a_of, L
   next.w += (part[0].w + part[1].w) + (part[2].w + part[3].w);
 }
 
-template <int K, int kGroups, int kDepth>
+template <int K, int kDepth>
 constexpr size_t scan_shared_bytes() {
-  return (kDepth * K * K + kGroups * K * kScanColumns) * sizeof(float);
+  return (kDepth * K * K + K * kScanColumns) * sizeof(float);
 }
 
-// kDepth buffers of A^T: each fetched kDepth - 1 steps before it is used.
-template <int K, int kGroups, int kDepth>
-__global__ void __launch_bounds__(K * kGroups) kda_segment_scan_kernel(const float* initial_state,
+template <int K, int kDepth>
+__global__ void __launch_bounds__(K) kda_segment_scan_kernel(const float* initial_state,
                                                                       const float* transition_a,
                                                                       const float* transition_b,
                                                                       float* segment_states, int heads,
                                                                       int value_dim, int segments, int first) {
   extern __shared__ __align__(16) unsigned char scan_raw[];
   float* a_shared = reinterpret_cast<float*>(scan_raw);  // [kDepth][K * K]: A_p^T, A_{p+1}^T, ...
-  const int i = threadIdx.x % K, group = threadIdx.x / K, h = blockIdx.y, seq = blockIdx.z;
-  float* column = a_shared + kDepth * K * K + group * K * kScanColumns;  // [K][4]: S_start[p], this group's columns
-  const int v0 = (blockIdx.x * kGroups + group) * kScanColumns;
+  float* column = a_shared + kDepth * K * K;             // [K][4]: S_start[p], this CTA's columns
+  const int i = threadIdx.x, h = blockIdx.y, seq = blockIdx.z;
+  const int v0 = blockIdx.x * kScanColumns;
   const int H = heads, V = value_dim, P = segments;
   const int64_t head = static_cast<int64_t>(seq) * H + h;
   auto pair = [&](int p) { return (static_cast<int64_t>(seq) * (P - 1) + p) * H + h; };
@@ -531,7 +513,7 @@ __global__ void __launch_bounds__(K * kGroups) kda_segment_scan_kernel(const flo
     if (p < P - 1) {
       const float* from = transition_a + pair(p) * K * K;
       float* to = a_shared + (p % kDepth) * K * K;
-      for (int x = 4 * static_cast<int>(threadIdx.x); x < K * K; x += 4 * K * kGroups) cp_async16(to + x, from + x);
+      for (int x = 4 * i; x < K * K; x += 4 * K) cp_async16(to + x, from + x);
     }
     cp_async_commit();  // one group a fetch, empty or not: the wait below counts them
   };
@@ -565,25 +547,24 @@ __global__ void __launch_bounds__(K * kGroups) kda_segment_scan_kernel(const flo
   }
 }
 
-template <int K, int kGroups, int kDepth>
+template <int K, int kDepth>
 cudaError_t launch_segment_scan_with(const ChunkedArgs& a, float* segment_states, int64_t batch,
                                      cudaStream_t stream) {
-  constexpr size_t shared = scan_shared_bytes<K, kGroups, kDepth>();
-  auto* kernel = kda_segment_scan_kernel<K, kGroups, kDepth>;
+  constexpr size_t shared = scan_shared_bytes<K, kDepth>();
+  auto* kernel = kda_segment_scan_kernel<K, kDepth>;
   const cudaError_t configured =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared));
   if (configured != cudaSuccess) return configured;
-  const dim3 grid(static_cast<unsigned>(a.value_dim / (kGroups * kScanColumns)), static_cast<unsigned>(a.heads),
+  const dim3 grid(static_cast<unsigned>(a.value_dim / kScanColumns), static_cast<unsigned>(a.heads),
                   static_cast<unsigned>(batch));
-  kernel<<<grid, K * kGroups, shared, stream>>>(a.initial_state, a.transition_a, a.transition_b, segment_states,
+  kernel<<<grid, K, shared, stream>>>(a.initial_state, a.transition_a, a.transition_b, segment_states,
                                                 a.heads, a.value_dim, a.segments, a.lead ? 1 : 0);
   return cudaGetLastError();
 }
 
-// One group of 4 columns a CTA and A^T fetched two steps ahead (three buffers, 194 KB at K = 128)
-// where the device gives a CTA that much shared memory, one step ahead otherwise. Measured on an
-// H200 at B=1 T=64K H=4, P=34: 0.061 ms with three buffers, 0.069 with two; with two: 0.069 for
-// one group, 0.084 for 2 groups, 0.147 for 4 (kernels/README.md).
+// A^T fetched two steps ahead (three buffers, 194 KB at K = 128) where the device gives a CTA
+// that much shared memory, one step ahead otherwise. Measured on an H200 at B=1 T=64K H=4, P=34:
+// 0.061 ms with three buffers, 0.069 with two (kernels/README.md).
 template <int K>
 cudaError_t launch_segment_scan(const ChunkedArgs& a, float* segment_states, int64_t batch,
                                 cudaStream_t stream) {
@@ -591,10 +572,10 @@ cudaError_t launch_segment_scan(const ChunkedArgs& a, float* segment_states, int
   cudaError_t error = cudaGetDevice(&device);
   if (error == cudaSuccess) error = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
   if (error != cudaSuccess) return error;
-  if (static_cast<size_t>(optin) >= scan_shared_bytes<K, 1, 3>()) {
-    return launch_segment_scan_with<K, 1, 3>(a, segment_states, batch, stream);
+  if (static_cast<size_t>(optin) >= scan_shared_bytes<K, 3>()) {
+    return launch_segment_scan_with<K, 3>(a, segment_states, batch, stream);
   }
-  return launch_segment_scan_with<K, 1, 2>(a, segment_states, batch, stream);
+  return launch_segment_scan_with<K, 2>(a, segment_states, batch, stream);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -746,16 +727,17 @@ SegmentPlan plan_segments(bool packed, int64_t batch, int64_t length, int64_t he
   return {segment, segments, first, lead > 0};
 }
 
-// Whether run_chunked walks whole heads (kda_head_kernel) for these inputs.
+// Whether the walks take whole heads (kda_head_kernel) for these inputs: ChunkedArgs::head_walk,
+// decided once per call, for the plan and for every launch of run_chunked.
 bool walks_whole_heads(KdaDtype dtype, int64_t key_dim, int64_t value_dim, const KdaChunkedOptions& options) {
   return dtype == KdaDtype::kBFloat16 && key_dim == 128 && value_dim == 128 && options.head_walk &&
          head_walk_fits<128, 128>();
 }
 
-SegmentPlan plan_segments(KdaDtype dtype, bool packed, int64_t batch, int64_t length, int64_t heads,
-                          int64_t key_dim, int64_t value_dim, const KdaChunkedOptions& options) {
+SegmentPlan plan_segments(bool packed, int64_t batch, int64_t length, int64_t heads, int64_t key_dim,
+                          int64_t value_dim, const KdaChunkedOptions& options, bool whole_heads) {
   return plan_segments(packed, batch, length, heads, key_dim, value_dim, options.segment_length,
-                       options.lead_length, walks_whole_heads(dtype, key_dim, value_dim, options));
+                       options.lead_length, whole_heads);
 }
 
 // The workspace of the context-parallel path: segment states [N, P, H, K, V], then A_seg^T
@@ -785,7 +767,7 @@ cudaError_t run_chunked(ChunkedArgs a, const SegmentPlan& plan, unsigned char* w
   // The forward and states passes of bf16 K = V = 128 heads: one CTA of 8 warps per head.
   auto walk = [&](unsigned z) {
     if constexpr (std::is_same_v<T, bf16> && K == 128 && kTile == 64) {
-      if (a.head_walk && value_dim == 128 && head_walk_fits<K, 128>()) {
+      if (a.head_walk) {
         const dim3 grid(1, h, z);
         return keep_states ? launch_head<K, 128, Pass::kStates>(a, grid, stream)
                            : launch_head<K, 128, Pass::kForward>(a, grid, stream);
@@ -811,7 +793,7 @@ cudaError_t run_chunked(ChunkedArgs a, const SegmentPlan& plan, unsigned char* w
     constexpr Pass kLead = decltype(lead)::value;
     if constexpr (std::is_same_v<T, bf16> && K == 128 && kTile == 64) {
       // Whole heads: one CTA for A_seg, one for B_seg (where the device gives them their shared memory).
-      if (a.head_walk && value_dim == 128 && head_walk_fits<K, 128>()) {
+      if (a.head_walk) {
         return launch_head<K, 128, Pass::kTransition, kLead>(a, dim3(2, h, n * (p - 1)), stream);
       }
     }
@@ -847,7 +829,8 @@ size_t kda_chunked_forward_workspace_bytes(KdaDtype dtype, bool packed, int64_t 
       (options.lead_length > 0 && options.lead_length % kChunk != 0)) {
     return 0;
   }
-  const SegmentPlan plan = plan_segments(dtype, packed, batch, length, heads, key_dim, value_dim, options);
+  const SegmentPlan plan = plan_segments(packed, batch, length, heads, key_dim, value_dim, options,
+                                         walks_whole_heads(dtype, key_dim, value_dim, options));
   return WorkspaceLayout(plan, batch, heads, key_dim, value_dim).bytes;
 }
 
@@ -887,8 +870,9 @@ cudaError_t kda_chunked_forward(KdaDtype dtype, const void* q, const void* k, co
       (options.chunk_states != nullptr && cu_seqlens != nullptr)) {
     return cudaErrorInvalidValue;
   }
+  const bool whole_heads = walks_whole_heads(dtype, key_dim, value_dim, options);
   const SegmentPlan plan =
-      plan_segments(dtype, cu_seqlens != nullptr, batch, length, heads, key_dim, value_dim, options);
+      plan_segments(cu_seqlens != nullptr, batch, length, heads, key_dim, value_dim, options, whole_heads);
   const WorkspaceLayout layout(plan, batch, heads, key_dim, value_dim);
   unsigned char* workspace = static_cast<unsigned char*>(options.workspace);
   bool allocated = false;
@@ -909,7 +893,7 @@ cudaError_t kda_chunked_forward(KdaDtype dtype, const void* q, const void* k, co
   a.segment_length = length, a.first_segment_length = length, a.segments = 1;
   a.lead = false, a.lead_states = nullptr;
   a.prefetch = options.prefetch;
-  a.head_walk = options.head_walk;
+  a.head_walk = whole_heads;
   a.chunk_states = options.chunk_states;
   cudaError_t error =
       with_walk_types(dtype, key_dim, value_dim, [&](auto type, auto key, auto tile) {

@@ -253,9 +253,7 @@ __global__ void __launch_bounds__(kHeadThreads, 1) kda_head_state_gradient_kerne
   float d_state[K / 8][4];
   if (walker) {
     if constexpr (kTransition) {
-      for_each_tile_entry<K>(v_col, lane, [&](int j, int e, int c, int vr) {
-        d_state[j][e] = a_columns && c == vr ? 1.0f : 0.0f;
-      });
+      transition_start_tile<K>(d_state, v_col, a_columns, lane);
     } else if (P > 1) {
       const int64_t r = P - 1 - segment;  // the scan's order: from the last segment
       load_state_tile<K>(d_state, a.segment_states, ((static_cast<int64_t>(seq) * P + r) * H + h) * K * V, V, v_col,
@@ -295,15 +293,9 @@ __global__ void __launch_bounds__(kHeadThreads, 1) kda_head_state_gradient_kerne
 
   if (!walker) return;
   if constexpr (kTransition) {
-    // A'_p transposed (A'^T[vr][c] at vr K + c, the scan's layout) or B'_p, at pair slot P - 1 - p.
-    const int64_t slot = (static_cast<int64_t>(seq) * (P - 1) + (P - 1 - segment)) * H + h;
-    for_each_tile_entry<K>(v_col, lane, [&](int j, int e, int c, int vr) {
-      if (a_columns) {
-        a.transition_a[slot * K * K + static_cast<int64_t>(vr) * K + c] = d_state[j][e];
-      } else {
-        a.transition_b[slot * K * V + static_cast<int64_t>(c) * V + vr] = d_state[j][e];
-      }
-    });
+    // A'_p (transposed) or B'_p at pair slot P - 1 - p: the scan's order, from the last segment.
+    store_transition_tile<K>(a, d_state, (static_cast<int64_t>(seq) * (P - 1) + (P - 1 - segment)) * H + h, V, v_col,
+                             a_columns, lane);
   } else {
     if (segment != 0 || b.d_initial_state == nullptr) return;
     store_state_tile<K>(b.d_initial_state, state_offset, d_state, V, v_col, lane);

@@ -285,6 +285,7 @@ __device__ __forceinline__ void store_state_tile(float* state, int64_t offset, c
   for_each_tile_entry<K>(v_col, lane, [&](int j, int e, int c, int vr) { state[offset + c * V + vr] = tile[j][e]; });
 }
 
+
 // Column c of M = (I + L)^-1 for a strictly lower 16 x 16 L read through l(i, j), in fp32, by
 // right-looking substitution: once m[j] is final, every later row takes its term l(i, j) m[j] at
 // once. A dependent chain of 16 updates instead of the 120 of row-by-row substitution, with each
@@ -383,7 +384,7 @@ struct ChunkedArgs {
   float* transition_a;          // transition pass: [N, P - 1, H, K, K], A_seg transposed
   float* transition_b;          // transition pass: [N, P - 1, H, K, V], B_seg
   bool prefetch;                // L2 prefetch of the next group's inputs during the walk
-  bool head_walk;               // bf16 K = V = 128: one 8-warp CTA per head (kda_head_kernel)
+  bool head_walk;               // whole heads (kda_head_kernel): bf16, K = V = 128, the option, the device fits it
   // Forward pass, for the backward: bf16 [N, H, ceil(length / 16), V, K], the state entering
   // every chunk, transposed (nullptr: not kept). Not with cu_seqlens.
   void* chunk_states;
@@ -394,6 +395,37 @@ struct ChunkedArgs {
 // backward's state recompute (the forward's walk without outputs, storing every chunk's entering
 // state in chunk_states).
 enum class Pass { kForward, kTransition, kStates };
+
+// Transition walks of context parallelism (the forward's and the backward's reverse walk): a
+// segment's affine map X_end = A X_start + B is walked as one state [A | B] from [I | 0], the A
+// columns without values. transition_start_tile: this warp's tile of [I | 0] (a_columns: the A
+// walk). store_transition_tile: its end into pair slot `pair` of ChunkedArgs::transition_a (A
+// transposed, A[c][vr] at vr K + c: the segment scan reads A's columns) or ::transition_b (B,
+// [K][V]).
+template <int K>
+__device__ __forceinline__ void transition_start_tile(float (&tile)[K / 8][4], int v_col, bool a_columns, int lane) {
+  for_each_tile_entry<K>(v_col, lane, [&](int j, int e, int c, int vr) { tile[j][e] = a_columns && c == vr ? 1.0f : 0.0f; });
+}
+
+template <int K>
+__device__ __forceinline__ void store_transition_tile(const ChunkedArgs& a, const float (&tile)[K / 8][4], int64_t pair,
+                                                      int V, int v_col, bool a_columns, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int j = 0; j < K / 8; ++j) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int c = 8 * j + 2 * t, vr = v_col + g + half * 8;
+      if (a_columns) {
+        *reinterpret_cast<float2*>(&a.transition_a[pair * K * K + vr * K + c]) =
+            make_float2(tile[j][2 * half], tile[j][2 * half + 1]);
+      } else {
+        a.transition_b[pair * K * V + c * V + vr] = tile[j][2 * half];
+        a.transition_b[pair * K * V + (c + 1) * V + vr] = tile[j][2 * half + 1];
+      }
+    }
+  }
+}
 
 // kTile value columns [v0, v0 + kTile) of rows [row0, row0 + valid) of x [*, H, V] as bf16 (zeros
 // past valid), by one warp, into rows[16][kTile + 8]: 8 columns per item, 16-byte stores.

@@ -146,7 +146,7 @@ void time_phases(int64_t B, int64_t T, int64_t H, int64_t seg, int64_t lead) {
   fill_f32<<<1024, 256>>>(g, n * K, 5, -0.3f, 0.0f);
   KdaChunkedOptions opt;
   opt.segment_length = seg, opt.lead_length = lead;
-  const SegmentPlan plan = plan_segments(KdaDtype::kBFloat16, false, B, T, H, K, V, opt);
+  const SegmentPlan plan = plan_segments(false, B, T, H, K, V, opt, walks_whole_heads(KdaDtype::kBFloat16, K, V, opt));
   const WorkspaceLayout layout(plan, B, H, K, V);
   unsigned char* ws = nullptr;
   cudaMalloc(&ws, layout.bytes + 16);
@@ -167,11 +167,8 @@ void time_phases(int64_t B, int64_t T, int64_t H, int64_t seg, int64_t lead) {
     else launch_head<128, 128, Pass::kTransition>(a, dim3(2, h, nb * (p - 1)), 0);
   });
   const float t2 = median([&] { launch_segment_scan<128>(a, states, B, 0); });
-  const float t2_2 = median([&] { launch_segment_scan_with<128, 1, 2>(a, states, B, 0); });
-  const float t2_g2 = median([&] { launch_segment_scan_with<128, 2, 2>(a, states, B, 0); });
-  const float t2_g4 = median([&] { launch_segment_scan_with<128, 4, 2>(a, states, B, 0); });
-  std::printf("  scan: the launcher's %.4f ms; 1 / 2 / 4 groups of 4 columns a CTA with two buffers of A: %.4f %.4f "
-              "%.4f ms\n", t2, t2_2, t2_g2, t2_g4);
+  const float t2_2 = median([&] { launch_segment_scan_with<128, 2>(a, states, B, 0); });
+  std::printf("  scan: the launcher's %.4f ms; with two buffers of A %.4f ms\n", t2, t2_2);
   ChunkedArgs f = a;
   f.segment_states = states;
   const float t3 = median([&] { launch_head<128, 128, Pass::kForward>(f, dim3(1, h, nb * (plan.lead ? p - 1 : p)), 0); });
@@ -219,7 +216,7 @@ void check_against_serial(int64_t B, int64_t T, int64_t H, int64_t seg, int64_t 
   for (size_t i = 0; i < fa.size(); ++i) sdiff = std::max(sdiff, (double)std::fabs(fa[i] - fb[i])), smag = std::max(smag, (double)std::fabs(fa[i]));
   KdaChunkedOptions opt;
   opt.segment_length = seg, opt.lead_length = lead;
-  const SegmentPlan plan = plan_segments(KdaDtype::kBFloat16, false, B, T, H, K, V, opt);
+  const SegmentPlan plan = plan_segments(false, B, T, H, K, V, opt, walks_whole_heads(KdaDtype::kBFloat16, K, V, opt));
   std::printf("check B=%ld T=%ld H=%ld seg=%ld lead=%ld (P=%ld of %ld, first %ld, lead %d): o %.3g of %.3g "
               "(%.2e), final state %.3g of %.3g (%.2e) %s\n",
               (long)B, (long)T, (long)H, (long)seg, (long)lead, (long)plan.segments, (long)plan.segment_length,
