@@ -455,14 +455,32 @@ std::vector<Stage> moe_forward_stages(const KernelsBenchOptions& o, model::MoeIm
                best([&] { kernels::moe_permutation(v.topk.ids, mo.num_experts); }), 0, rows * 8 * 5});
   s.push_back({"gather rows z[token] (moe_gather_rows)", best([&] { kernels::moe_gather_rows(v.z, v.perm.token); }),
                0, 2 * bytes_of(v.rows) + rows * 8});
+  // The routed experts: fused where MoeGemm::kAuto takes it (the four unfused rows are then the
+  // chain it replaced, not summed), else the grouped / loop GEMMs and SiTU-GLU.
+  const bool fused = kernels::moe_experts_fused_applies(v.rows, layer.experts->gate_proj, layer.experts->up_proj,
+                                                        layer.experts->down_proj);
+  if (fused) {
+    s.push_back({"routed experts fused: G, U, SiTU-GLU, Y per tile (moe_experts_forward; G, U stored)",
+                 best([&] {
+                   kernels::moe_experts_fused_forward(v.rows, layer.experts->gate_proj, layer.experts->up_proj,
+                                                      layer.experts->down_proj, v.perm, b1, b2, true);
+                 }),
+                 3 * 2 * rows * l * f, 0});
+    s.push_back({"the same without storing G and U (inference)",
+                 best([&] {
+                   kernels::moe_experts_fused_forward(v.rows, layer.experts->gate_proj, layer.experts->up_proj,
+                                                      layer.experts->down_proj, v.perm, b1, b2, false);
+                 }),
+                 3 * 2 * rows * l * f, 0, /*summed=*/false});
+  }
   s.push_back({"experts gate GEMM X W_gate^T" + gemm,
-               best([&] { kernels::moe_expert_rows_times(v.rows, v.w_gate, v.groups); }), 2 * rows * l * f, 0});
+               best([&] { kernels::moe_expert_rows_times(v.rows, v.w_gate, v.groups); }), 2 * rows * l * f, 0, !fused});
   s.push_back({"experts up GEMM X W_up^T" + gemm,
-               best([&] { kernels::moe_expert_rows_times(v.rows, v.w_up, v.groups); }), 2 * rows * l * f, 0});
+               best([&] { kernels::moe_expert_rows_times(v.rows, v.w_up, v.groups); }), 2 * rows * l * f, 0, !fused});
   s.push_back({"experts SiTU-GLU (fused kernel)", best([&] { kernels::situ_glu(v.gate, v.up, b1, b2); }), 0,
-               3 * bytes_of(v.gate)});
+               3 * bytes_of(v.gate), !fused});
   s.push_back({"experts down GEMM H W_down^T" + gemm,
-               best([&] { kernels::moe_expert_rows_times(v.h, v.w_down, v.groups); }), 2 * rows * f * l, 0});
+               best([&] { kernels::moe_expert_rows_times(v.h, v.w_down, v.groups); }), 2 * rows * f * l, 0, !fused});
   s.push_back({"un-permute u = sum_k p out (moe_unpermute, fp32 out)",
                best([&] { kernels::moe_unpermute(v.expert_out, v.perm, v.topk.weights, at::kFloat); }), 0,
                bytes_of(v.expert_out) + bytes_of(v.u) + rows * (8 + 4)});
@@ -703,6 +721,28 @@ void moe_grouped_gemm_comparison(const KernelsBenchOptions& o, model::MoeImpl& l
                 cell(even_ms, p.flops).c_str(), cell(dense_ms, p.flops).c_str(), dense_ms / routed_ms);
   }
   std::printf("  (ratio: the dense matmul's time over the grouped one's as routed; 1 = as fast as dense)\n");
+  if (kernels::moe_experts_fused_applies(v.rows, layer.experts->gate_proj, layer.experts->up_proj, down_proj)) {
+    // The fused forward does all three forward products (and SiTU-GLU) in one kernel: against the
+    // three dense matmuls of the same shapes.
+    kernels::MoePermutation even_perm = v.perm;
+    even_perm.group_ends = even_ends;
+    auto fused = [&](const kernels::MoePermutation& p) {
+      kernels::moe_experts_fused_forward(v.rows, gate_proj, layer.experts->up_proj, down_proj, p, mo.situ_beta1,
+                                         mo.situ_beta2, true);
+    };
+    const double routed_ms = best([&] { fused(v.perm); });
+    const double even_ms = best([&] { fused(even_perm); });
+    const double dense_ms = best([&] {
+      at::mm(v.rows, v.w_gate.select(0, 0));
+      at::mm(v.rows, v.w_up.select(0, 0));
+      at::mm(v.h, v.w_down.select(0, 0));
+    });
+    const double flops = 3 * 2 * r * l * f;
+    std::printf("  %-40s %22s %22s %22s %7.2f\n", "fused forward: G, U, SiTU-GLU, Y (+ G, U)",
+                cell(routed_ms, flops).c_str(), cell(even_ms, flops).c_str(), cell(dense_ms, flops).c_str(),
+                dense_ms / routed_ms);
+    std::printf("  (fused: moe_experts_forward, one kernel, against the three dense matmuls of its products)\n");
+  }
   std::fflush(stdout);
 }
 

@@ -1,5 +1,6 @@
 // MoE kernels (contracts: kernels/moe.h; design and numerics: kernels/README.md, "MoE kernels").
 #include "kernels/moe.h"
+#include "kernels/situ.cuh"
 
 #include <climits>
 #include <cmath>
@@ -502,27 +503,6 @@ __global__ void unpermute_backward_kernel(const T* __restrict__ copies,
 
 // ---- SiTU-GLU ------------------------------------------------------------------------------------------
 
-__device__ __forceinline__ float sigmoid_f32(float x) { return 1.f / (1.f + expf(-x)); }
-
-// The terms of one element, fp32: the caps' tanh, the capped gate and up, sigma(g).
-struct SituTerms {
-  float t1, t2, c1, c2, sg;
-};
-
-__device__ __forceinline__ SituTerms situ_terms(float g, float u, float beta1, float beta2) {
-  SituTerms s;
-  s.t1 = tanhf(g / beta1);
-  s.t2 = tanhf(u / beta2);
-  s.c1 = beta1 * s.t1;
-  s.c2 = beta2 * s.t2;
-  s.sg = sigmoid_f32(g);
-  return s;
-}
-
-// h = [beta1 tanh(g / beta1) sigma(g)] [beta2 tanh(u / beta2)]. The forward and the backward's
-// recomputation of h both take it from here, so they agree bit for bit.
-__device__ __forceinline__ float situ_h(const SituTerms& s) { return s.c1 * s.sg * s.c2; }
-
 template <typename T>
 __global__ void situ_forward_kernel(const T* __restrict__ gate, const T* __restrict__ up,
                                     T* __restrict__ h, int64_t count, float beta1, float beta2) {
@@ -541,10 +521,8 @@ __global__ void situ_backward_kernel(const T* __restrict__ gate, const T* __rest
   for_each_index(count, [&](int64_t i) {
     const float d = load_f32(dh, i);
     const SituTerms s = situ_terms(load_f32(gate, i), load_f32(up, i), beta1, beta2);
-    const float dc1 = 1.f - s.t1 * s.t1;  // d(beta1 tanh(g / beta1)) / dg
-    const float dc2 = 1.f - s.t2 * s.t2;
-    store_f32(d_gate, i, d * s.c2 * (dc1 * s.sg + s.c1 * s.sg * (1.f - s.sg)));
-    store_f32(d_up, i, d * s.c1 * s.sg * dc2);
+    store_f32(d_gate, i, situ_d_gate(s, d));
+    store_f32(d_up, i, situ_d_up(s, d));
     if (h != nullptr) store_f32(h, i, situ_h(s));
   });
 }

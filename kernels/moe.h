@@ -4,8 +4,9 @@
 // set, checked before anything is launched). The plain LibTorch references they are tested
 // against: model::select_experts and QuantileBalancer::local_histogram (model/balancing.h),
 // model::permute_tokens / permute / unpermute (model/moe.h), model::situ_glu (model/ffn.h).
-// kernels/torch_bindings.h adapts at::Tensor to these calls; the grouped expert GEMMs are not
-// here (they are at::_grouped_mm or a per-expert loop, in kernels/moe_autograd.cpp).
+// kernels/torch_bindings.h adapts at::Tensor to these calls. The routed experts run fused
+// (moe_experts_forward, below) where that applies, else as at::_grouped_mm or a per-expert loop
+// (kernels/moe_autograd.cpp).
 //
 // Layouts: every tensor is dense row-major (contiguous) in the shape given. "T" is an element
 // type chosen by a MoeDtype (bf16 or fp32); arithmetic is fp32 whatever T is. Expert ids are
@@ -143,6 +144,30 @@ cudaError_t situ_glu_backward_with_h(MoeDtype dtype, const void* gate, const voi
                                      const void* dh, void* d_gate, void* d_up, void* h,
                                      int64_t count, float beta1, float beta2,
                                      cudaStream_t stream);
+
+// ---- Routed experts, fused (moe_experts.cu) ----------------------------------------------------
+// The routed experts' whole MLP in one kernel, on tensor cores (mma.sync, fp32 accumulation), for
+// rows grouped by expert (expert e owns rows [group_ends[e - 1], group_ends[e]), as
+// moe_permutation writes them):
+//   G = X W_gate[e]^T, U = X W_up[e]^T      fp32 sums, each rounded once to bf16; stored into
+//                                           gate, up when they are not nullptr (the backward's)
+//   H = situ_glu(G, U)                      from the rounded G and U (situ.cuh, as
+//                                           situ_glu_forward), rounded to bf16, never stored
+//   Y = H W_down[e]^T                       fp32 sums, rounded once to bf16
+// So Y equals the unfused chain (grouped GEMMs with bf16 results, situ_glu_forward, grouped GEMM)
+// up to the order of the fp32 sums. All bf16:
+//   rows [R, L]   gate_proj, up_proj [E, F, L]   down_proj [E, L, F]   group_ends int32 [E]
+//   y [R, L]      gate, up [R, F] (both or neither)
+// Nothing is read back to the host (the tile schedule is built on the device from group_ends).
+// Supported (moe_experts_fused_supported): sm_80 or newer, L a multiple of 128, F of 64,
+// 1 <= E <= 1024, shared memory for 128 rows of L and F plus three 16 KB weight chunks (L = 384,
+// F = 192: 207 KB; the device's opt-in limit), R < 2^31, 16-byte aligned rows, weights and y.
+bool moe_experts_fused_supported(int64_t latent, int64_t ffn, int64_t experts);
+cudaError_t moe_experts_forward(const void* rows, const void* gate_proj, const void* up_proj,
+                                const void* down_proj, const int32_t* group_ends, void* y,
+                                void* gate, void* up, int64_t total_rows, int64_t experts,
+                                int64_t latent, int64_t ffn, float beta1, float beta2,
+                                cudaStream_t stream);
 
 // Zeroes the rows of experts with no tokens in a stacked [groups, row_elements] tensor (weight
 // gradients of grouped GEMMs over an empty token range); counts int64 [groups].

@@ -120,14 +120,22 @@ class MoeExpertsFunction : public torch::autograd::Function<MoeExpertsFunction> 
   static variable_list forward(AutogradContext* ctx, const at::Tensor& rows,
                                const at::Tensor& gate_proj, const at::Tensor& up_proj,
                                const at::Tensor& down_proj, const MoePermutation& permutation,
-                               double beta1, double beta2, bool grouped) {
+                               double beta1, double beta2, bool grouped, bool fused) {
+    // The backward's GEMMs are grouped or a loop; the forward may run fused instead.
     const MoeExpertGroups g =
         moe_expert_groups(permutation.tokens_per_expert, permutation.group_ends, grouped);
     const at::Tensor x = rows.contiguous();
-    const at::Tensor gate = moe_expert_rows_times(x, gate_proj.transpose(1, 2), g);
-    const at::Tensor up = moe_expert_rows_times(x, up_proj.transpose(1, 2), g);
-    const at::Tensor h = situ_glu(gate, up, beta1, beta2);
-    at::Tensor y = moe_expert_rows_times(h, down_proj.transpose(1, 2), g);
+    at::Tensor gate, up, y;
+    if (fused) {
+      const MoeExpertsFused out = moe_experts_fused_forward(x, gate_proj, up_proj, down_proj,
+                                                            permutation, beta1, beta2, true);
+      gate = out.gate, up = out.up, y = out.y;
+    } else {
+      gate = moe_expert_rows_times(x, gate_proj.transpose(1, 2), g);
+      up = moe_expert_rows_times(x, up_proj.transpose(1, 2), g);
+      const at::Tensor h = situ_glu(gate, up, beta1, beta2);
+      y = moe_expert_rows_times(h, down_proj.transpose(1, 2), g);
+    }
     save_permutation(ctx, permutation);
     ctx->save_for_backward({x, gate_proj, up_proj, down_proj, gate, up});
     ctx->saved_data["beta1"] = beta1;
@@ -138,7 +146,7 @@ class MoeExpertsFunction : public torch::autograd::Function<MoeExpertsFunction> 
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    variable_list none(8);
+    variable_list none(9);
     if (!grads[0].defined()) return none;
     const variable_list saved = ctx->get_saved_variables();
     const at::Tensor &x = saved[0], &gate_proj = saved[1], &up_proj = saved[2],
@@ -156,7 +164,7 @@ class MoeExpertsFunction : public torch::autograd::Function<MoeExpertsFunction> 
     // H (for dW_down) is not saved: the SiTU-GLU backward recomputes it in its own pass.
     const bool want_down = ctx->needs_input_grad(3);
     const SituGluBackwardWithH d = situ_glu_backward_with_h(gate, up, dh, beta1, beta2, want_down);
-    variable_list out(8);
+    variable_list out(9);
     if (ctx->needs_input_grad(0)) {
       // dX = dG W_gate + dU W_up, the second product added into the first (no third [R, L]).
       out[0] = moe_expert_rows_times(d.d_gate, gate_proj, g);
@@ -303,6 +311,63 @@ at::Tensor router_logits_autograd(const at::Tensor& tokens, const at::Tensor& we
 #else
   return {};
 #endif
+}
+
+bool moe_experts_fused_applies(const at::Tensor& rows, const at::Tensor& gate_proj,
+                               const at::Tensor& up_proj, const at::Tensor& down_proj) {
+  for (const at::Tensor* t : {&rows, &gate_proj, &up_proj, &down_proj}) {
+    if (!t->defined() || !t->is_cuda() || t->device() != rows.device() ||
+        t->scalar_type() != at::kBFloat16) {
+      return false;
+    }
+  }
+  if (rows.dim() != 2 || gate_proj.dim() != 3 || up_proj.sizes() != gate_proj.sizes() ||
+      down_proj.dim() != 3 || rows.size(1) != gate_proj.size(2) ||
+      rows.size(0) >= (int64_t{1} << 31)) {
+    return false;
+  }
+  const c10::cuda::CUDAGuard guard(rows.device());
+  return moe_experts_fused_supported(gate_proj.size(2), gate_proj.size(1), gate_proj.size(0));
+}
+
+MoeExpertsFused moe_experts_fused_forward(const at::Tensor& rows, const at::Tensor& gate_proj,
+                                          const at::Tensor& up_proj, const at::Tensor& down_proj,
+                                          const MoePermutation& permutation, double beta1,
+                                          double beta2, bool want_gate_up) {
+  constexpr const char* where = "kernels::moe_experts_fused_forward";
+  TORCH_CHECK(moe_experts_fused_applies(rows, gate_proj, up_proj, down_proj), where,
+              ": needs CUDA bf16 rows [R, L] and weights [E, F, L], [E, F, L], [E, L, F] on sm_80 or "
+              "newer with L a multiple of 128, F of 64 and at most 1024 experts; got rows ",
+              rows.sizes(), " ", rows.scalar_type(), ", gate_proj ", gate_proj.sizes(), " ",
+              gate_proj.scalar_type());
+  const int64_t experts = gate_proj.size(0), ffn = gate_proj.size(1), latent = gate_proj.size(2);
+  TORCH_CHECK(down_proj.size(0) == experts && down_proj.size(1) == latent && down_proj.size(2) == ffn,
+              where, ": down_proj must be [", experts, ", ", latent, ", ", ffn, "], got ",
+              down_proj.sizes());
+  TORCH_CHECK(permutation.group_ends.defined() && permutation.group_ends.numel() == experts &&
+                  permutation.tokens * permutation.top_k == rows.size(0),
+              where, ": the permutation (", permutation.tokens, " tokens x ", permutation.top_k,
+              ") does not describe ", rows.size(0), " rows of ", experts, " experts");
+  TORCH_CHECK(beta1 > 0 && beta2 > 0, where, ": caps must be positive, got ", beta1, " and ", beta2);
+  const c10::cuda::CUDAGuard guard(rows.device());
+  const at::Tensor x = rows.contiguous(), wg = gate_proj.contiguous(), wu = up_proj.contiguous(),
+                   wd = down_proj.contiguous();
+  const at::Tensor ends = permutation.group_ends.to(at::kInt).contiguous();
+  MoeExpertsFused out;
+  out.y = at::empty({x.size(0), latent}, x.options());
+  if (want_gate_up) {
+    out.gate = at::empty({x.size(0), ffn}, x.options());
+    out.up = at::empty({x.size(0), ffn}, x.options());
+  }
+  const cudaError_t error = moe_experts_forward(
+      x.data_ptr(), wg.data_ptr(), wu.data_ptr(), wd.data_ptr(), ends.data_ptr<int32_t>(),
+      out.y.data_ptr(), want_gate_up ? out.gate.data_ptr() : nullptr,
+      want_gate_up ? out.up.data_ptr() : nullptr, x.size(0), experts, latent, ffn,
+      static_cast<float>(beta1), static_cast<float>(beta2),
+      at::cuda::getCurrentCUDAStream(x.device().index()).stream());
+  TORCH_CHECK(error == cudaSuccess, where, ": CUDA error ", cudaGetErrorName(error), " (",
+              cudaGetErrorString(error), ")");
+  return out;
 }
 
 bool moe_grouped_mm_applies(const at::Tensor& rows, const at::Tensor& gate_proj,
@@ -465,9 +530,15 @@ at::Tensor moe_experts_autograd(const at::Tensor& rows, const at::Tensor& gate_p
   TORCH_CHECK(gemm != MoeGemm::kGrouped || applies, where,
               ": at::_grouped_mm does not apply here (needs LibTorch >= 2.8, bf16, sm90 / sm100, "
               "widths that are multiples of 16, fewer than 1024 experts; compiled in: ", moe_grouped_mm_compiled(), ")");
-  const bool grouped = gemm == MoeGemm::kGrouped || (gemm == MoeGemm::kAuto && applies);
+  const bool fused_applies = moe_experts_fused_applies(rows, gate_proj, up_proj, down_proj);
+  TORCH_CHECK(gemm != MoeGemm::kFused || fused_applies, where,
+              ": the fused experts do not apply here (need CUDA bf16 rows and weights on sm_80 or "
+              "newer, L a multiple of 128, F of 64, at most 1024 experts; got L = ", latent, ", F = ",
+              ffn, ", ", experts, " experts, ", rows.scalar_type(), ")");
+  const bool fused = gemm == MoeGemm::kFused || (gemm == MoeGemm::kAuto && fused_applies);
+  const bool grouped = gemm == MoeGemm::kGrouped || ((gemm == MoeGemm::kAuto || fused) && applies);
   return MoeExpertsFunction::apply(rows, gate_proj, up_proj, down_proj, permutation, beta1, beta2,
-                                   grouped)[0];
+                                   grouped, fused)[0];
 }
 
 }  // namespace odyssey::kernels

@@ -31,8 +31,11 @@
 
 namespace odyssey::kernels {
 
-// Which GEMMs MoeExpertsFunction uses: kAuto takes at::_grouped_mm where it applies (see above).
-enum class MoeGemm { kAuto, kGrouped, kLoop };
+// Which GEMMs MoeExpertsFunction uses. kFused: the forward as one kernel (moe_experts_forward,
+// kernels/moe.h: both GEMMs and SiTU-GLU per tile of rows), the backward grouped where that
+// applies, else the loop. kAuto takes kFused where it applies, else at::_grouped_mm where that
+// applies (see above), else the loop.
+enum class MoeGemm { kAuto, kGrouped, kLoop, kFused };
 
 // Whether at::_grouped_mm was compiled in (LibTorch >= 2.8).
 bool moe_grouped_mm_compiled();
@@ -40,6 +43,22 @@ bool moe_grouped_mm_compiled();
 // gate / up [E, F, L], down [E, L, F].
 bool moe_grouped_mm_applies(const at::Tensor& rows, const at::Tensor& gate_proj,
                             const at::Tensor& up_proj, const at::Tensor& down_proj);
+
+// Whether the fused experts' forward applies: CUDA bf16 rows [R, L] and weights (gate / up
+// [E, F, L], down [E, L, F]) on one device, and moe_experts_fused_supported(L, F, E) there.
+bool moe_experts_fused_applies(const at::Tensor& rows, const at::Tensor& gate_proj,
+                               const at::Tensor& up_proj, const at::Tensor& down_proj);
+
+// moe_experts_forward on tensors, without autograd: y [R, L] and, when want_gate_up, the gate
+// and up activations [R, F] (what MoeExpertsFunction saves for its backward). Errors name what
+// does not apply.
+struct MoeExpertsFused {
+  at::Tensor y, gate, up;
+};
+MoeExpertsFused moe_experts_fused_forward(const at::Tensor& rows, const at::Tensor& gate_proj,
+                                          const at::Tensor& up_proj, const at::Tensor& down_proj,
+                                          const MoePermutation& permutation, double beta1,
+                                          double beta2, bool want_gate_up);
 
 // model::permute with autograd: rows[r] = tokens[permutation.token[r]]; tokens [m, width] CUDA
 // (2- or 4-byte elements). Backward: each token's gradient is the sum of its k copies' (fp32, no

@@ -572,6 +572,114 @@ TEST_F(MoeKernel, ExpertGemmsMatchTheLoopAndTheFp64Reference) {
   }
 }
 
+TEST_F(MoeKernel, FusedExpertsMatchTheGroupedGemmsAndTheFp64Reference) {
+  // The fused forward (both GEMMs and SiTU-GLU per tile of rows) on the small config's widths and
+  // two smaller ones, with one expert that every token picks (several tiles of one expert), three
+  // experts without rows and the rest uneven: y, the saved gate and up activations and every
+  // gradient (the backward is the grouped / loop one, from what the fused forward saved).
+  const int64_t m = 700, n = 16, k = 2;
+  for (const auto& [latent, ffn] : std::vector<std::pair<int64_t, int64_t>>{{128, 64}, {256, 128}, {384, 192}}) {
+    at::manual_seed(23 + latent);
+    at::Tensor bias = at::zeros({n}, cuda());
+    bias[0].fill_(10.0);                   // every token: 700 rows, tiles of 117 rows
+    bias.narrow(0, 13, 3).fill_(-10.0);    // experts 13..15: no rows
+    const at::Tensor selected = model::select_experts(at::sigmoid(at::randn({m, n}, cuda())), bias, k);
+    const MoePermutation perm = moe_permutation(selected, n);
+    const at::Tensor rows = at::randn({m * k, latent}, cuda(at::kBFloat16));
+    const double scale = 1.0 / std::sqrt(static_cast<double>(latent));
+    const at::Tensor gate = (at::randn({n, ffn, latent}, cuda()) * 3 * scale).to(at::kBFloat16);
+    const at::Tensor up = (at::randn({n, ffn, latent}, cuda()) * 3 * scale).to(at::kBFloat16);
+    const at::Tensor down = (at::randn({n, latent, ffn}, cuda()) * 3 * scale).to(at::kBFloat16);
+    const at::Tensor dy = at::randn({m * k, latent}, cuda());
+    ASSERT_TRUE(moe_experts_fused_applies(rows, gate, up, down)) << latent << " x " << ffn;
+    const std::string tag = " L=" + std::to_string(latent) + " F=" + std::to_string(ffn);
+
+    auto grads_of = [&](bool reference, MoeGemm gemm) {
+      const c10::AutoGradMode grad(true);
+      auto leaf = [&](const at::Tensor& t) {
+        return (reference ? t.to(at::kDouble) : t).detach().requires_grad_(true);
+      };
+      std::vector<at::Tensor> in = {leaf(rows), leaf(gate), leaf(up), leaf(down)};
+      const at::Tensor y = reference
+                               ? experts_reference(in[0], in[1], in[2], in[3], perm.tokens_per_expert)
+                               : moe_experts_autograd(in[0], in[1], in[2], in[3], perm, 4.0, 25.0, gemm);
+      (y.to(at::kDouble) * dy.to(at::kDouble)).sum().backward();
+      std::vector<at::Tensor> out = {y.detach()};
+      for (const at::Tensor& t : in) out.push_back(t.grad());
+      return out;
+    };
+    const std::vector<at::Tensor> expected = grads_of(true, MoeGemm::kLoop);
+    const std::vector<at::Tensor> got = grads_of(false, MoeGemm::kFused);
+    const std::vector<const char*> names = {"y", "d rows", "d gate_proj", "d up_proj", "d down_proj"};
+    for (size_t i = 0; i < got.size(); ++i) {
+      expect_close(std::string("fused ") + names[i] + tag, got[i], expected[i], 3e-2);
+    }
+    for (size_t i = 2; i < got.size(); ++i) EXPECT_EQ(max_abs(got[i].narrow(0, 13, 3)), 0.0) << names[i] << tag;
+
+    // Against the unfused chain on the same bf16 operands: the same roundings, the fp32 sums in
+    // another order. And kAuto takes the fused forward here.
+    const c10::NoGradGuard no_grad;
+    const MoeExpertsFused fused = moe_experts_fused_forward(rows, gate, up, down, perm, 4.0, 25.0, true);
+    const MoeExpertGroups g = moe_expert_groups(perm.tokens_per_expert, perm.group_ends,
+                                                moe_grouped_mm_applies(rows, gate, up, down));
+    const at::Tensor gate_act = moe_expert_rows_times(rows, gate.transpose(1, 2), g);
+    const at::Tensor up_act = moe_expert_rows_times(rows, up.transpose(1, 2), g);
+    const at::Tensor y_chain =
+        moe_expert_rows_times(situ_glu(gate_act, up_act, 4.0, 25.0), down.transpose(1, 2), g);
+    expect_close("fused gate activations vs the GEMM" + tag, fused.gate, gate_act, 1e-2);
+    expect_close("fused up activations vs the GEMM" + tag, fused.up, up_act, 1e-2);
+    expect_close("fused y vs the unfused chain" + tag, fused.y, y_chain, 1e-2);
+    EXPECT_TRUE(at::equal(fused.y, got[0])) << "kFused's forward is moe_experts_fused_forward" << tag;
+    EXPECT_TRUE(at::equal(fused.y, moe_experts_autograd(rows, gate, up, down, perm, 4.0, 25.0)))
+        << "kAuto takes the fused forward" << tag;
+    const MoeExpertsFused y_only = moe_experts_fused_forward(rows, gate, up, down, perm, 4.0, 25.0, false);
+    EXPECT_TRUE(at::equal(fused.y, y_only.y)) << "y without storing the activations" << tag;
+    EXPECT_FALSE(y_only.gate.defined());
+  }
+}
+
+TEST_F(MoeKernel, FusedExpertsRefuseWhatTheyDoNotSupport) {
+  const int64_t m = 64, n = 8, k = 2;
+  const at::Tensor selected = model::select_experts(at::sigmoid(at::randn({m, n}, cuda())), at::zeros({n}, cuda()), k);
+  const MoePermutation perm = moe_permutation(selected, n);
+  auto expect_refused = [&](int64_t latent, int64_t ffn, const std::string& why) {
+    const at::ScalarType dtype = at::kBFloat16;
+    const at::Tensor rows = at::randn({m * k, latent}, cuda(dtype));
+    const at::Tensor gate = at::randn({n, ffn, latent}, cuda(dtype));
+    const at::Tensor down = at::randn({n, latent, ffn}, cuda(dtype));
+    EXPECT_FALSE(moe_experts_fused_applies(rows, gate, gate, down)) << why;
+    try {
+      moe_experts_autograd(rows, gate, gate, down, perm, 4.0, 25.0, MoeGemm::kFused);
+      ADD_FAILURE() << why << ": no error";
+    } catch (const c10::Error& e) {
+      const std::string message = e.what_without_backtrace();
+      EXPECT_NE(message.find("fused experts do not apply"), std::string::npos) << message;
+      EXPECT_NE(message.find("L = " + std::to_string(latent)), std::string::npos) << message;
+    }
+    // The launcher refuses them too, before launching anything.
+    EXPECT_EQ(moe_experts_forward(rows.data_ptr(), gate.data_ptr(), gate.data_ptr(), down.data_ptr(),
+                                  perm.group_ends.data_ptr<int32_t>(), rows.data_ptr(), nullptr, nullptr,
+                                  m * k, n, latent, ffn, 4.f, 25.f, nullptr),
+              cudaErrorInvalidValue)
+        << why;
+  };
+  expect_refused(64, 64, "L not a multiple of 128");
+  expect_refused(128, 48, "F not a multiple of 64");
+  expect_refused(2048, 1024, "too large for shared memory");
+  // fp32 runs the other paths; the launcher itself only knows bf16 and cannot tell, so only the
+  // tensor-level check is asked.
+  const at::Tensor rows = at::randn({m * k, 128}, cuda());
+  const at::Tensor gate = at::randn({n, 64, 128}, cuda());
+  EXPECT_FALSE(moe_experts_fused_applies(rows, gate, gate, at::randn({n, 128, 64}, cuda())));
+  // Non-positive caps.
+  const at::Tensor rb = rows.to(at::kBFloat16), gb = gate.to(at::kBFloat16);
+  const at::Tensor db = at::randn({n, 128, 64}, cuda(at::kBFloat16));
+  EXPECT_EQ(moe_experts_forward(rb.data_ptr(), gb.data_ptr(), gb.data_ptr(), db.data_ptr(),
+                                perm.group_ends.data_ptr<int32_t>(), rb.data_ptr(), nullptr, nullptr, m * k, n,
+                                128, 64, 0.f, 25.f, nullptr),
+            cudaErrorInvalidValue);
+}
+
 TEST_F(MoeKernel, ExpertGemmStepsEqualTheFunctionsForward) {
   // The steps the bench times one at a time (moe_expert_groups / rows_times / weight_grad) are the
   // Function's own: the same forward bit for bit, for the GEMMs kAuto picks and for the loop.

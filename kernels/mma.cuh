@@ -1,0 +1,95 @@
+// Tensor-core building blocks shared by the kernels that multiply bf16 tiles with mma.sync
+// (kda.cu, kda_backward.cu through kda_chunk.cuh; moe_experts.cu): fragment loads by ldmatrix, the
+// m16n8k16 product, cp.async copies into shared memory and the per-lane fragment offsets. Internal
+// (anonymous namespace: each .cu gets its own copy); sm_80 or newer.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+namespace odyssey::kernels {
+namespace {
+
+// Tensor-core fragments (mma.sync m16n8k16, bf16 in, fp32 accumulate). Lane l: g = l / 4,
+// t = l % 4. Accumulator c[0..1] = (row g, cols 2t, 2t+1), c[2..3] = (row g + 8, same cols).
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+
+__device__ __forceinline__ uint32_t shared_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(shared_address(p))
+               : "memory");
+}
+
+// ldmatrix_x4 at a shared-memory address (shared_address of the pointer), for callers that keep
+// their fragment addresses as 32-bit offsets.
+__device__ __forceinline__ void ldmatrix_x4_at(uint32_t (&r)[4], uint32_t address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address)
+               : "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(shared_address(p))
+               : "memory");
+}
+
+// d += a * b for one m16n8k16 tile.
+__device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                    uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void cp_async16(void* shared, const void* global) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(shared_address(shared)),
+               "l"(global)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+// 16 bytes from global to shared, or 16 zero bytes when !valid (the source is then not read, but
+// must still be a valid address).
+__device__ __forceinline__ void cp_async16_or_zero(void* shared, const void* global, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_address(shared)),
+               "l"(global), "r"(valid ? 16 : 0)
+               : "memory");
+}
+
+// Per-lane offsets into a row-major 16 x 16 bf16 block for the three ldmatrix uses:
+//   A operand (rows = m, cols = k):                     ldmatrix_x4 at [a_row][k0 + a_col]
+//   B operands of two n-tiles, stored rows = n, cols = k:  ldmatrix_x4 at [b_row][k0 + b_col]
+//     -> {b0, b1} of n-tile rows 0-7, then {b0, b1} of rows 8-15
+//   B operands of two n-tiles, stored rows = k, cols = n:  ldmatrix_x4_trans at [t_row][n0 + t_col]
+//     -> {b0, b1} of n-tile cols n0..n0+7, then of n0+8..n0+15
+struct FragmentOffsets {
+  int a_row, a_col, b_row, b_col, t_row, t_col;
+  __device__ explicit FragmentOffsets(int lane) {
+    const int r = lane & 7, m = lane >> 3;
+    a_row = r + (m & 1) * 8, a_col = (m >> 1) * 8;
+    b_row = r + (m >> 1) * 8, b_col = (m & 1) * 8;
+    t_row = r + (m & 1) * 8, t_col = (m >> 1) * 8;
+  }
+};
+
+}  // namespace
+}  // namespace odyssey::kernels
