@@ -17,6 +17,7 @@
 // kernels_tests' job; this is the quick check between its runs.
 #include "kernels/kda.cu"
 #include "scripts/kda_driver_inputs.cuh"
+#include "scripts/driver_timing.cuh"
 
 #include <algorithm>
 #include <cmath>
@@ -28,26 +29,6 @@
 using namespace odyssey::kernels;
 
 namespace {
-
-// 20 launches of `launch`, each timed by CUDA events, sorted: [0] is the best, [10] the median.
-template <typename F>
-std::vector<float> time_launches(F&& launch) {
-  cudaEvent_t start, stop;
-  cudaEventCreate(&start), cudaEventCreate(&stop);
-  std::vector<float> ms;
-  for (int r = 0; r < 20; ++r) {
-    cudaEventRecord(start);
-    launch();
-    cudaEventRecord(stop);
-    cudaEventSynchronize(stop);
-    float t = 0.0f;
-    cudaEventElapsedTime(&t, start, stop);
-    ms.push_back(t);
-  }
-  std::sort(ms.begin(), ms.end());
-  cudaEventDestroy(start), cudaEventDestroy(stop);
-  return ms;
-}
 
 // Returns 1 where the two paths differ or a launch fails.
 int run_case(int64_t B, int64_t T, int64_t H, int64_t seg, int64_t lead, bool timing, bool states, bool with_init,

@@ -8,6 +8,7 @@
 // -Ivariant first: a folder holding a modified kernels/moe_experts.cu is used instead (timing
 // experiments); the parity is kernels_tests' job.
 #include "kernels/moe_experts.cu"
+#include "scripts/driver_timing.cuh"
 
 #include <algorithm>
 #include <cstdio>
@@ -18,24 +19,6 @@
 using namespace odyssey::kernels;
 
 namespace {
-
-template <typename F>
-std::vector<float> time_launches(F&& launch) {
-  cudaEvent_t start, stop;
-  cudaEventCreate(&start), cudaEventCreate(&stop);
-  std::vector<float> ms;
-  for (int r = 0; r < 20; ++r) {
-    cudaEventRecord(start);
-    launch();
-    cudaEventRecord(stop);
-    cudaEventSynchronize(stop);
-    float t = 0;
-    cudaEventElapsedTime(&t, start, stop);
-    ms.push_back(t);
-  }
-  std::sort(ms.begin(), ms.end());
-  return ms;
-}
 
 void* device_random_bf16(size_t count, float scale, std::mt19937& rng) {
   std::normal_distribution<float> normal(0.f, scale);

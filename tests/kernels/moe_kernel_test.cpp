@@ -523,6 +523,23 @@ at::Tensor experts_reference(const at::Tensor& rows, const at::Tensor& gate, con
   return at::cat(out, 0);
 }
 
+// y and the gradients of <y, dy> with respect to rows, gate, up and down: through
+// moe_experts_autograd with `gemm`, or (reference) through experts_reference in fp64.
+std::vector<at::Tensor> expert_outputs_and_grads(const at::Tensor& rows, const at::Tensor& gate,
+                                                 const at::Tensor& up, const at::Tensor& down,
+                                                 const at::Tensor& dy, const MoePermutation& perm,
+                                                 bool reference, MoeGemm gemm) {
+  const c10::AutoGradMode grad(true);
+  auto leaf = [&](const at::Tensor& t) { return (reference ? t.to(at::kDouble) : t).detach().requires_grad_(true); };
+  std::vector<at::Tensor> in = {leaf(rows), leaf(gate), leaf(up), leaf(down)};
+  const at::Tensor y = reference ? experts_reference(in[0], in[1], in[2], in[3], perm.tokens_per_expert)
+                                 : moe_experts_autograd(in[0], in[1], in[2], in[3], perm, 4.0, 25.0, gemm);
+  (y.to(at::kDouble) * dy.to(at::kDouble)).sum().backward();
+  std::vector<at::Tensor> out = {y.detach()};
+  for (const at::Tensor& t : in) out.push_back(t.grad());
+  return out;
+}
+
 TEST_F(MoeKernel, ExpertGemmsMatchTheLoopAndTheFp64Reference) {
   const int64_t m = 300, n = 12, k = 2, latent = 64, ffn = 48;
   at::manual_seed(21);
@@ -539,18 +556,7 @@ TEST_F(MoeKernel, ExpertGemmsMatchTheLoopAndTheFp64Reference) {
     const at::Tensor down = (at::randn({n, latent, ffn}, cuda()) * 0.2).to(dtype);
     const at::Tensor dy = at::randn({m * k, latent}, cuda());
     auto grads_of = [&](bool reference, MoeGemm gemm) {
-      const c10::AutoGradMode grad(true);
-      auto leaf = [&](const at::Tensor& t) {
-        return (reference ? t.to(at::kDouble) : t).detach().requires_grad_(true);
-      };
-      std::vector<at::Tensor> in = {leaf(rows), leaf(gate), leaf(up), leaf(down)};
-      const at::Tensor y = reference
-                               ? experts_reference(in[0], in[1], in[2], in[3], perm.tokens_per_expert)
-                               : moe_experts_autograd(in[0], in[1], in[2], in[3], perm, 4.0, 25.0, gemm);
-      (y.to(at::kDouble) * dy.to(at::kDouble)).sum().backward();
-      std::vector<at::Tensor> out = {y.detach()};
-      for (const at::Tensor& t : in) out.push_back(t.grad());
-      return out;
+      return expert_outputs_and_grads(rows, gate, up, down, dy, perm, reference, gemm);
     };
     const std::vector<at::Tensor> expected = grads_of(true, MoeGemm::kLoop);
     const std::vector<const char*> names = {"y", "d rows", "d gate_proj", "d up_proj", "d down_proj"};
@@ -595,18 +601,7 @@ TEST_F(MoeKernel, FusedExpertsMatchTheGroupedGemmsAndTheFp64Reference) {
     const std::string tag = " L=" + std::to_string(latent) + " F=" + std::to_string(ffn);
 
     auto grads_of = [&](bool reference, MoeGemm gemm) {
-      const c10::AutoGradMode grad(true);
-      auto leaf = [&](const at::Tensor& t) {
-        return (reference ? t.to(at::kDouble) : t).detach().requires_grad_(true);
-      };
-      std::vector<at::Tensor> in = {leaf(rows), leaf(gate), leaf(up), leaf(down)};
-      const at::Tensor y = reference
-                               ? experts_reference(in[0], in[1], in[2], in[3], perm.tokens_per_expert)
-                               : moe_experts_autograd(in[0], in[1], in[2], in[3], perm, 4.0, 25.0, gemm);
-      (y.to(at::kDouble) * dy.to(at::kDouble)).sum().backward();
-      std::vector<at::Tensor> out = {y.detach()};
-      for (const at::Tensor& t : in) out.push_back(t.grad());
-      return out;
+      return expert_outputs_and_grads(rows, gate, up, down, dy, perm, reference, gemm);
     };
     const std::vector<at::Tensor> expected = grads_of(true, MoeGemm::kLoop);
     const std::vector<at::Tensor> got = grads_of(false, MoeGemm::kFused);
