@@ -151,17 +151,22 @@ cudaError_t situ_glu_backward_with_h(MoeDtype dtype, const void* gate, const voi
 // moe_permutation writes them):
 //   G = X W_gate[e]^T, U = X W_up[e]^T      fp32 sums, each rounded once to bf16; stored into
 //                                           gate, up when they are not nullptr (the backward's)
-//   H = situ_glu(G, U)                      from the rounded G and U (situ.cuh, as
-//                                           situ_glu_forward), rounded to bf16, never stored
+//   H = situ_glu(G, U)                      from the rounded G and U on the special-function
+//                                           unit (situ.cuh, situ_h_fast: tanh.approx, relative
+//                                           error below 2^-11), rounded to bf16, never stored
 //   Y = H W_down[e]^T                       fp32 sums, rounded once to bf16
-// So Y equals the unfused chain (grouped GEMMs with bf16 results, situ_glu_forward, grouped GEMM)
-// up to the order of the fp32 sums. All bf16:
+// So G and U equal the grouped GEMMs' bit for bit, and Y the unfused chain (grouped GEMMs with bf16
+// results, situ_glu_forward, grouped GEMM) up to H's last bf16 bit for some elements and the order
+// of the fp32 sums (2.3e-3 relative in the tests). All bf16:
 //   rows [R, L]   gate_proj, up_proj [E, F, L]   down_proj [E, L, F]   group_ends int32 [E]
 //   y [R, L]      gate, up [R, F] (both or neither)
-// Nothing is read back to the host (the tile schedule is built on the device from group_ends).
-// Supported (moe_experts_fused_supported): sm_80 or newer, L a multiple of 128, F of 64,
-// 1 <= E <= 1024, shared memory for 128 rows of L and F plus three 16 KB weight chunks (L = 384,
-// F = 192: 207 KB; the device's opt-in limit), R < 2^31, 16-byte aligned rows, weights and y.
+// Nothing is read back to the host (the tile schedule is built on the device from group_ends), so
+// group_ends are not checked: they must be non-decreasing with group_ends[E - 1] <= R, as
+// moe_permutation writes them (the same precondition as the grouped GEMMs' offsets).
+// Supported (moe_experts_fused_supported): sm_80 or newer, L in {128, 256, 384, 512} and F a
+// multiple of 64 with L + F <= 640 (the pairs compiled: 128 rows of L and of F plus three 16 KB
+// weight chunks fit an sm_90 CTA's 227 KB; L = 384, F = 192: 207 KB), and the device's opt-in
+// shared memory; 1 <= E <= 1024, R < 2^31, 16-byte aligned rows, weights and y.
 bool moe_experts_fused_supported(int64_t latent, int64_t ffn, int64_t experts);
 cudaError_t moe_experts_forward(const void* rows, const void* gate_proj, const void* up_proj,
                                 const void* down_proj, const int32_t* group_ends, void* y,

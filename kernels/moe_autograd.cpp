@@ -337,7 +337,8 @@ MoeExpertsFused moe_experts_fused_forward(const at::Tensor& rows, const at::Tens
   constexpr const char* where = "kernels::moe_experts_fused_forward";
   TORCH_CHECK(moe_experts_fused_applies(rows, gate_proj, up_proj, down_proj), where,
               ": needs CUDA bf16 rows [R, L] and weights [E, F, L], [E, F, L], [E, L, F] on sm_80 or "
-              "newer with L a multiple of 128, F of 64 and at most 1024 experts; got rows ",
+              "newer with L in {128, 256, 384, 512}, F a multiple of 64, L + F <= 640 and at most "
+              "1024 experts; got rows ",
               rows.sizes(), " ", rows.scalar_type(), ", gate_proj ", gate_proj.sizes(), " ",
               gate_proj.scalar_type());
   const int64_t experts = gate_proj.size(0), ffn = gate_proj.size(1), latent = gate_proj.size(2);
@@ -533,7 +534,8 @@ at::Tensor moe_experts_autograd(const at::Tensor& rows, const at::Tensor& gate_p
   const bool fused_applies = moe_experts_fused_applies(rows, gate_proj, up_proj, down_proj);
   TORCH_CHECK(gemm != MoeGemm::kFused || fused_applies, where,
               ": the fused experts do not apply here (need CUDA bf16 rows and weights on sm_80 or "
-              "newer, L a multiple of 128, F of 64, at most 1024 experts; got L = ", latent, ", F = ",
+              "newer, L in {128, 256, 384, 512}, F a multiple of 64, L + F <= 640, at most 1024 "
+              "experts; got L = ", latent, ", F = ",
               ffn, ", ", experts, " experts, ", rows.scalar_type(), ")");
   const bool fused = gemm == MoeGemm::kFused || (gemm == MoeGemm::kAuto && fused_applies);
   const bool grouped = gemm == MoeGemm::kGrouped || ((gemm == MoeGemm::kAuto || fused) && applies);

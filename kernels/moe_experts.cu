@@ -5,7 +5,7 @@
 //   stage A, per slice of 64 columns of F: [G | U] (128 x 128, fp32 in mma accumulators)
 //            = X (128 x L, in shared memory) times 128 x 64 chunks of [W_gate; W_up] streamed
 //            along L; then G and U are rounded to bf16 (and stored, when wanted), and
-//            H = situ_glu(G, U) goes to shared memory as bf16;
+//            H = situ_glu(G, U) (situ_h_fast) goes to shared memory as bf16;
 //   stage B, per slice of 128 columns of L: Y = H (128 x F, in shared memory) times 128 x 64
 //            chunks of W_down streamed along F; rounded to bf16 and stored.
 // Every weight chunk is 128 rows of 64 bf16 (16 KB), so the two stages are one stream of chunks
@@ -356,8 +356,8 @@ __global__ void __launch_bounds__(kThreads, 1) moe_experts_forward_kernel(Forwar
   cp_async_wait<0>();
 }
 
-// The (L, F) pairs compiled: every multiple of 128 for L and of 64 for F up to 512 whose tile
-// fits the shared memory of an sm_90 CTA (227 KB): the kernel for (L, F), or nullptr.
+// The (L, F) pairs compiled: L in {128, 256, 384, 512}, F a multiple of 64, L + F <= 640 (the
+// tiles that fit an sm_90 CTA's 227 KB of shared memory): the kernel for (L, F), or nullptr.
 struct ForwardKernelInfo {
   void (*kernel)(ForwardArgs) = nullptr;
   size_t shared = 0;
