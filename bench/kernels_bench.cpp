@@ -609,7 +609,19 @@ std::vector<Stage> moe_backward_stages(const KernelsBenchOptions& o, model::MoeI
                    dx.add_(kernels::moe_expert_rows_times(ds.d_up, layer.experts->up_proj, g));
                  }),
                  2 * 2 * rows * f * l, 0, false});
-    s.push_back({"dW_gate, dW_up, dW_down (2d x 2d, empty experts zeroed)" + gemm,
+    const bool one_kernel = kernels::moe_experts_weight_grads_applies(v.rows, layer.experts->gate_proj) &&
+                            kernels::moe_experts_fused_applies(v.rows, layer.experts->gate_proj,
+                                                               layer.experts->up_proj, layer.experts->down_proj);
+    if (one_kernel) {  // what the Function runs when its forward ran fused (kAuto here)
+      s.push_back({"dW_gate, dW_up, dW_down in one kernel, empty experts zeroed (moe_experts_weight_grads)",
+                   best([&] {
+                     kernels::moe_experts_weight_grads(v.rows, ds.d_gate, ds.d_up, d_out, ds.h, v.perm.group_ends,
+                                                       true, true);
+                   }),
+                   3 * 2 * rows * l * f, 0, false});
+    }
+    s.push_back({std::string(one_kernel ? "the GEMMs it replaced: " : "") +
+                     "dW_gate, dW_up, dW_down (2d x 2d, empty experts zeroed)" + gemm,
                  best([&] {
                    kernels::moe_expert_weight_grad(ds.d_gate, v.rows, g);
                    kernels::moe_expert_weight_grad(ds.d_up, v.rows, g);
@@ -742,6 +754,24 @@ void moe_grouped_gemm_comparison(const KernelsBenchOptions& o, model::MoeImpl& l
                 cell(routed_ms, flops).c_str(), cell(even_ms, flops).c_str(), cell(dense_ms, flops).c_str(),
                 dense_ms / routed_ms);
     std::printf("  (fused: moe_experts_forward, one kernel, against the three dense matmuls of its products)\n");
+  }
+  if (kernels::moe_experts_weight_grads_applies(v.rows, gate_proj)) {
+    // The three weight gradients in one kernel, against the three dense matmuls of the same shapes.
+    auto grads = [&](const at::Tensor& ends) {
+      kernels::moe_experts_weight_grads(v.rows, ds.d_gate, ds.d_up, d_out, ds.h, ends, true, true);
+    };
+    const double routed_ms = best([&] { grads(v.perm.group_ends); });
+    const double even_ms = best([&] { grads(even_ends); });
+    const double dense_ms = best([&] {
+      at::mm(ds.d_gate.t(), v.rows);
+      at::mm(ds.d_up.t(), v.rows);
+      at::mm(d_out.t(), ds.h);
+    });
+    const double flops = 3 * 2 * r * l * f;
+    std::printf("  %-40s %22s %22s %22s %7.2f\n", "weight grads: dG^T X, dU^T X, dY^T H",
+                cell(routed_ms, flops).c_str(), cell(even_ms, flops).c_str(), cell(dense_ms, flops).c_str(),
+                dense_ms / routed_ms);
+    std::printf("  (weight grads: moe_experts_weight_grads, one kernel, against the three dense matmuls)\n");
   }
   std::fflush(stdout);
 }

@@ -174,6 +174,29 @@ cudaError_t moe_experts_forward(const void* rows, const void* gate_proj, const v
                                 int64_t latent, int64_t ffn, float beta1, float beta2,
                                 cudaStream_t stream);
 
+// ---- Routed experts' weight gradients (moe_experts_backward.cu) ----------------------------------
+// The three weight gradients of the routed experts in one kernel, on tensor cores (mma.sync, fp32
+// accumulation over each expert's rows, each element rounded once to bf16), for rows grouped by
+// expert as above (expert e owns rows [group_ends[e - 1], group_ends[e])):
+//   d_gate_proj[e] = dG_e^T X_e    d_up_proj[e] = dU_e^T X_e    [F, L] each
+//   d_down_proj[e] = dY_e^T H_e                                  [L, F]
+// and exact zeros for experts without rows (so no separate zeroing pass). All bf16:
+//   rows (X) [R, L]   d_gate, d_up (dG, dU) [R, F]   dy [R, L]   h [R, F]   group_ends int32 [E]
+//   d_gate_proj, d_up_proj [E, F, L] (both or neither: then rows, d_gate, d_up are not read)
+//   d_down_proj [E, L, F] (or nullptr: then dy, h are not read)
+// The same precondition on group_ends as moe_experts_forward (not checked: no host sync). One
+// launch replaces three 2d x 2d grouped GEMMs and the zeroing of empty experts; the sums run over
+// each expert's rows in order in 32-row chunks, so results equal at::_grouped_mm's up to the order
+// of the fp32 sums. Supported (moe_experts_weight_grads_supported): sm_80 or newer, L a multiple
+// of 128, F a multiple of 64, 1 <= E <= 1024 (every CTA sorts the experts by rows in shared
+// memory and deals the jobs out largest first), E L F < 2^31, R < 2^31, 16-byte aligned pointers.
+bool moe_experts_weight_grads_supported(int64_t latent, int64_t ffn, int64_t experts);
+cudaError_t moe_experts_weight_grads(const void* rows, const void* d_gate, const void* d_up,
+                                     const void* dy, const void* h, const int32_t* group_ends,
+                                     void* d_gate_proj, void* d_up_proj, void* d_down_proj,
+                                     int64_t total_rows, int64_t experts, int64_t latent,
+                                     int64_t ffn, cudaStream_t stream);
+
 // Zeroes the rows of experts with no tokens in a stacked [groups, row_elements] tensor (weight
 // gradients of grouped GEMMs over an empty token range); counts int64 [groups].
 cudaError_t moe_zero_empty_groups(MoeDtype dtype, void* data, const int64_t* counts,

@@ -121,7 +121,8 @@ class MoeExpertsFunction : public torch::autograd::Function<MoeExpertsFunction> 
                                const at::Tensor& gate_proj, const at::Tensor& up_proj,
                                const at::Tensor& down_proj, const MoePermutation& permutation,
                                double beta1, double beta2, bool grouped, bool fused) {
-    // The backward's GEMMs are grouped or a loop; the forward may run fused instead.
+    // The backward's row GEMMs are grouped or a loop; with `fused` the forward is one kernel and
+    // so are the backward's weight gradients (moe_experts_weight_grads).
     const MoeExpertGroups g =
         moe_expert_groups(permutation.tokens_per_expert, permutation.group_ends, grouped);
     const at::Tensor x = rows.contiguous();
@@ -141,6 +142,7 @@ class MoeExpertsFunction : public torch::autograd::Function<MoeExpertsFunction> 
     ctx->saved_data["beta1"] = beta1;
     ctx->saved_data["beta2"] = beta2;
     ctx->saved_data["grouped"] = grouped;
+    ctx->saved_data["fused"] = fused;
     if (!grouped) ctx->saved_data["host_counts"] = g.host;
     return {y};
   }
@@ -169,6 +171,14 @@ class MoeExpertsFunction : public torch::autograd::Function<MoeExpertsFunction> 
       // dX = dG W_gate + dU W_up, the second product added into the first (no third [R, L]).
       out[0] = moe_expert_rows_times(d.d_gate, gate_proj, g);
       out[0].add_(moe_expert_rows_times(d.d_up, up_proj, g));
+    }
+    const bool want_gate_up = ctx->needs_input_grad(1) || ctx->needs_input_grad(2);
+    if (ctx->saved_data["fused"].toBool() && (want_gate_up || want_down)) {
+      // One kernel for all three, empty experts zeroed in the same pass.
+      MoeExpertWeightGrads w = moe_experts_weight_grads(x, d.d_gate, d.d_up, dy, d.h, g.ends.to(at::kInt),
+                                                        want_gate_up, want_down);
+      out[1] = std::move(w.d_gate_proj), out[2] = std::move(w.d_up_proj), out[3] = std::move(w.d_down_proj);
+      return out;
     }
     if (ctx->needs_input_grad(1)) out[1] = moe_expert_weight_grad(d.d_gate, x, g);
     if (ctx->needs_input_grad(2)) out[2] = moe_expert_weight_grad(d.d_up, x, g);
@@ -366,6 +376,81 @@ MoeExpertsFused moe_experts_fused_forward(const at::Tensor& rows, const at::Tens
       want_gate_up ? out.up.data_ptr() : nullptr, x.size(0), experts, latent, ffn,
       static_cast<float>(beta1), static_cast<float>(beta2),
       at::cuda::getCurrentCUDAStream(x.device().index()).stream());
+  TORCH_CHECK(error == cudaSuccess, where, ": CUDA error ", cudaGetErrorName(error), " (",
+              cudaGetErrorString(error), ")");
+  return out;
+}
+
+bool moe_experts_weight_grads_applies(const at::Tensor& rows, const at::Tensor& gate_proj) {
+  if (!rows.defined() || !gate_proj.defined() || !rows.is_cuda() ||
+      gate_proj.device() != rows.device() || rows.scalar_type() != at::kBFloat16 ||
+      gate_proj.scalar_type() != at::kBFloat16 || rows.dim() != 2 || gate_proj.dim() != 3 ||
+      rows.size(1) != gate_proj.size(2) || rows.size(0) >= (int64_t{1} << 31)) {
+    return false;
+  }
+  const c10::cuda::CUDAGuard guard(rows.device());
+  return moe_experts_weight_grads_supported(gate_proj.size(2), gate_proj.size(1), gate_proj.size(0));
+}
+
+MoeExpertWeightGrads moe_experts_weight_grads(const at::Tensor& rows, const at::Tensor& d_gate,
+                                              const at::Tensor& d_up, const at::Tensor& dy,
+                                              const at::Tensor& h, const at::Tensor& group_ends,
+                                              bool want_gate_up, bool want_down) {
+  constexpr const char* where = "kernels::moe_experts_weight_grads";
+  if (!want_gate_up && !want_down) return {};
+  // The widths come from the operands of the parts wanted: rows and d_gate, else dy and h.
+  const at::Tensor& wide = want_gate_up ? rows : dy;
+  const at::Tensor& narrow = want_gate_up ? d_gate : h;
+  TORCH_CHECK(wide.defined() && wide.dim() == 2 && narrow.defined() && narrow.dim() == 2 &&
+                  group_ends.defined() && group_ends.dim() == 1,
+              where, ": ", want_gate_up ? "rows" : "dy", " must be [R, L], ",
+              want_gate_up ? "d_gate" : "h", " [R, F], group_ends [E]");
+  const int64_t total = wide.size(0), latent = wide.size(1), ffn = narrow.size(1);
+  const int64_t experts = group_ends.size(0);
+  const at::Device device = wide.device();
+  struct Input {
+    const char* name;
+    const at::Tensor* tensor;
+    int64_t width;
+    bool needed;
+  };
+  for (const Input& in : {Input{"rows", &rows, latent, want_gate_up}, Input{"d_gate", &d_gate, ffn, want_gate_up},
+                          Input{"d_up", &d_up, ffn, want_gate_up}, Input{"dy", &dy, latent, want_down},
+                          Input{"h", &h, ffn, want_down}}) {
+    const at::Tensor& t = *in.tensor;
+    if (!in.needed) continue;
+    TORCH_CHECK(t.defined() && t.is_cuda() && t.device() == device &&
+                    t.scalar_type() == at::kBFloat16 && t.dim() == 2 && t.size(0) == total &&
+                    t.size(1) == in.width,
+                where, ": ", in.name, " must be a bf16 [", total, ", ", in.width, "] tensor on ",
+                device, "; got ",
+                t.defined() ? c10::str(t.sizes(), " ", t.scalar_type(), " on ", t.device())
+                            : std::string("none"));
+  }
+  TORCH_CHECK(group_ends.device() == device && group_ends.scalar_type() == at::kInt, where,
+              ": group_ends must be int32 on ", device, ", got ", group_ends.scalar_type(),
+              " on ", group_ends.device());
+  const c10::cuda::CUDAGuard guard(device);
+  TORCH_CHECK(moe_experts_weight_grads_supported(latent, ffn, experts), where,
+              ": needs sm_80 or newer, L a multiple of 128, F a multiple of 64 and 1 to 1024 experts; "
+              "got L = ", latent, ", F = ", ffn, ", ", experts, " experts");
+  auto dense = [](const at::Tensor& t) { return t.defined() ? t.contiguous() : t; };
+  const at::Tensor x = dense(rows), dg = dense(d_gate), du = dense(d_up), dyc = dense(dy),
+                   hc = dense(h), ends = group_ends.contiguous();
+  const at::TensorOptions options = wide.options();
+  MoeExpertWeightGrads out;
+  if (want_gate_up) {
+    out.d_gate_proj = at::empty({experts, ffn, latent}, options);
+    out.d_up_proj = at::empty({experts, ffn, latent}, options);
+  }
+  if (want_down) out.d_down_proj = at::empty({experts, latent, ffn}, options);
+  auto pointer = [](const at::Tensor& t, bool wanted) { return wanted ? t.data_ptr() : nullptr; };
+  const cudaError_t error = moe_experts_weight_grads(
+      pointer(x, want_gate_up), pointer(dg, want_gate_up), pointer(du, want_gate_up),
+      pointer(dyc, want_down), pointer(hc, want_down), ends.data_ptr<int32_t>(),
+      pointer(out.d_gate_proj, want_gate_up), pointer(out.d_up_proj, want_gate_up),
+      pointer(out.d_down_proj, want_down), total, experts, latent, ffn,
+      at::cuda::getCurrentCUDAStream(device.index()).stream());
   TORCH_CHECK(error == cudaSuccess, where, ": CUDA error ", cudaGetErrorName(error), " (",
               cudaGetErrorString(error), ")");
   return out;

@@ -32,8 +32,9 @@
 namespace odyssey::kernels {
 
 // Which GEMMs MoeExpertsFunction uses. kFused: the forward as one kernel (moe_experts_forward,
-// kernels/moe.h: both GEMMs and SiTU-GLU per tile of rows), the backward grouped where that
-// applies, else the loop. kAuto takes kFused where it applies, else at::_grouped_mm where that
+// kernels/moe.h: both GEMMs and SiTU-GLU per tile of rows) and the backward's weight gradients as
+// one kernel (moe_experts_weight_grads); the backward's row GEMMs grouped where that applies,
+// else the loop. kAuto takes kFused where it applies, else at::_grouped_mm where that
 // applies (see above), else the loop.
 enum class MoeGemm { kAuto, kGrouped, kLoop, kFused };
 
@@ -59,6 +60,24 @@ MoeExpertsFused moe_experts_fused_forward(const at::Tensor& rows, const at::Tens
                                           const at::Tensor& up_proj, const at::Tensor& down_proj,
                                           const MoePermutation& permutation, double beta1,
                                           double beta2, bool want_gate_up);
+
+// The routed experts' three weight gradients as one kernel (moe_experts_weight_grads, kernels/
+// moe.h): dW_gate = dG^T X, dW_up = dU^T X per expert ([E, F, L]) when want_gate_up, dW_down =
+// dY^T H ([E, L, F]) when want_down (the others undefined and their inputs not read), exact
+// zeros for experts without rows. rows [R, L], d_gate / d_up / h [R, F], dy [R, L], all CUDA
+// bf16 on one device; group_ends int32 [E] as the permutation's. MoeExpertsFunction's backward
+// takes it whenever its forward ran fused (MoeGemm::kFused, or kAuto where that applies).
+// Errors name the tensor or the width that does not fit.
+struct MoeExpertWeightGrads {
+  at::Tensor d_gate_proj, d_up_proj, d_down_proj;
+};
+// Whether it supports these rows [R, L] and gate_proj [E, F, L]: CUDA bf16, sm_80 or newer, L a
+// multiple of 128, F a multiple of 64, at most 1024 experts.
+bool moe_experts_weight_grads_applies(const at::Tensor& rows, const at::Tensor& gate_proj);
+MoeExpertWeightGrads moe_experts_weight_grads(const at::Tensor& rows, const at::Tensor& d_gate,
+                                              const at::Tensor& d_up, const at::Tensor& dy,
+                                              const at::Tensor& h, const at::Tensor& group_ends,
+                                              bool want_gate_up, bool want_down);
 
 // model::permute with autograd: rows[r] = tokens[permutation.token[r]]; tokens [m, width] CUDA
 // (2- or 4-byte elements). Backward: each token's gradient is the sum of its k copies' (fp32, no

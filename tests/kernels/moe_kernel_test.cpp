@@ -675,6 +675,115 @@ TEST_F(MoeKernel, FusedExpertsRefuseWhatTheyDoNotSupport) {
             cudaErrorInvalidValue);
 }
 
+// a_e^T b_e per expert in fp64 (rows grouped as counts say): [E, M, N], zeros for empty experts.
+at::Tensor weight_grad_reference(const at::Tensor& a, const at::Tensor& b, const at::Tensor& counts) {
+  const at::Tensor host = counts.cpu();
+  at::Tensor out = at::zeros({counts.size(0), a.size(1), b.size(1)}, a.options().dtype(at::kDouble));
+  int64_t start = 0;
+  for (int64_t e = 0; e < counts.size(0); ++e) {
+    const int64_t c = host[e].item<int64_t>();
+    if (c == 0) continue;
+    out[e].copy_(at::matmul(a.narrow(0, start, c).to(at::kDouble).t(), b.narrow(0, start, c).to(at::kDouble)));
+    start += c;
+  }
+  return out;
+}
+
+TEST_F(MoeKernel, ExpertWeightGradsMatchTheFp64ReferenceAndTheGroupedGemms) {
+  // moe_experts_weight_grads (one kernel for dW_gate, dW_up, dW_down) on widths with whole and
+  // half-filled 128-column tiles of F (64, 192, 320), L from 128 to 640, against fp64 sums per
+  // expert and the grouped / loop GEMMs: one expert that every token picks (rows far past one
+  // 32-row chunk, not a multiple of it), three experts without rows (exact zeros, written into
+  // memory that held NaN), the rest uneven; and 1000 experts, most with 0 to 3 rows (the kernel
+  // sorts the experts by rows: many ties). Each part alone equals the same part of a run with all
+  // three, and two runs are equal bit for bit (no atomics).
+  const int64_t m = 700, k = 2;
+  for (const auto& [latent, ffn, n] : std::vector<std::tuple<int64_t, int64_t, int64_t>>{
+           {128, 64, 16}, {256, 192, 16}, {384, 192, 16}, {512, 128, 16}, {640, 320, 16}, {128, 128, 1000}}) {
+    at::manual_seed(31 + latent + ffn + n);
+    at::Tensor bias = at::zeros({n}, cuda());
+    bias[0].fill_(10.0);
+    bias.narrow(0, 13, 3).fill_(-10.0);
+    const at::Tensor selected = model::select_experts(at::sigmoid(at::randn({m, n}, cuda())), bias, k);
+    const MoePermutation perm = moe_permutation(selected, n);
+    const int64_t r = m * k;
+    const at::Tensor x = at::randn({r, latent}, cuda(at::kBFloat16));
+    const at::Tensor dg = at::randn({r, ffn}, cuda(at::kBFloat16));
+    const at::Tensor du = at::randn({r, ffn}, cuda(at::kBFloat16));
+    const at::Tensor dy = at::randn({r, latent}, cuda(at::kBFloat16));
+    const at::Tensor h = at::randn({r, ffn}, cuda(at::kBFloat16));
+    const at::Tensor gate_proj = at::empty({n, ffn, latent}, cuda(at::kBFloat16));
+    ASSERT_TRUE(moe_experts_weight_grads_applies(x, gate_proj)) << latent << " x " << ffn;
+    const std::string tag = " L=" + std::to_string(latent) + " F=" + std::to_string(ffn) + " E=" + std::to_string(n);
+    at::empty({3 * n * latent * ffn + 4096}, cuda(at::kBFloat16)).fill_(NAN);  // freed: reused below
+    const MoeExpertWeightGrads all = moe_experts_weight_grads(x, dg, du, dy, h, perm.group_ends, true, true);
+
+    const std::vector<std::tuple<const char*, at::Tensor, at::Tensor, at::Tensor>> parts = {
+        {"dW_gate", all.d_gate_proj, dg, x}, {"dW_up", all.d_up_proj, du, x}, {"dW_down", all.d_down_proj, dy, h}};
+    const MoeExpertGroups g = moe_expert_groups(perm.tokens_per_expert, perm.group_ends,
+                                                moe_grouped_mm_applies(x, gate_proj, gate_proj, gate_proj.transpose(1, 2)));
+    for (const auto& [name, got, a, b] : parts) {
+      expect_close(std::string("weight grads kernel ") + name + tag, got,
+                   weight_grad_reference(a, b, perm.tokens_per_expert), 1e-2);
+      expect_close(std::string("weight grads kernel vs the GEMMs ") + name + tag, got,
+                   moe_expert_weight_grad(a, b, g), 1e-2);
+      EXPECT_EQ(max_abs(got.narrow(0, 13, 3).to(at::kFloat)), 0.0) << name << tag;
+    }
+    const MoeExpertWeightGrads gate_up = moe_experts_weight_grads(x, dg, du, at::Tensor(), at::Tensor(),
+                                                                  perm.group_ends, true, false);
+    const MoeExpertWeightGrads down = moe_experts_weight_grads(x, at::Tensor(), at::Tensor(), dy, h,
+                                                               perm.group_ends, false, true);
+    EXPECT_TRUE(at::equal(gate_up.d_gate_proj, all.d_gate_proj) && at::equal(gate_up.d_up_proj, all.d_up_proj)) << tag;
+    EXPECT_FALSE(gate_up.d_down_proj.defined()) << tag;
+    EXPECT_TRUE(at::equal(down.d_down_proj, all.d_down_proj)) << tag;
+    EXPECT_FALSE(down.d_gate_proj.defined() || down.d_up_proj.defined()) << tag;
+    const MoeExpertWeightGrads again = moe_experts_weight_grads(x, dg, du, dy, h, perm.group_ends, true, true);
+    EXPECT_TRUE(at::equal(again.d_gate_proj, all.d_gate_proj) && at::equal(again.d_up_proj, all.d_up_proj) &&
+                at::equal(again.d_down_proj, all.d_down_proj))
+        << "two runs differ" << tag;
+  }
+}
+
+TEST_F(MoeKernel, ExpertWeightGradsRefuseWhatTheyDoNotSupport) {
+  const int64_t m = 64, n = 8, k = 2;
+  const at::Tensor selected = model::select_experts(at::sigmoid(at::randn({m, n}, cuda())), at::zeros({n}, cuda()), k);
+  const MoePermutation perm = moe_permutation(selected, n);
+  auto message_of = [](auto&& call) {
+    try {
+      call();
+    } catch (const c10::Error& e) {
+      return std::string(e.what_without_backtrace());
+    }
+    return std::string("no error");
+  };
+  for (const auto& [latent, ffn] : std::vector<std::pair<int64_t, int64_t>>{{64, 64}, {128, 48}, {200, 64}}) {
+    const at::Tensor x = at::randn({m * k, latent}, cuda(at::kBFloat16));
+    const at::Tensor d = at::randn({m * k, ffn}, cuda(at::kBFloat16));
+    EXPECT_FALSE(moe_experts_weight_grads_applies(x, at::empty({n, ffn, latent}, cuda(at::kBFloat16))));
+    const std::string message = message_of([&] { moe_experts_weight_grads(x, d, d, x, d, perm.group_ends, true, true); });
+    EXPECT_NE(message.find("L = " + std::to_string(latent) + ", F = " + std::to_string(ffn)), std::string::npos) << message;
+    void* out = d.data_ptr();
+    EXPECT_EQ(moe_experts_weight_grads(x.data_ptr(), d.data_ptr(), d.data_ptr(), x.data_ptr(), d.data_ptr(),
+                                       perm.group_ends.data_ptr<int32_t>(), out, out, out, m * k, n, latent, ffn,
+                                       nullptr),
+              cudaErrorInvalidValue)
+        << latent << " x " << ffn;
+  }
+  // A tensor of the wrong dtype or width is named.
+  const at::Tensor x = at::randn({m * k, 128}, cuda(at::kBFloat16));
+  const at::Tensor d = at::randn({m * k, 64}, cuda(at::kBFloat16));
+  std::string message = message_of([&] { moe_experts_weight_grads(x, d, d.to(at::kFloat), x, d, perm.group_ends, true, true); });
+  EXPECT_NE(message.find("d_up must be a bf16 [128, 64]"), std::string::npos) << message;
+  message = message_of([&] { moe_experts_weight_grads(x, d, d, x, x, perm.group_ends, true, true); });
+  EXPECT_NE(message.find("h must be a bf16 [128, 64]"), std::string::npos) << message;
+  // Only one of d_gate_proj / d_up_proj from the launcher.
+  void* out = d.data_ptr();
+  EXPECT_EQ(moe_experts_weight_grads(x.data_ptr(), d.data_ptr(), d.data_ptr(), nullptr, nullptr,
+                                     perm.group_ends.data_ptr<int32_t>(), out, nullptr, nullptr, m * k, n, 128, 64,
+                                     nullptr),
+            cudaErrorInvalidValue);
+}
+
 TEST_F(MoeKernel, ExpertGemmStepsEqualTheFunctionsForward) {
   // The steps the bench times one at a time (moe_expert_groups / rows_times / weight_grad) are the
   // Function's own: the same forward bit for bit, for the GEMMs kAuto picks and for the loop.

@@ -1,0 +1,376 @@
+// The routed experts' weight gradients in one kernel (contract: kernels/moe.h, "Routed experts'
+// weight gradients"; design and measurements: kernels/README.md, same section).
+//
+// For expert e with rows [r0, r1) (group_ends), three sums over its rows of outer products:
+//   dW_gate[e] = dG_e^T X_e  [F, L]     dW_up[e] = dU_e^T X_e  [F, L]     dW_down[e] = dY_e^T H_e  [L, F]
+// each out[m][n] = sum_r A[r][m] B[r][n] with A and B row-major over the rows: both operands are
+// k-major tiles, read as mma fragments by ldmatrix.trans.
+//
+// Jobs are 128 x 128 tiles of the outputs, a fixed number per expert, so job j belongs to expert
+// j / jobs_per_expert and no schedule has to be built:
+//   gate / up: m over [dG | dU] (2F columns: whole tiles, F % 64 == 0; a tile may hold the last
+//              64 columns of dG and the first 64 of dU), n over L: (2F / 128) (L / 128) jobs;
+//   down:      m over L, n over F (the last tile half filled when F % 128 == 64):
+//              (L / 128) ceil(F / 128) jobs.
+// Persistent CTAs (two per SM). Every CTA sorts the experts by rows (most first) in shared memory,
+// and the jobs in that order are dealt out in rounds of gridDim.x, snaking (CTA b takes the b-th
+// of even rounds, the b-th from the end of odd ones): the few experts that routing gives many
+// rows no longer decide the kernel's end. A job's rows stream in
+// chunks of 32 (A and B: 32 x 128 bf16 each) through a ring of kStages buffers filled by
+// cp.async, one barrier a chunk, and the stream runs on from one job into the next, so the
+// pipeline never drains between jobs. Rows past the expert's end are zero-filled in both
+// operands; the second k16 step of a chunk is skipped when all its rows are past the end. 8
+// warps: warp w takes the n quarter w % 4 (its SM sub-partition) and the m half w / 4: 64 x 32,
+// 4 x 4 mma tiles, 64 fp32 accumulators; a quarter wholly past F (the half-filled down tile)
+// skips its products and stores. The fp32 sums are rounded once to bf16; an expert without rows
+// gets zeros (its jobs have no chunks).
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/mma.cuh"
+#include "kernels/moe.h"
+
+namespace odyssey::kernels {
+namespace {
+
+using bf16 = __nv_bfloat16;
+using bf162 = __nv_bfloat162;
+
+constexpr int kThreads = 256;                        // 8 warps: 4 n quarters x 2 m halves
+constexpr int kTile = 128;                           // a job: 128 x 128 of one output
+constexpr int kChunk = 32;                           // rows a chunk
+constexpr int kStride = kTile + 8;                   // bf16 a shared row (ldmatrix: 8 rows in
+                                                     // distinct banks)
+constexpr int kOperandElements = kChunk * kStride;   // one operand of one chunk
+constexpr int kStageElements = 2 * kOperandElements; // A then B
+constexpr int kStages = 4;
+constexpr int kMaxExperts = 1024;                    // sorted in shared memory (sort_experts)
+constexpr int kStagingElements = kTile * kStride;   // the output tile, for whole-row stores
+constexpr size_t kSharedBytes =
+    (size_t{kStages} * kStageElements + kStagingElements) * sizeof(bf16);  // 104 KB: two CTAs an SM
+
+struct GradArgs {
+  const bf16* rows;  // X [R, L]
+  const bf16* d_gate;
+  const bf16* d_up;  // dG, dU [R, F]
+  const bf16* dy;    // [R, L]
+  const bf16* h;     // [R, F]
+  const int32_t* group_ends;
+  bf16* d_gate_proj;
+  bf16* d_up_proj;    // [E, F, L] (both or neither)
+  bf16* d_down_proj;  // [E, L, F] (or nullptr)
+  int experts, latent, ffn;
+  int gate_up_jobs, down_jobs;  // per expert (0 for a part not wanted)
+  int jobs;                     // all experts'
+};
+
+struct Job {
+  int expert;
+  int first_row, rows;  // the expert's rows
+  bool down;            // dW_down's tile, else gate / up's
+  int m0, n0;
+};
+
+// The CTA's k-th job, in the order of `order` (experts by rows, most first): rounds of gridDim.x
+// jobs, CTA b taking the b-th of even rounds and the b-th from the end of odd ones (a snake, so
+// that no CTA takes the largest job of every round); -1 past the last job.
+__device__ int job_at(int k, int jobs) {
+  const int b = (k & 1) ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  const int j = k * gridDim.x + b;
+  return j < jobs ? j : -1;
+}
+
+__device__ Job decode_job(int j, const GradArgs& a, const int* order) {
+  const int per_expert = a.gate_up_jobs + a.down_jobs;
+  const int i = j / per_expert;
+  int s = j - i * per_expert;
+  const int e = order[i];
+  Job job;
+  job.expert = e;
+  job.first_row = e > 0 ? a.group_ends[e - 1] : 0;
+  job.rows = a.group_ends[e] - job.first_row;
+  job.down = s >= a.gate_up_jobs;
+  if (job.down) s -= a.gate_up_jobs;
+  const int n_tiles = job.down ? (a.ffn + kTile - 1) / kTile : a.latent / kTile;
+  job.m0 = (s / n_tiles) * kTile;
+  job.n0 = (s - (s / n_tiles) * n_tiles) * kTile;
+  return job;
+}
+
+// The loading side of the chunk stream, per thread: its four 16-byte pieces of a chunk are rows
+// rho and rho + 16, columns col .. col + 7, of A and of B.
+struct Feed {
+  int k = 0;  // the CTA's job (job_at) whose chunk is issued next (>= rounds: the stream has ended)
+  int chunk = 0, chunks = 0;
+  int first_row = 0, rows = 0;
+  const bf16* a = nullptr;  // this thread's column of A at row 0, and the row stride
+  const bf16* b = nullptr;
+  int a_stride = 0, b_stride = 0;
+  bool b_valid = false;  // its B column is inside the output (false past F in a down tile)
+};
+
+__device__ void start_job(Feed& f, const GradArgs& a, const int* order, int j, int col) {
+  const Job job = decode_job(j, a, order);
+  f.chunk = 0;
+  f.chunks = (job.rows + kChunk - 1) / kChunk;
+  f.first_row = job.first_row;
+  f.rows = job.rows;
+  const int m = job.m0 + col, n = job.n0 + col;
+  if (job.down) {
+    f.a = a.dy + m, f.a_stride = a.latent;
+    f.b_valid = n < a.ffn;
+    f.b = a.h + (f.b_valid ? n : 0), f.b_stride = a.ffn;
+  } else {
+    f.a = m < a.ffn ? a.d_gate + m : a.d_up + (m - a.ffn), f.a_stride = a.ffn;
+    f.b = a.rows + n, f.b_stride = a.latent, f.b_valid = true;
+  }
+}
+
+// Moves f to its next chunk, past jobs without rows.
+__device__ void seek(Feed& f, const GradArgs& a, const int* order, int rounds, int col) {
+  while (f.chunk >= f.chunks) {
+    if (++f.k >= rounds) return;
+    const int j = job_at(f.k, a.jobs);
+    if (j >= 0) start_job(f, a, order, j, col);
+  }
+}
+
+// order[0 .. experts) = the experts by rows, most first (ties: lower index first), sorted in
+// shared memory by every CTA (a bitonic sort of 1024 keys; `keys`: 8 KB of scratch).
+__device__ void sort_experts(const int32_t* __restrict__ group_ends, int experts, uint64_t* keys,
+                             int* order) {
+  for (int i = threadIdx.x; i < kMaxExperts; i += kThreads) {
+    uint64_t key = 0;  // past the experts: last
+    if (i < experts) {
+      const uint32_t rows = static_cast<uint32_t>(group_ends[i] - (i > 0 ? group_ends[i - 1] : 0));
+      key = (uint64_t{rows} << 32) | (0xffffffffu - static_cast<uint32_t>(i));
+    }
+    keys[i] = key;
+  }
+  __syncthreads();
+  for (int size = 2; size <= kMaxExperts; size <<= 1) {
+    for (int stride = size >> 1; stride > 0; stride >>= 1) {
+      for (int i = threadIdx.x; i < kMaxExperts; i += kThreads) {
+        const int partner = i ^ stride;
+        if (partner > i) {
+          const uint64_t x = keys[i], y = keys[partner];
+          // Descending where (i & size) == 0, ascending elsewhere: descending in the end.
+          if (((i & size) == 0) == (x < y)) keys[i] = y, keys[partner] = x;
+        }
+      }
+      __syncthreads();
+    }
+  }
+  for (int i = threadIdx.x; i < experts; i += kThreads) {
+    order[i] = static_cast<int>(0xffffffffu - static_cast<uint32_t>(keys[i]));
+  }
+  __syncthreads();
+}
+
+__device__ __forceinline__ void zero(float (&acc)[4][4][4]) {
+#pragma unroll
+  for (int mi = 0; mi < 4; ++mi) {
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[mi][nt][e] = 0.f;
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kThreads, 2) moe_experts_weight_grads_kernel(GradArgs a) {
+  extern __shared__ __align__(16) unsigned char shared_bytes[];
+  bf16* ring = reinterpret_cast<bf16*>(shared_bytes);
+  bf16* staging = ring + kStages * kStageElements;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int wq = warp & 3, wr = warp >> 2;
+  const int gq = lane >> 2, tq = lane & 3;
+  // This lane's ldmatrix.trans addresses in ring slot 0, k step 0. A (rows = k, cols = m): the
+  // four 8 x 8 matrices (m 0-7, k 0-7), (m 8-15, k 0-7), (m 0-7, k 8-15), (m 8-15, k 8-15) of the
+  // warp's m block 0 (blocks mi are 16 columns = 32 bytes apart). B (rows = k, cols = n): {b0, b1}
+  // of n-tile 0, then of n-tile 1, for the pair q of the warp's n quarter (q: 32 bytes apart).
+  const int r8 = lane & 7, matrix = lane >> 3;
+  const uint32_t ring_address = shared_address(ring);
+  const uint32_t a_frag =
+      ring_address + ((r8 + (matrix >> 1) * 8) * kStride + wr * 64 + (matrix & 1) * 8) * 2;
+  const uint32_t b_frag = ring_address +
+                          (kOperandElements + (r8 + (matrix & 1) * 8) * kStride + wq * 32 + (matrix >> 1) * 8) * 2;
+  constexpr uint32_t kSlotBytes = kStageElements * sizeof(bf16);
+  constexpr uint32_t kK16Bytes = 16 * kStride * sizeof(bf16);
+  // This thread's pieces of every chunk.
+  const int rho = threadIdx.x >> 4, col = (threadIdx.x & 15) * 8;
+
+  __shared__ int order[kMaxExperts];
+  sort_experts(a.group_ends, a.experts, reinterpret_cast<uint64_t*>(ring), order);  // ring: not yet in use
+  const int rounds = (a.jobs + gridDim.x - 1) / gridDim.x;
+  Feed feed;
+  feed.k = -1;
+  seek(feed, a, order, rounds, col);
+  int issued = 0;
+  auto issue = [&] {
+    if (feed.k < rounds) {
+      bf16* dst = ring + (issued % kStages) * kStageElements + rho * kStride + col;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = feed.chunk * kChunk + rho + half * 16;
+        const bool valid = r < feed.rows;
+        const int64_t row = feed.first_row + (valid ? r : 0);
+        cp_async16_or_zero(dst + half * 16 * kStride, feed.a + row * feed.a_stride, valid);
+        cp_async16_or_zero(dst + kOperandElements + half * 16 * kStride, feed.b + row * feed.b_stride,
+                           valid && feed.b_valid);
+      }
+      ++issued;
+      ++feed.chunk;
+      seek(feed, a, order, rounds, col);
+    }
+    cp_async_commit();  // possibly empty: keeps the wait counts uniform
+  };
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) issue();
+
+  float acc[4][4][4];
+  int consumed = 0;
+  for (int k = 0; k < rounds; ++k) {
+    const int j = job_at(k, a.jobs);
+    if (j < 0) continue;
+    const Job job = decode_job(j, a, order);
+    const bool live = !job.down || job.n0 + wq * 32 < a.ffn;  // warp-uniform
+    const int chunks = (job.rows + kChunk - 1) / kChunk;
+    zero(acc);
+    for (int c = 0; c < chunks; ++c) {
+      cp_async_wait<kStages - 2>();
+      __syncthreads();
+      issue();
+      const uint32_t slot = (consumed % kStages) * kSlotBytes;
+      ++consumed;
+      if (!live) continue;
+      const int k_steps = c * kChunk + 16 < job.rows ? 2 : 1;
+      for (int kk = 0; kk < k_steps; ++kk) {
+        uint32_t af[4][4], bfr[2][4];
+#pragma unroll
+        for (int q = 0; q < 2; ++q) ldmatrix_x4_trans_at(bfr[q], b_frag + slot + kk * kK16Bytes + q * 32);
+#pragma unroll
+        for (int mi = 0; mi < 4; ++mi) ldmatrix_x4_trans_at(af[mi], a_frag + slot + kk * kK16Bytes + mi * 32);
+#pragma unroll
+        for (int mi = 0; mi < 4; ++mi) {
+#pragma unroll
+          for (int q = 0; q < 2; ++q) {
+            mma(acc[mi][2 * q], af[mi], bfr[q][0], bfr[q][1]);
+            mma(acc[mi][2 * q + 1], af[mi], bfr[q][2], bfr[q][3]);
+          }
+        }
+      }
+    }
+    // Round once into the staging tile, then store it in whole rows of 16-byte pieces (the
+    // accumulators' own layout would write 4 bytes a lane, half of every 32-byte sector).
+    if (live) {
+#pragma unroll
+      for (int mi = 0; mi < 4; ++mi) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          bf16* row = staging + (wr * 64 + mi * 16 + gq + half * 8) * kStride + wq * 32 + 2 * tq;
+#pragma unroll
+          for (int nt = 0; nt < 4; ++nt) {
+            *reinterpret_cast<bf162*>(row + nt * 8) =
+                __floats2bfloat162_rn(acc[mi][nt][2 * half], acc[mi][nt][2 * half + 1]);
+          }
+        }
+      }
+    }
+    __syncthreads();
+    // Row m of the tile is a row of dW_gate / dW_up (m < F / m >= F) or of dW_down; its columns
+    // past F (a half-filled down tile) are not stored. The staging tile is written again only
+    // after the next job's first barrier.
+    const int width = job.down ? a.ffn : a.latent;
+    if (job.n0 + col < width) {
+#pragma unroll
+      for (int i = 0; i < kTile * kTile / 8 / kThreads; ++i) {
+        const int r = rho + i * (kThreads / 16), m = job.m0 + r;
+        bf16* out;
+        int64_t out_row;
+        if (job.down) {
+          out = a.d_down_proj, out_row = int64_t{job.expert} * a.latent + m;
+        } else if (m < a.ffn) {
+          out = a.d_gate_proj, out_row = int64_t{job.expert} * a.ffn + m;
+        } else {
+          out = a.d_up_proj, out_row = int64_t{job.expert} * a.ffn + m - a.ffn;
+        }
+        *reinterpret_cast<uint4*>(out + out_row * width + job.n0 + col) =
+            *reinterpret_cast<const uint4*>(staging + r * kStride + col);
+      }
+    }
+  }
+  cp_async_wait<0>();
+}
+
+bool aligned16(const void* p) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+}  // namespace
+
+bool moe_experts_weight_grads_supported(int64_t latent, int64_t ffn, int64_t experts) {
+  if (latent < kTile || latent % kTile != 0 || ffn < 64 || ffn % 64 != 0 || experts < 1 ||
+      experts > kMaxExperts) {
+    return false;
+  }
+  const int64_t per_expert = (2 * ffn / kTile) * (latent / kTile) + (latent / kTile) * ((ffn + kTile - 1) / kTile);
+  if (experts * per_expert >= (int64_t{1} << 31) || experts * latent * ffn >= (int64_t{1} << 31)) return false;
+  int device = 0, major = 0, optin = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return false;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
+    return false;
+  }
+  constexpr size_t kStatic = kMaxExperts * sizeof(int);
+  return major >= 8 && kSharedBytes + kStatic <= static_cast<size_t>(optin);
+}
+
+cudaError_t moe_experts_weight_grads(const void* rows, const void* d_gate, const void* d_up,
+                                     const void* dy, const void* h, const int32_t* group_ends,
+                                     void* d_gate_proj, void* d_up_proj, void* d_down_proj,
+                                     int64_t total_rows, int64_t experts, int64_t latent,
+                                     int64_t ffn, cudaStream_t stream) {
+  const bool gate_up = d_gate_proj != nullptr, down = d_down_proj != nullptr;
+  if (!moe_experts_weight_grads_supported(latent, ffn, experts) || total_rows < 0 ||
+      total_rows >= (int64_t{1} << 31) || (d_up_proj != nullptr) != gate_up ||
+      group_ends == nullptr) {
+    return cudaErrorInvalidValue;
+  }
+  if (gate_up && (rows == nullptr || d_gate == nullptr || d_up == nullptr)) return cudaErrorInvalidValue;
+  if (down && (dy == nullptr || h == nullptr)) return cudaErrorInvalidValue;
+  for (const void* p : {rows, d_gate, d_up, dy, h, static_cast<const void*>(d_gate_proj),
+                        static_cast<const void*>(d_up_proj), static_cast<const void*>(d_down_proj)}) {
+    if (!aligned16(p)) return cudaErrorInvalidValue;
+  }
+  if (!gate_up && !down) return cudaSuccess;
+  GradArgs a;
+  a.rows = static_cast<const bf16*>(rows);
+  a.d_gate = static_cast<const bf16*>(d_gate);
+  a.d_up = static_cast<const bf16*>(d_up);
+  a.dy = static_cast<const bf16*>(dy);
+  a.h = static_cast<const bf16*>(h);
+  a.group_ends = group_ends;
+  a.d_gate_proj = static_cast<bf16*>(d_gate_proj);
+  a.d_up_proj = static_cast<bf16*>(d_up_proj);
+  a.d_down_proj = static_cast<bf16*>(d_down_proj);
+  a.experts = static_cast<int>(experts);
+  a.latent = static_cast<int>(latent);
+  a.ffn = static_cast<int>(ffn);
+  a.gate_up_jobs = gate_up ? static_cast<int>((2 * ffn / kTile) * (latent / kTile)) : 0;
+  a.down_jobs = down ? static_cast<int>((latent / kTile) * ((ffn + kTile - 1) / kTile)) : 0;
+  a.jobs = static_cast<int>(experts) * (a.gate_up_jobs + a.down_jobs);
+  int device = 0, sms = 0;
+  cudaError_t error = cudaGetDevice(&device);
+  if (error == cudaSuccess) error = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (error == cudaSuccess) {
+    error = cudaFuncSetAttribute(moe_experts_weight_grads_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 static_cast<int>(kSharedBytes));
+  }
+  if (error != cudaSuccess) return error;
+  const int grid = a.jobs < 2 * sms ? a.jobs : 2 * sms;
+  moe_experts_weight_grads_kernel<<<grid, kThreads, kSharedBytes, stream>>>(a);
+  return cudaGetLastError();
+}
+
+}  // namespace odyssey::kernels

@@ -1,0 +1,135 @@
+// A standalone timing of the routed experts' weight gradients (kernels/moe_experts_backward.cu) on
+// the small config's expert shapes, 8K tokens x top-16 (not part of the CMake build):
+//   nvcc -O3 -std=c++17 -arch=sm_90 [-Ivariant] -I. scripts/moe_weight_grads_driver.cu -o /tmp/moe_wgrad
+//   /tmp/moe_wgrad [tokens top_k experts L F]
+// Rows per expert as in scripts/moe_experts_driver.cu (random distinct top_k per token, fixed
+// seed; and the same rows spread evenly). Prints the best and median of 20 launches, TFLOP/s of
+// the three products and the bytes a launch must move at least (X, dG, dU, dY, H in once, the
+// three gradients out), and a spot check: 64 sampled elements of each gradient against fp64 sums
+// on the host (largest relative error). -Ivariant first: a folder holding a modified
+// kernels/moe_experts_backward.cu is used instead (timing experiments); the parity is
+// kernels_tests' job.
+#include "kernels/moe_experts_backward.cu"
+#include "scripts/driver_timing.cuh"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <vector>
+
+using namespace odyssey::kernels;
+
+namespace {
+
+struct HostDevice {
+  std::vector<__nv_bfloat16> host;
+  void* device = nullptr;
+};
+
+HostDevice random_bf16(size_t count, float scale, std::mt19937& rng) {
+  std::normal_distribution<float> normal(0.f, scale);
+  HostDevice m;
+  m.host.resize(count);
+  for (auto& x : m.host) x = __float2bfloat16(normal(rng));
+  cudaMalloc(&m.device, count * 2);
+  cudaMemcpy(m.device, m.host.data(), count * 2, cudaMemcpyHostToDevice);
+  return m;
+}
+
+double f(const __nv_bfloat16& x) { return static_cast<double>(__bfloat162float(x)); }
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int64_t tokens = argc > 1 ? atoll(argv[1]) : 8192, top_k = argc > 2 ? atoll(argv[2]) : 16;
+  const int64_t experts = argc > 3 ? atoll(argv[3]) : 896, L = argc > 4 ? atoll(argv[4]) : 384;
+  const int64_t F = argc > 5 ? atoll(argv[5]) : 192;
+  const int64_t rows = tokens * top_k;
+  std::mt19937 rng(7);
+  std::vector<int64_t> counts(experts, 0);
+  std::vector<int> ids(experts);
+  for (int64_t e = 0; e < experts; ++e) ids[e] = static_cast<int>(e);
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t j = 0; j < top_k; ++j) {
+      std::uniform_int_distribution<int64_t> pick(j, experts - 1);
+      std::swap(ids[j], ids[pick(rng)]);
+      ++counts[ids[j]];
+    }
+  }
+  // Skewed: every row picks an expert with probability proportional to exp(1.5 z), z normal (an
+  // untrained router's imbalance: a few experts with ten times the mean, some with none).
+  std::vector<double> popularity(experts);
+  std::normal_distribution<double> z(0.0, 1.0);
+  for (auto& p : popularity) p = std::exp(1.5 * z(rng));
+  std::discrete_distribution<int64_t> pick_skewed(popularity.begin(), popularity.end());
+  std::vector<int64_t> skewed_counts(experts, 0);
+  for (int64_t r = 0; r < rows; ++r) ++skewed_counts[pick_skewed(rng)];
+  std::vector<int32_t> routed(experts), even(experts), skewed(experts);
+  int64_t sum = 0, most = 0, skewed_sum = 0, skewed_most = 0;
+  for (int64_t e = 0; e < experts; ++e) {
+    sum += counts[e];
+    most = std::max(most, counts[e]);
+    routed[e] = static_cast<int32_t>(sum);
+    even[e] = static_cast<int32_t>((e + 1) * rows / experts);
+    skewed_sum += skewed_counts[e];
+    skewed_most = std::max(skewed_most, skewed_counts[e]);
+    skewed[e] = static_cast<int32_t>(skewed_sum);
+  }
+  const HostDevice x = random_bf16(rows * L, 1.f, rng), dg = random_bf16(rows * F, 0.1f, rng);
+  const HostDevice du = random_bf16(rows * F, 0.1f, rng), dy = random_bf16(rows * L, 0.1f, rng);
+  const HostDevice h = random_bf16(rows * F, 1.f, rng);
+  void *wg = nullptr, *wu = nullptr, *wd = nullptr;
+  int32_t* ends = nullptr;
+  cudaMalloc(&wg, experts * F * L * 2);
+  cudaMalloc(&wu, experts * F * L * 2);
+  cudaMalloc(&wd, experts * L * F * 2);
+  cudaMalloc(&ends, experts * 4);
+  const double flops = 3.0 * 2 * rows * L * F;
+  const double bytes = 2.0 * (2.0 * rows * L + 3.0 * rows * F + 3.0 * experts * F * L);
+  std::printf("moe expert weight gradients: %ld rows (%ld tokens x %ld), %ld experts (most rows %ld), "
+              "L=%ld F=%ld: %.1f GFLOP, at least %.0f MB\n",
+              static_cast<long>(rows), static_cast<long>(tokens), static_cast<long>(top_k),
+              static_cast<long>(experts), static_cast<long>(most), static_cast<long>(L),
+              static_cast<long>(F), flops / 1e9, bytes / 1e6);
+  std::printf("  skewed: most rows %ld\n", static_cast<long>(skewed_most));
+  for (const auto& [name, host_ends] : {std::make_pair("routed", &routed), std::make_pair("even", &even),
+                                        std::make_pair("skewed", &skewed)}) {
+    cudaMemcpy(ends, host_ends->data(), experts * 4, cudaMemcpyHostToDevice);
+    cudaError_t error = cudaSuccess;
+    const std::vector<float> ms = time_launches([&] {
+      error = moe_experts_weight_grads(x.device, dg.device, du.device, dy.device, h.device, ends, wg, wu, wd,
+                                       rows, experts, L, F, nullptr);
+    });
+    const cudaError_t sync = cudaDeviceSynchronize();
+    // Spot check against fp64 sums over the expert's rows.
+    std::vector<__nv_bfloat16> got_g(experts * F * L), got_u(experts * F * L), got_d(experts * L * F);
+    cudaMemcpy(got_g.data(), wg, got_g.size() * 2, cudaMemcpyDeviceToHost);
+    cudaMemcpy(got_u.data(), wu, got_u.size() * 2, cudaMemcpyDeviceToHost);
+    cudaMemcpy(got_d.data(), wd, got_d.size() * 2, cudaMemcpyDeviceToHost);
+    double worst = 0.0;
+    std::uniform_int_distribution<int64_t> pick_e(0, experts - 1), pick_f(0, F - 1), pick_l(0, L - 1);
+    for (int s = 0; s < 64; ++s) {
+      const int64_t e = pick_e(rng), fi = pick_f(rng), li = pick_l(rng);
+      const int64_t r0 = e > 0 ? (*host_ends)[e - 1] : 0, r1 = (*host_ends)[e];
+      double sg = 0, su = 0, sd = 0, scale_g = 1e-30, scale_u = 1e-30, scale_d = 1e-30;
+      for (int64_t r = r0; r < r1; ++r) {
+        sg += f(dg.host[r * F + fi]) * f(x.host[r * L + li]);
+        su += f(du.host[r * F + fi]) * f(x.host[r * L + li]);
+        sd += f(dy.host[r * L + li]) * f(h.host[r * F + fi]);
+        scale_g += std::fabs(f(dg.host[r * F + fi]) * f(x.host[r * L + li]));
+        scale_u += std::fabs(f(du.host[r * F + fi]) * f(x.host[r * L + li]));
+        scale_d += std::fabs(f(dy.host[r * L + li]) * f(h.host[r * F + fi]));
+      }
+      worst = std::max(worst, std::fabs(f(got_g[(e * F + fi) * L + li]) - sg) / scale_g);
+      worst = std::max(worst, std::fabs(f(got_u[(e * F + fi) * L + li]) - su) / scale_u);
+      worst = std::max(worst, std::fabs(f(got_d[(e * L + li) * F + fi]) - sd) / scale_d);
+    }
+    std::printf("  %-6s best %.3f ms  median %.3f ms  %6.1f TFLOP/s  %5.0f GB/s of the least bytes  "
+                "spot check: max |err| / sum |terms| %.2e  %s\n",
+                name, ms[0], ms[10], flops / (ms[0] * 1e-3) / 1e12, bytes / (ms[0] * 1e-3) / 1e9, worst,
+                cudaGetErrorName(error != cudaSuccess ? error : sync));
+  }
+  return 0;
+}
