@@ -591,6 +591,10 @@ std::vector<Stage> moe_backward_stages(const KernelsBenchOptions& o, model::MoeI
     const at::Tensor d_out = random_like(v.expert_out);
     const at::Tensor dh = kernels::moe_expert_rows_times(d_out, layer.experts->down_proj, g);
     const kernels::SituGluBackwardWithH ds = kernels::situ_glu_backward_with_h(v.gate, v.up, dh, b1, b2);
+    // What the Function runs when its forward ran fused (kAuto here): dX and the weight gradients
+    // as one kernel each; the grouped GEMMs they replaced are listed after them.
+    const bool one_kernel = kernels::moe_experts_fused_applies(v.rows, layer.experts->gate_proj,
+                                                               layer.experts->up_proj, layer.experts->down_proj);
     s.push_back({"dH = dY W_down" + gemm,
                  best([&] { kernels::moe_expert_rows_times(d_out, layer.experts->down_proj, g); }),
                  2 * rows * l * f, 0, false});
@@ -603,16 +607,22 @@ std::vector<Stage> moe_backward_stages(const KernelsBenchOptions& o, model::MoeI
                    kernels::situ_glu_backward(v.gate, v.up, dh, b1, b2);
                  }),
                  0, 8 * bytes_of(v.gate), false});
-    s.push_back({"dX = dG W_gate + dU W_up (two GEMMs, added in place)" + gemm,
+    if (one_kernel) {
+      s.push_back({"dX = dG W_gate + dU W_up in one kernel (moe_experts_dx)",
+                   best([&] {
+                     kernels::moe_experts_dx(ds.d_gate, ds.d_up, layer.experts->gate_proj, layer.experts->up_proj,
+                                             v.perm.group_ends);
+                   }),
+                   2 * 2 * rows * f * l, 0, false});
+    }
+    s.push_back({std::string(one_kernel ? "the GEMMs it replaced: " : "") +
+                     "dX = dG W_gate + dU W_up (two GEMMs, added in place)" + gemm,
                  best([&] {
                    at::Tensor dx = kernels::moe_expert_rows_times(ds.d_gate, layer.experts->gate_proj, g);
                    dx.add_(kernels::moe_expert_rows_times(ds.d_up, layer.experts->up_proj, g));
                  }),
                  2 * 2 * rows * f * l, 0, false});
-    const bool one_kernel = kernels::moe_experts_weight_grads_applies(v.rows, layer.experts->gate_proj) &&
-                            kernels::moe_experts_fused_applies(v.rows, layer.experts->gate_proj,
-                                                               layer.experts->up_proj, layer.experts->down_proj);
-    if (one_kernel) {  // what the Function runs when its forward ran fused (kAuto here)
+    if (one_kernel) {
       s.push_back({"dW_gate, dW_up, dW_down in one kernel, empty experts zeroed (moe_experts_weight_grads)",
                    best([&] {
                      kernels::moe_experts_weight_grads(v.rows, ds.d_gate, ds.d_up, d_out, ds.h, v.perm.group_ends,
@@ -755,6 +765,22 @@ void moe_grouped_gemm_comparison(const KernelsBenchOptions& o, model::MoeImpl& l
                 dense_ms / routed_ms);
     std::printf("  (fused: moe_experts_forward, one kernel, against the three dense matmuls of its products)\n");
   }
+  if (kernels::moe_experts_dx_applies(ds.d_gate, gate_proj)) {
+    // dX = dG W_gate + dU W_up in one kernel, against the two dense matmuls of the same shapes.
+    auto dx = [&](const at::Tensor& ends) {
+      kernels::moe_experts_dx(ds.d_gate, ds.d_up, gate_proj, layer.experts->up_proj, ends);
+    };
+    const double routed_ms = best([&] { dx(v.perm.group_ends); });
+    const double even_ms = best([&] { dx(even_ends); });
+    const double dense_ms = best([&] {
+      at::mm(ds.d_gate, gate_proj.select(0, 0));
+      at::mm(ds.d_up, layer.experts->up_proj.select(0, 0));
+    });
+    const double flops = 2 * 2 * r * l * f;
+    std::printf("  %-40s %22s %22s %22s %7.2f\n", "dX: dG W_gate + dU W_up",
+                cell(routed_ms, flops).c_str(), cell(even_ms, flops).c_str(), cell(dense_ms, flops).c_str(),
+                dense_ms / routed_ms);
+  }
   if (kernels::moe_experts_weight_grads_applies(v.rows, gate_proj)) {
     // The three weight gradients in one kernel, against the three dense matmuls of the same shapes.
     auto grads = [&](const at::Tensor& ends) {
@@ -771,7 +797,8 @@ void moe_grouped_gemm_comparison(const KernelsBenchOptions& o, model::MoeImpl& l
     std::printf("  %-40s %22s %22s %22s %7.2f\n", "weight grads: dG^T X, dU^T X, dY^T H",
                 cell(routed_ms, flops).c_str(), cell(even_ms, flops).c_str(), cell(dense_ms, flops).c_str(),
                 dense_ms / routed_ms);
-    std::printf("  (weight grads: moe_experts_weight_grads, one kernel, against the three dense matmuls)\n");
+    std::printf("  (dX: moe_experts_dx, weight grads: moe_experts_weight_grads, one kernel each, against the dense "
+                "matmuls of their products)\n");
   }
   std::fflush(stdout);
 }

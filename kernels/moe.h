@@ -197,6 +197,21 @@ cudaError_t moe_experts_weight_grads(const void* rows, const void* d_gate, const
                                      int64_t total_rows, int64_t experts, int64_t latent,
                                      int64_t ffn, cudaStream_t stream);
 
+// ---- Routed experts' dX (moe_experts_backward.cu) -------------------------------------------------
+// The rows' gradient of the routed experts' first two GEMMs as one kernel, on tensor cores:
+//   dx[r] = d_gate[r] W_gate[e] + d_up[r] W_up[e]   for the rows r of expert e
+// one fp32 sum over the 2F products, rounded once to bf16 (no bf16 intermediate, where two
+// GEMMs added in place round twice). All bf16:
+//   d_gate, d_up [R, F]   gate_proj, up_proj [E, F, L]   group_ends int32 [E]   dx [R, L]
+// The same precondition on group_ends as moe_experts_forward (not checked). Supported
+// (moe_experts_dx_supported): sm_80 or newer, L a multiple of 128, F a multiple of 64,
+// 1 <= E <= 1024, E L F < 2^31, R < 2^31, 16-byte aligned pointers.
+bool moe_experts_dx_supported(int64_t latent, int64_t ffn, int64_t experts);
+cudaError_t moe_experts_dx(const void* d_gate, const void* d_up, const void* gate_proj,
+                           const void* up_proj, const int32_t* group_ends, void* dx,
+                           int64_t total_rows, int64_t experts, int64_t latent, int64_t ffn,
+                           cudaStream_t stream);
+
 // Zeroes the rows of experts with no tokens in a stacked [groups, row_elements] tensor (weight
 // gradients of grouped GEMMs over an empty token range); counts int64 [groups].
 cudaError_t moe_zero_empty_groups(MoeDtype dtype, void* data, const int64_t* counts,

@@ -121,8 +121,8 @@ class MoeExpertsFunction : public torch::autograd::Function<MoeExpertsFunction> 
                                const at::Tensor& gate_proj, const at::Tensor& up_proj,
                                const at::Tensor& down_proj, const MoePermutation& permutation,
                                double beta1, double beta2, bool grouped, bool fused) {
-    // The backward's row GEMMs are grouped or a loop; with `fused` the forward is one kernel and
-    // so are the backward's weight gradients (moe_experts_weight_grads).
+    // With `fused` the forward is one kernel, and so are the backward's dX (moe_experts_dx) and
+    // its weight gradients (moe_experts_weight_grads); dH is a grouped GEMM or a loop.
     const MoeExpertGroups g =
         moe_expert_groups(permutation.tokens_per_expert, permutation.group_ends, grouped);
     const at::Tensor x = rows.contiguous();
@@ -167,13 +167,17 @@ class MoeExpertsFunction : public torch::autograd::Function<MoeExpertsFunction> 
     const bool want_down = ctx->needs_input_grad(3);
     const SituGluBackwardWithH d = situ_glu_backward_with_h(gate, up, dh, beta1, beta2, want_down);
     variable_list out(9);
-    if (ctx->needs_input_grad(0)) {
+    const bool fused = ctx->saved_data["fused"].toBool();
+    if (ctx->needs_input_grad(0) && fused) {
+      // dX = dG W_gate + dU W_up in one kernel: one fp32 sum over 2F, rounded once.
+      out[0] = moe_experts_dx(d.d_gate, d.d_up, gate_proj, up_proj, g.ends.to(at::kInt));
+    } else if (ctx->needs_input_grad(0)) {
       // dX = dG W_gate + dU W_up, the second product added into the first (no third [R, L]).
       out[0] = moe_expert_rows_times(d.d_gate, gate_proj, g);
       out[0].add_(moe_expert_rows_times(d.d_up, up_proj, g));
     }
     const bool want_gate_up = ctx->needs_input_grad(1) || ctx->needs_input_grad(2);
-    if (ctx->saved_data["fused"].toBool() && (want_gate_up || want_down)) {
+    if (fused && (want_gate_up || want_down)) {
       // One kernel for all three, empty experts zeroed in the same pass.
       MoeExpertWeightGrads w = moe_experts_weight_grads(x, d.d_gate, d.d_up, dy, d.h, g.ends.to(at::kInt),
                                                         want_gate_up, want_down);
@@ -379,6 +383,59 @@ MoeExpertsFused moe_experts_fused_forward(const at::Tensor& rows, const at::Tens
   TORCH_CHECK(error == cudaSuccess, where, ": CUDA error ", cudaGetErrorName(error), " (",
               cudaGetErrorString(error), ")");
   return out;
+}
+
+bool moe_experts_dx_applies(const at::Tensor& d_gate, const at::Tensor& gate_proj) {
+  if (!d_gate.defined() || !gate_proj.defined() || !d_gate.is_cuda() ||
+      gate_proj.device() != d_gate.device() || d_gate.scalar_type() != at::kBFloat16 ||
+      gate_proj.scalar_type() != at::kBFloat16 || d_gate.dim() != 2 || gate_proj.dim() != 3 ||
+      d_gate.size(1) != gate_proj.size(1) || d_gate.size(0) >= (int64_t{1} << 31)) {
+    return false;
+  }
+  const c10::cuda::CUDAGuard guard(d_gate.device());
+  return moe_experts_dx_supported(gate_proj.size(2), gate_proj.size(1), gate_proj.size(0));
+}
+
+at::Tensor moe_experts_dx(const at::Tensor& d_gate, const at::Tensor& d_up,
+                          const at::Tensor& gate_proj, const at::Tensor& up_proj,
+                          const at::Tensor& group_ends) {
+  constexpr const char* where = "kernels::moe_experts_dx";
+  TORCH_CHECK(gate_proj.defined() && gate_proj.dim() == 3 && up_proj.defined() &&
+                  up_proj.sizes() == gate_proj.sizes() && d_gate.defined() && d_gate.dim() == 2 &&
+                  d_up.defined() && d_up.sizes() == d_gate.sizes() && group_ends.defined() &&
+                  group_ends.dim() == 1 && group_ends.size(0) == gate_proj.size(0),
+              where, ": needs d_gate, d_up [R, F], gate_proj, up_proj [E, F, L] and group_ends [E]; got ",
+              d_gate.defined() ? c10::str(d_gate.sizes()) : "none", ", ",
+              d_up.defined() ? c10::str(d_up.sizes()) : "none", ", ",
+              gate_proj.defined() ? c10::str(gate_proj.sizes()) : "none", ", ",
+              up_proj.defined() ? c10::str(up_proj.sizes()) : "none", ", ",
+              group_ends.defined() ? c10::str(group_ends.sizes()) : "none");
+  const int64_t experts = gate_proj.size(0), ffn = gate_proj.size(1), latent = gate_proj.size(2);
+  const int64_t total = d_gate.size(0);
+  TORCH_CHECK(d_gate.size(1) == ffn, where, ": d_gate is [", total, ", ", d_gate.size(1),
+              "] but gate_proj's F is ", ffn);
+  const at::Device device = d_gate.device();
+  for (const auto& [name, t] : {std::make_pair("d_gate", &d_gate), std::make_pair("d_up", &d_up),
+                                std::make_pair("gate_proj", &gate_proj), std::make_pair("up_proj", &up_proj)}) {
+    TORCH_CHECK(t->is_cuda() && t->device() == device && t->scalar_type() == at::kBFloat16, where, ": ",
+                name, " must be bf16 on ", device, ", got ", t->scalar_type(), " on ", t->device());
+  }
+  TORCH_CHECK(group_ends.device() == device && group_ends.scalar_type() == at::kInt, where,
+              ": group_ends must be int32 on ", device, ", got ", group_ends.scalar_type(), " on ",
+              group_ends.device());
+  const c10::cuda::CUDAGuard guard(device);
+  TORCH_CHECK(moe_experts_dx_supported(latent, ffn, experts), where,
+              ": needs sm_80 or newer, L a multiple of 128, F a multiple of 64 and 1 to 1024 experts; "
+              "got L = ", latent, ", F = ", ffn, ", ", experts, " experts");
+  const at::Tensor dg = d_gate.contiguous(), du = d_up.contiguous(), wg = gate_proj.contiguous(),
+                   wu = up_proj.contiguous(), ends = group_ends.contiguous();
+  at::Tensor dx = at::empty({total, latent}, dg.options());
+  const cudaError_t error = moe_experts_dx(dg.data_ptr(), du.data_ptr(), wg.data_ptr(), wu.data_ptr(),
+                                           ends.data_ptr<int32_t>(), dx.data_ptr(), total, experts, latent,
+                                           ffn, at::cuda::getCurrentCUDAStream(device.index()).stream());
+  TORCH_CHECK(error == cudaSuccess, where, ": CUDA error ", cudaGetErrorName(error), " (",
+              cudaGetErrorString(error), ")");
+  return dx;
 }
 
 bool moe_experts_weight_grads_applies(const at::Tensor& rows, const at::Tensor& gate_proj) {

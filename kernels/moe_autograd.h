@@ -32,9 +32,9 @@
 namespace odyssey::kernels {
 
 // Which GEMMs MoeExpertsFunction uses. kFused: the forward as one kernel (moe_experts_forward,
-// kernels/moe.h: both GEMMs and SiTU-GLU per tile of rows) and the backward's weight gradients as
-// one kernel (moe_experts_weight_grads); the backward's row GEMMs grouped where that applies,
-// else the loop. kAuto takes kFused where it applies, else at::_grouped_mm where that
+// kernels/moe.h: both GEMMs and SiTU-GLU per tile of rows), the backward's dX and its weight
+// gradients as one kernel each (moe_experts_dx, moe_experts_weight_grads); the backward's dH
+// grouped where that applies, else the loop. kAuto takes kFused where it applies, else at::_grouped_mm where that
 // applies (see above), else the loop.
 enum class MoeGemm { kAuto, kGrouped, kLoop, kFused };
 
@@ -60,6 +60,17 @@ MoeExpertsFused moe_experts_fused_forward(const at::Tensor& rows, const at::Tens
                                           const at::Tensor& up_proj, const at::Tensor& down_proj,
                                           const MoePermutation& permutation, double beta1,
                                           double beta2, bool want_gate_up);
+
+// dX = dG W_gate + dU W_up of the routed experts as one kernel (moe_experts_dx, kernels/moe.h):
+// one fp32 sum over the 2F products per element, rounded once. d_gate, d_up [R, F] grouped by
+// expert as group_ends (int32 [E]) says, gate_proj, up_proj [E, F, L], all CUDA bf16 on one
+// device; returns [R, L]. MoeExpertsFunction's backward takes it whenever its forward ran fused.
+// Whether it applies: bf16 CUDA, sm_80 or newer, L a multiple of 128, F a multiple of 64, at most
+// 1024 experts. Errors name the tensor or the width that does not fit.
+bool moe_experts_dx_applies(const at::Tensor& d_gate, const at::Tensor& gate_proj);
+at::Tensor moe_experts_dx(const at::Tensor& d_gate, const at::Tensor& d_up,
+                          const at::Tensor& gate_proj, const at::Tensor& up_proj,
+                          const at::Tensor& group_ends);
 
 // The routed experts' three weight gradients as one kernel (moe_experts_weight_grads, kernels/
 // moe.h): dW_gate = dG^T X, dW_up = dU^T X per expert ([E, F, L]) when want_gate_up, dW_down =

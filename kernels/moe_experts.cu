@@ -24,6 +24,7 @@
 
 #include "kernels/mma.cuh"
 #include "kernels/moe.h"
+#include "kernels/moe_tiles.cuh"
 #include "kernels/situ.cuh"
 
 namespace odyssey::kernels {
@@ -32,7 +33,6 @@ namespace {
 using bf16 = __nv_bfloat16;
 using bf162 = __nv_bfloat162;
 
-constexpr int kTileRows = 128;                      // rows of one expert a CTA takes at a time
 constexpr int kThreads = 256;                       // 8 warps: 4 column quarters x 2 row halves
 constexpr int kChunkRows = 128;                     // a streamed weight chunk: 128 rows ...
 constexpr int kChunkCols = 64;                      // ... of 64 bf16
@@ -40,78 +40,6 @@ constexpr int kPad = 8;                             // bf16 of padding a shared 
                                                     // 8 row addresses fall in distinct banks
 constexpr int kChunkStride = kChunkCols + kPad;
 constexpr int kStages = 3;                          // chunks in flight
-constexpr int kMaxExperts = 1024;
-constexpr unsigned kFullMask = 0xffffffffu;
-
-// The tiles of every expert as an inclusive prefix sum over experts, in shared memory; returns the
-// number of tiles. Expert e owns rows [group_ends[e - 1], group_ends[e]).
-__device__ int build_tile_schedule(const int32_t* __restrict__ group_ends, int experts,
-                                   int* tile_ends) {
-  __shared__ int warp_sums[kThreads / 32];
-  constexpr int kPerThread = kMaxExperts / kThreads;
-  const int first = threadIdx.x * kPerThread;
-  int counts[kPerThread];
-  int local = 0;
-#pragma unroll
-  for (int i = 0; i < kPerThread; ++i) {
-    const int e = first + i;
-    int tiles = 0;
-    if (e < experts) {
-      const int rows = group_ends[e] - (e > 0 ? group_ends[e - 1] : 0);
-      tiles = (rows + kTileRows - 1) / kTileRows;
-    }
-    counts[i] = tiles;
-    local += tiles;
-  }
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  int inclusive = local;
-#pragma unroll
-  for (int offset = 1; offset < 32; offset <<= 1) {
-    const int other = __shfl_up_sync(kFullMask, inclusive, offset);
-    if (lane >= offset) inclusive += other;
-  }
-  if (lane == 31) warp_sums[warp] = inclusive;
-  __syncthreads();
-  int running = inclusive - local, total = 0;
-#pragma unroll
-  for (int w = 0; w < kThreads / 32; ++w) {
-    if (w < warp) running += warp_sums[w];
-    total += warp_sums[w];
-  }
-#pragma unroll
-  for (int i = 0; i < kPerThread; ++i) {
-    running += counts[i];
-    if (first + i < experts) tile_ends[first + i] = running;
-  }
-  __syncthreads();
-  return total;
-}
-
-struct Tile {
-  int expert;
-  int first_row;  // absolute row of the tile's row 0
-  int rows;       // <= kTileRows; <= 0: nothing to do
-};
-
-__device__ Tile find_tile(int t, const int* tile_ends, const int32_t* __restrict__ group_ends,
-                          int experts) {
-  int lo = 0, hi = experts - 1;  // the first expert whose tiles end after t
-  while (lo < hi) {
-    const int mid = (lo + hi) / 2;
-    if (tile_ends[mid] > t) {
-      hi = mid;
-    } else {
-      lo = mid + 1;
-    }
-  }
-  const int begin = lo > 0 ? group_ends[lo - 1] : 0;
-  const int rows = group_ends[lo] - begin;
-  const int tiles = tile_ends[lo] - (lo > 0 ? tile_ends[lo - 1] : 0);
-  const int j = t - (tile_ends[lo] - tiles);
-  const int per_tile = (rows + tiles - 1) / tiles;
-  const int start = j * per_tile;
-  return Tile{lo, begin + start, min(per_tile, rows - start)};
-}
 
 // The tile's rows of a [R, width] bf16 matrix into shared rows of `stride`, the rows past
 // tile.rows up to the next multiple of 16 zero-filled (read by the m16 blocks, never stored).
@@ -212,7 +140,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_experts_forward_kernel(Forwar
   bf16* hs = xs + kTileRows * S::kXStride;
   bf16* ws = hs + kTileRows * S::kHStride;
 
-  const int tiles = build_tile_schedule(a.group_ends, a.experts, tile_ends);
+  const int tiles = build_tile_schedule<kThreads>(a.group_ends, a.experts, tile_ends);
   // Warp w runs on the SM's sub-partition w % 4, so the column quarter is w % 4 (every
   // sub-partition's tensor core gets the same share of any tile) and the row half w / 4.
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;

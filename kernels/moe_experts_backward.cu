@@ -31,6 +31,7 @@
 
 #include "kernels/mma.cuh"
 #include "kernels/moe.h"
+#include "kernels/moe_tiles.cuh"
 
 namespace odyssey::kernels {
 namespace {
@@ -46,7 +47,6 @@ constexpr int kStride = kTile + 8;                   // bf16 a shared row (ldmat
 constexpr int kOperandElements = kChunk * kStride;   // one operand of one chunk
 constexpr int kStageElements = 2 * kOperandElements; // A then B
 constexpr int kStages = 4;
-constexpr int kMaxExperts = 1024;                    // sorted in shared memory (sort_experts)
 constexpr int kStagingElements = kTile * kStride;   // the output tile, for whole-row stores
 constexpr size_t kSharedBytes =
     (size_t{kStages} * kStageElements + kStagingElements) * sizeof(bf16);  // 104 KB: two CTAs an SM
@@ -264,7 +264,10 @@ __global__ void __launch_bounds__(kThreads, 2) moe_experts_weight_grads_kernel(G
       }
     }
     // Round once into the staging tile, then store it in whole rows of 16-byte pieces (the
-    // accumulators' own layout would write 4 bytes a lane, half of every 32-byte sector).
+    // accumulators' own layout would write 4 bytes a lane, half of every 32-byte sector). A job
+    // with chunks passed a barrier since the last job's stores read the staging tile; one without
+    // (an expert without rows) waits here.
+    if (chunks == 0) __syncthreads();
     if (live) {
 #pragma unroll
       for (int mi = 0; mi < 4; ++mi) {
@@ -299,6 +302,160 @@ __global__ void __launch_bounds__(kThreads, 2) moe_experts_weight_grads_kernel(G
         }
         *reinterpret_cast<uint4*>(out + out_row * width + job.n0 + col) =
             *reinterpret_cast<const uint4*>(staging + r * kStride + col);
+      }
+    }
+  }
+  cp_async_wait<0>();
+}
+
+// ---- dX = dG W_gate + dU W_up ---------------------------------------------------------------------
+// Jobs: (tile of at most 128 rows of one expert, moe_tiles.cuh) x (slice of 128 columns of L); the
+// slices of a tile are consecutive jobs, so CTAs running side by side share its rows in L2. A
+// job's K = 2F ([dG | dU] against [W_gate; W_up]) streams in chunks of 32: A = 128 rows x 32 of
+// dG or dU (k-contiguous rows: ldmatrix), B = 32 rows of W_gate[e] or W_up[e] x the slice's 128
+// columns (n-contiguous: ldmatrix.trans), through a ring of kStages, one barrier a chunk, the
+// stream running on from one job into the next. Warps as above (n quarter w % 4, rows 64 (w / 4)
+// .. + 64, m16 blocks past the tile's rows skipped). The fp32 sums are rounded once to bf16 and
+// staged for whole-row stores.
+constexpr int kDxK = 32;                              // k of a chunk
+constexpr int kDxAStride = kDxK + 8;                  // A: 128 rows x 32 (+8: ldmatrix banks)
+constexpr int kDxAElements = kTileRows * kDxAStride;
+constexpr int kDxBElements = kDxK * kStride;          // B: 32 rows x 128 (+8)
+constexpr int kDxStageElements = kDxAElements + kDxBElements;
+constexpr size_t kDxSharedBytes =
+    (size_t{kStages} * kDxStageElements + kStagingElements) * sizeof(bf16);  // 110.6 KB
+
+struct DxArgs {
+  const bf16* d_gate;
+  const bf16* d_up;  // [R, F]
+  const bf16* gate_proj;
+  const bf16* up_proj;  // [E, F, L]
+  const int32_t* group_ends;
+  bf16* dx;  // [R, L]
+  int experts, latent, ffn;
+  int slices;  // L / 128
+};
+
+struct DxFeed {
+  int j = 0;  // the job whose chunk is issued next (>= jobs: the stream has ended)
+  int chunk = 0;
+  Tile tile{0, 0, 0};
+  int n0 = 0;
+};
+
+__global__ void __launch_bounds__(kThreads, 2) moe_experts_dx_kernel(DxArgs a) {
+  extern __shared__ __align__(16) unsigned char shared_bytes[];
+  __shared__ int tile_ends[kMaxExperts];
+  bf16* ring = reinterpret_cast<bf16*>(shared_bytes);
+  bf16* staging = ring + kStages * kDxStageElements;
+  const int tiles = build_tile_schedule<kThreads>(a.group_ends, a.experts, tile_ends);
+  const int jobs = tiles * a.slices, chunks = 2 * a.ffn / kDxK;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int wq = warp & 3, wr = warp >> 2;
+  const int gq = lane >> 2, tq = lane & 3;
+  const FragmentOffsets f(lane);
+  const uint32_t ring_address = shared_address(ring);
+  const uint32_t a_frag = ring_address + ((wr * 64 + f.a_row) * kDxAStride + f.a_col) * 2;
+  const uint32_t b_frag = ring_address + (kDxAElements + f.t_row * kStride + wq * 32 + f.t_col) * 2;
+  constexpr uint32_t kSlotBytes = kDxStageElements * sizeof(bf16);
+  // This thread's pieces of a chunk: A rows ar, ar + 64 at column ac; B rows br, br + 16 at bc.
+  const int ar = threadIdx.x >> 2, ac = (threadIdx.x & 3) * 8;
+  const int br = threadIdx.x >> 4, bc = (threadIdx.x & 15) * 8;
+
+  DxFeed feed;
+  auto start = [&](int j) {
+    feed.j = j;
+    feed.chunk = 0;
+    if (j < jobs) {
+      const int t = j / a.slices;
+      feed.tile = find_tile(t, tile_ends, a.group_ends, a.experts);
+      feed.n0 = (j - t * a.slices) * kTile;
+    }
+  };
+  start(blockIdx.x);
+  int issued = 0;
+  auto issue = [&] {
+    if (feed.j < jobs) {
+      bf16* slot = ring + (issued % kStages) * kDxStageElements;
+      const int k = feed.chunk * kDxK;
+      const bool gate = k < a.ffn;  // F % 64 == 0: a chunk is all dG or all dU
+      const bf16* rows = gate ? a.d_gate : a.d_up;
+      const int kf = gate ? k : k - a.ffn;
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int r = ar + i * 64;
+        const bool valid = r < feed.tile.rows;
+        cp_async16_or_zero(slot + r * kDxAStride + ac,
+                           rows + int64_t{feed.tile.first_row + (valid ? r : 0)} * a.ffn + kf + ac, valid);
+      }
+      const bf16* w = (gate ? a.gate_proj : a.up_proj) +
+                      (int64_t{feed.tile.expert} * a.ffn + kf) * a.latent + feed.n0 + bc;
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int r = br + i * 16;
+        cp_async16(slot + kDxAElements + r * kStride + bc, w + int64_t{r} * a.latent);
+      }
+      ++issued;
+      if (++feed.chunk == chunks) start(feed.j + gridDim.x);
+    }
+    cp_async_commit();  // possibly empty: keeps the wait counts uniform
+  };
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) issue();
+
+  float acc[4][4][4];
+  int consumed = 0;
+  for (int j = blockIdx.x; j < jobs; j += gridDim.x) {
+    const int t = j / a.slices;
+    const Tile tile = find_tile(t, tile_ends, a.group_ends, a.experts);
+    const int n0 = (j - t * a.slices) * kTile;
+    const int blocks = min(4, max(0, (tile.rows - wr * 64 + 15) / 16));  // warp-uniform
+    zero(acc);
+    for (int c = 0; c < chunks; ++c) {
+      cp_async_wait<kStages - 2>();
+      __syncthreads();
+      issue();
+      const uint32_t slot = (consumed % kStages) * kSlotBytes;
+      ++consumed;
+#pragma unroll
+      for (int kk = 0; kk < kDxK / 16; ++kk) {
+        uint32_t af[4][4], bfr[2][4];
+#pragma unroll
+        for (int q = 0; q < 2; ++q) ldmatrix_x4_trans_at(bfr[q], b_frag + slot + kk * 16 * kStride * 2 + q * 32);
+#pragma unroll
+        for (int mi = 0; mi < 4; ++mi) ldmatrix_x4_at(af[mi], a_frag + slot + (mi * 16 * kDxAStride + kk * 16) * 2);
+#pragma unroll
+        for (int mi = 0; mi < 4; ++mi) {
+          if (mi < blocks) {
+#pragma unroll
+            for (int q = 0; q < 2; ++q) {
+              mma(acc[mi][2 * q], af[mi], bfr[q][0], bfr[q][1]);
+              mma(acc[mi][2 * q + 1], af[mi], bfr[q][2], bfr[q][3]);
+            }
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int mi = 0; mi < 4; ++mi) {
+      if (mi >= blocks) break;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        bf16* row = staging + (wr * 64 + mi * 16 + gq + half * 8) * kStride + wq * 32 + 2 * tq;
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+          *reinterpret_cast<bf162*>(row + nt * 8) =
+              __floats2bfloat162_rn(acc[mi][nt][2 * half], acc[mi][nt][2 * half + 1]);
+        }
+      }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < kTile * kTile / 8 / kThreads; ++i) {
+      const int r = br + i * (kThreads / 16);
+      if (r < tile.rows) {
+        *reinterpret_cast<uint4*>(a.dx + int64_t{tile.first_row + r} * a.latent + n0 + bc) =
+            *reinterpret_cast<const uint4*>(staging + r * kStride + bc);
       }
     }
   }
@@ -370,6 +527,63 @@ cudaError_t moe_experts_weight_grads(const void* rows, const void* d_gate, const
   if (error != cudaSuccess) return error;
   const int grid = a.jobs < 2 * sms ? a.jobs : 2 * sms;
   moe_experts_weight_grads_kernel<<<grid, kThreads, kSharedBytes, stream>>>(a);
+  return cudaGetLastError();
+}
+
+}  // namespace odyssey::kernels
+
+namespace odyssey::kernels {
+
+bool moe_experts_dx_supported(int64_t latent, int64_t ffn, int64_t experts) {
+  if (latent < kTile || latent % kTile != 0 || ffn < 64 || ffn % 64 != 0 || experts < 1 ||
+      experts > kMaxExperts || experts * ffn * latent >= (int64_t{1} << 31)) {
+    return false;
+  }
+  int device = 0, major = 0, optin = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return false;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
+    return false;
+  }
+  constexpr size_t kStatic = (kMaxExperts + kThreads / 32) * sizeof(int);
+  return major >= 8 && kDxSharedBytes + kStatic <= static_cast<size_t>(optin);
+}
+
+cudaError_t moe_experts_dx(const void* d_gate, const void* d_up, const void* gate_proj,
+                           const void* up_proj, const int32_t* group_ends, void* dx,
+                           int64_t total_rows, int64_t experts, int64_t latent, int64_t ffn,
+                           cudaStream_t stream) {
+  if (!moe_experts_dx_supported(latent, ffn, experts) || total_rows < 0 ||
+      total_rows >= (int64_t{1} << 31) || group_ends == nullptr) {
+    return cudaErrorInvalidValue;
+  }
+  for (const void* p : {d_gate, d_up, gate_proj, up_proj, static_cast<const void*>(dx)}) {
+    if (p == nullptr || !aligned16(p)) return cudaErrorInvalidValue;
+  }
+  if (total_rows == 0) return cudaSuccess;
+  DxArgs a;
+  a.d_gate = static_cast<const bf16*>(d_gate);
+  a.d_up = static_cast<const bf16*>(d_up);
+  a.gate_proj = static_cast<const bf16*>(gate_proj);
+  a.up_proj = static_cast<const bf16*>(up_proj);
+  a.group_ends = group_ends;
+  a.dx = static_cast<bf16*>(dx);
+  a.experts = static_cast<int>(experts);
+  a.latent = static_cast<int>(latent);
+  a.ffn = static_cast<int>(ffn);
+  a.slices = static_cast<int>(latent / kTile);
+  int device = 0, sms = 0;
+  cudaError_t error = cudaGetDevice(&device);
+  if (error == cudaSuccess) error = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (error == cudaSuccess) {
+    error = cudaFuncSetAttribute(moe_experts_dx_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 static_cast<int>(kDxSharedBytes));
+  }
+  if (error != cudaSuccess) return error;
+  // At most one tile per 128 rows plus one partial tile per expert.
+  const int64_t max_jobs = (total_rows / kTileRows + experts) * a.slices;
+  const int grid = static_cast<int>(max_jobs < 2 * sms ? max_jobs : 2 * sms);
+  moe_experts_dx_kernel<<<grid, kThreads, kDxSharedBytes, stream>>>(a);
   return cudaGetLastError();
 }
 

@@ -131,5 +131,41 @@ int main(int argc, char** argv) {
                 name, ms[0], ms[10], flops / (ms[0] * 1e-3) / 1e12, bytes / (ms[0] * 1e-3) / 1e9, worst,
                 cudaGetErrorName(error != cudaSuccess ? error : sync));
   }
+  // dX = dG W_gate + dU W_up (moe_experts_dx) on the same rows, with random weights.
+  const HostDevice gate_proj = random_bf16(experts * F * L, 0.05f, rng), up_proj = random_bf16(experts * F * L, 0.05f, rng);
+  void* dx = nullptr;
+  cudaMalloc(&dx, rows * L * 2);
+  const double dx_flops = 2.0 * 2 * rows * L * F;
+  const double dx_bytes = 2.0 * (2.0 * rows * F + 2.0 * experts * F * L + rows * L);
+  for (const auto& [name, host_ends] : {std::make_pair("routed", &routed), std::make_pair("even", &even),
+                                        std::make_pair("skewed", &skewed)}) {
+    cudaMemcpy(ends, host_ends->data(), experts * 4, cudaMemcpyHostToDevice);
+    cudaError_t error = cudaSuccess;
+    const std::vector<float> ms = time_launches([&] {
+      error = moe_experts_dx(dg.device, du.device, gate_proj.device, up_proj.device, ends, dx, rows, experts, L, F,
+                             nullptr);
+    });
+    const cudaError_t sync = cudaDeviceSynchronize();
+    std::vector<__nv_bfloat16> got(rows * L);
+    cudaMemcpy(got.data(), dx, got.size() * 2, cudaMemcpyDeviceToHost);
+    double worst = 0.0;
+    std::uniform_int_distribution<int64_t> pick_r(0, rows - 1), pick_l(0, L - 1);
+    for (int s = 0; s < 256; ++s) {
+      const int64_t r = pick_r(rng), li = pick_l(rng);
+      const int64_t e = std::upper_bound(host_ends->begin(), host_ends->end(), static_cast<int32_t>(r)) - host_ends->begin();
+      if (e >= experts) continue;  // rows past the last expert's: not written
+      double sum = 0, scale = 1e-30;
+      for (int64_t fi = 0; fi < F; ++fi) {
+        const double a = f(dg.host[r * F + fi]) * f(gate_proj.host[(e * F + fi) * L + li]);
+        const double b = f(du.host[r * F + fi]) * f(up_proj.host[(e * F + fi) * L + li]);
+        sum += a + b, scale += std::fabs(a) + std::fabs(b);
+      }
+      worst = std::max(worst, std::fabs(f(got[r * L + li]) - sum) / scale);
+    }
+    std::printf("  dX %-6s best %.3f ms  median %.3f ms  %6.1f TFLOP/s  %5.0f GB/s of the least bytes  "
+                "spot check: max |err| / sum |terms| %.2e  %s\n",
+                name, ms[0], ms[10], dx_flops / (ms[0] * 1e-3) / 1e12, dx_bytes / (ms[0] * 1e-3) / 1e9, worst,
+                cudaGetErrorName(error != cudaSuccess ? error : sync));
+  }
   return 0;
 }

@@ -744,7 +744,49 @@ TEST_F(MoeKernel, ExpertWeightGradsMatchTheFp64ReferenceAndTheGroupedGemms) {
   }
 }
 
-TEST_F(MoeKernel, ExpertWeightGradsRefuseWhatTheyDoNotSupport) {
+TEST_F(MoeKernel, ExpertDxMatchesTheFp64ReferenceAndTheTwoGemms) {
+  // moe_experts_dx (dX = dG W_gate + dU W_up in one kernel) against fp64 per expert and the two
+  // GEMMs added in place, on the widths and routings of the weight gradients' test: one expert
+  // with every token (tiles of 117 rows), three without rows, 1000 experts with 0 to 3 rows each.
+  const int64_t m = 700, k = 2;
+  for (const auto& [latent, ffn, n] : std::vector<std::tuple<int64_t, int64_t, int64_t>>{
+           {128, 64, 16}, {256, 192, 16}, {384, 192, 16}, {640, 320, 16}, {128, 128, 1000}}) {
+    at::manual_seed(37 + latent + ffn + n);
+    at::Tensor bias = at::zeros({n}, cuda());
+    bias[0].fill_(10.0);
+    bias.narrow(0, 13, 3).fill_(-10.0);
+    const at::Tensor selected = model::select_experts(at::sigmoid(at::randn({m, n}, cuda())), bias, k);
+    const MoePermutation perm = moe_permutation(selected, n);
+    const at::Tensor dg = at::randn({m * k, ffn}, cuda(at::kBFloat16));
+    const at::Tensor du = at::randn({m * k, ffn}, cuda(at::kBFloat16));
+    const double scale = 1.0 / std::sqrt(static_cast<double>(ffn));
+    const at::Tensor gate = (at::randn({n, ffn, latent}, cuda()) * scale).to(at::kBFloat16);
+    const at::Tensor up = (at::randn({n, ffn, latent}, cuda()) * scale).to(at::kBFloat16);
+    ASSERT_TRUE(moe_experts_dx_applies(dg, gate));
+    const std::string tag = " L=" + std::to_string(latent) + " F=" + std::to_string(ffn) + " E=" + std::to_string(n);
+    const at::Tensor got = moe_experts_dx(dg, du, gate, up, perm.group_ends);
+
+    const at::Tensor host = perm.tokens_per_expert.cpu();
+    std::vector<at::Tensor> parts;
+    int64_t start = 0;
+    for (int64_t e = 0; e < n; ++e) {
+      const int64_t c = host[e].item<int64_t>();
+      if (c == 0) continue;
+      parts.push_back(at::matmul(dg.narrow(0, start, c).to(at::kDouble), gate[e].to(at::kDouble)) +
+                      at::matmul(du.narrow(0, start, c).to(at::kDouble), up[e].to(at::kDouble)));
+      start += c;
+    }
+    expect_close("dx kernel" + tag, got, at::cat(parts, 0), 1e-2);
+    const MoeExpertGroups g = moe_expert_groups(perm.tokens_per_expert, perm.group_ends,
+                                                moe_grouped_mm_applies(dg, gate, up, gate.transpose(1, 2)));
+    at::Tensor chain = moe_expert_rows_times(dg, gate, g);
+    chain.add_(moe_expert_rows_times(du, up, g));
+    expect_close("dx kernel vs the two GEMMs added in place" + tag, got, chain, 1e-2);
+    EXPECT_TRUE(at::equal(got, moe_experts_dx(dg, du, gate, up, perm.group_ends))) << "two runs differ" << tag;
+  }
+}
+
+TEST_F(MoeKernel, ExpertWeightGradsAndDxRefuseWhatTheyDoNotSupport) {
   const int64_t m = 64, n = 8, k = 2;
   const at::Tensor selected = model::select_experts(at::sigmoid(at::randn({m, n}, cuda())), at::zeros({n}, cuda()), k);
   const MoePermutation perm = moe_permutation(selected, n);
@@ -768,6 +810,24 @@ TEST_F(MoeKernel, ExpertWeightGradsRefuseWhatTheyDoNotSupport) {
                                        nullptr),
               cudaErrorInvalidValue)
         << latent << " x " << ffn;
+  }
+  // dX refuses the same widths, and names what it got.
+  for (const auto& [latent, ffn] : std::vector<std::pair<int64_t, int64_t>>{{64, 64}, {128, 48}}) {
+    const at::Tensor d = at::randn({m * k, ffn}, cuda(at::kBFloat16));
+    const at::Tensor w = at::randn({n, ffn, latent}, cuda(at::kBFloat16));
+    EXPECT_FALSE(moe_experts_dx_applies(d, w));
+    const std::string message = message_of([&] { moe_experts_dx(d, d, w, w, perm.group_ends); });
+    EXPECT_NE(message.find("L = " + std::to_string(latent) + ", F = " + std::to_string(ffn)), std::string::npos)
+        << message;
+    EXPECT_EQ(moe_experts_dx(d.data_ptr(), d.data_ptr(), w.data_ptr(), w.data_ptr(), perm.group_ends.data_ptr<int32_t>(),
+                             w.data_ptr(), m * k, n, latent, ffn, nullptr),
+              cudaErrorInvalidValue);
+  }
+  {
+    const at::Tensor d = at::randn({m * k, 64}, cuda(at::kBFloat16));
+    const at::Tensor w = at::randn({n, 64, 128}, cuda(at::kBFloat16));
+    const std::string message = message_of([&] { moe_experts_dx(d, d, w.to(at::kFloat), w, perm.group_ends); });
+    EXPECT_NE(message.find("gate_proj must be bf16"), std::string::npos) << message;
   }
   // A tensor of the wrong dtype or width is named.
   const at::Tensor x = at::randn({m * k, 128}, cuda(at::kBFloat16));
