@@ -180,13 +180,32 @@ __device__ __forceinline__ void zero(float (&acc)[4][4][4]) {
   }
 }
 
+// A warp's 64 x 32 of accumulators (its first `blocks` m16 blocks; rows 64 wr .., columns
+// 32 wq ..), rounded once to bf16, into the 128 x 128 staging tile.
+__device__ __forceinline__ void stage_accumulators(bf16* staging, const float (&acc)[4][4][4], int blocks,
+                                                   int lane, int wq, int wr) {
+  const int gq = lane >> 2, tq = lane & 3;
+#pragma unroll
+  for (int mi = 0; mi < 4; ++mi) {
+    if (mi >= blocks) break;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      bf16* row = staging + (wr * 64 + mi * 16 + gq + half * 8) * kStride + wq * 32 + 2 * tq;
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+        *reinterpret_cast<bf162*>(row + nt * 8) =
+            __floats2bfloat162_rn(acc[mi][nt][2 * half], acc[mi][nt][2 * half + 1]);
+      }
+    }
+  }
+}
+
 __global__ void __launch_bounds__(kThreads, 2) moe_experts_weight_grads_kernel(GradArgs a) {
   extern __shared__ __align__(16) unsigned char shared_bytes[];
   bf16* ring = reinterpret_cast<bf16*>(shared_bytes);
   bf16* staging = ring + kStages * kStageElements;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int wq = warp & 3, wr = warp >> 2;
-  const int gq = lane >> 2, tq = lane & 3;
   // This lane's ldmatrix.trans addresses in ring slot 0, k step 0. A (rows = k, cols = m): the
   // four 8 x 8 matrices (m 0-7, k 0-7), (m 8-15, k 0-7), (m 0-7, k 8-15), (m 8-15, k 8-15) of the
   // warp's m block 0 (blocks mi are 16 columns = 32 bytes apart). B (rows = k, cols = n): {b0, b1}
@@ -268,20 +287,7 @@ __global__ void __launch_bounds__(kThreads, 2) moe_experts_weight_grads_kernel(G
     // with chunks passed a barrier since the last job's stores read the staging tile; one without
     // (an expert without rows) waits here.
     if (chunks == 0) __syncthreads();
-    if (live) {
-#pragma unroll
-      for (int mi = 0; mi < 4; ++mi) {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          bf16* row = staging + (wr * 64 + mi * 16 + gq + half * 8) * kStride + wq * 32 + 2 * tq;
-#pragma unroll
-          for (int nt = 0; nt < 4; ++nt) {
-            *reinterpret_cast<bf162*>(row + nt * 8) =
-                __floats2bfloat162_rn(acc[mi][nt][2 * half], acc[mi][nt][2 * half + 1]);
-          }
-        }
-      }
-    }
+    if (live) stage_accumulators(staging, acc, 4, lane, wq, wr);
     __syncthreads();
     // Row m of the tile is a row of dW_gate / dW_up (m < F / m >= F) or of dW_down; its columns
     // past F (a half-filled down tile) are not stored. The staging tile is written again only
@@ -352,7 +358,6 @@ __global__ void __launch_bounds__(kThreads, 2) moe_experts_dx_kernel(DxArgs a) {
   const int jobs = tiles * a.slices, chunks = 2 * a.ffn / kDxK;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int wq = warp & 3, wr = warp >> 2;
-  const int gq = lane >> 2, tq = lane & 3;
   const FragmentOffsets f(lane);
   const uint32_t ring_address = shared_address(ring);
   const uint32_t a_frag = ring_address + ((wr * 64 + f.a_row) * kDxAStride + f.a_col) * 2;
@@ -436,19 +441,7 @@ __global__ void __launch_bounds__(kThreads, 2) moe_experts_dx_kernel(DxArgs a) {
         }
       }
     }
-#pragma unroll
-    for (int mi = 0; mi < 4; ++mi) {
-      if (mi >= blocks) break;
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        bf16* row = staging + (wr * 64 + mi * 16 + gq + half * 8) * kStride + wq * 32 + 2 * tq;
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
-          *reinterpret_cast<bf162*>(row + nt * 8) =
-              __floats2bfloat162_rn(acc[mi][nt][2 * half], acc[mi][nt][2 * half + 1]);
-        }
-      }
-    }
+    stage_accumulators(staging, acc, blocks, lane, wq, wr);
     __syncthreads();
 #pragma unroll
     for (int i = 0; i < kTile * kTile / 8 / kThreads; ++i) {
