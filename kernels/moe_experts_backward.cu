@@ -487,8 +487,13 @@ cudaError_t moe_experts_weight_grads(const void* rows, const void* d_gate, const
       group_ends == nullptr) {
     return cudaErrorInvalidValue;
   }
-  if (gate_up && (rows == nullptr || d_gate == nullptr || d_up == nullptr)) return cudaErrorInvalidValue;
-  if (down && (dy == nullptr || h == nullptr)) return cudaErrorInvalidValue;
+  // Without rows (an empty batch: LibTorch's empty tensors have null data) the inputs are never
+  // read and every gradient is zero.
+  const bool rows_read = total_rows > 0;
+  if (gate_up && rows_read && (rows == nullptr || d_gate == nullptr || d_up == nullptr)) {
+    return cudaErrorInvalidValue;
+  }
+  if (down && rows_read && (dy == nullptr || h == nullptr)) return cudaErrorInvalidValue;
   for (const void* p : {rows, d_gate, d_up, dy, h, static_cast<const void*>(d_gate_proj),
                         static_cast<const void*>(d_up_proj), static_cast<const void*>(d_down_proj)}) {
     if (!aligned16(p)) return cudaErrorInvalidValue;
@@ -550,10 +555,12 @@ cudaError_t moe_experts_dx(const void* d_gate, const void* d_up, const void* gat
       total_rows >= (int64_t{1} << 31) || group_ends == nullptr) {
     return cudaErrorInvalidValue;
   }
+  if (gate_proj == nullptr || up_proj == nullptr) return cudaErrorInvalidValue;
   for (const void* p : {d_gate, d_up, gate_proj, up_proj, static_cast<const void*>(dx)}) {
-    if (p == nullptr || !aligned16(p)) return cudaErrorInvalidValue;
+    if (!aligned16(p)) return cudaErrorInvalidValue;
   }
-  if (total_rows == 0) return cudaSuccess;
+  if (total_rows == 0) return cudaSuccess;  // an empty batch: nothing to read or write
+  if (d_gate == nullptr || d_up == nullptr || dx == nullptr) return cudaErrorInvalidValue;
   DxArgs a;
   a.d_gate = static_cast<const bf16*>(d_gate);
   a.d_up = static_cast<const bf16*>(d_up);

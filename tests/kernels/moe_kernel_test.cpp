@@ -844,6 +844,47 @@ TEST_F(MoeKernel, ExpertWeightGradsAndDxRefuseWhatTheyDoNotSupport) {
             cudaErrorInvalidValue);
 }
 
+TEST_F(MoeKernel, FusedExpertsTakeAnEmptyBatch) {
+  // No rows at all (LibTorch's empty tensors have null data): the fused forward gives [0, L], and
+  // its backward (the dX and weight-gradient kernels) zero weight gradients and [0, L] for the rows.
+  const int64_t n = 8, k = 2, latent = 128, ffn = 64;
+  MoePermutation perm;
+  perm.tokens = 0;
+  perm.top_k = k;
+  const auto i64 = cuda(at::kLong);
+  perm.source = at::empty({0}, i64);
+  perm.token = at::empty({0}, i64);
+  perm.inverse = at::empty({0}, i64);
+  perm.tokens_per_expert = at::zeros({n}, i64);
+  perm.offsets = at::zeros({n + 1}, i64);
+  perm.group_ends = at::zeros({n}, cuda(at::kInt));
+  const c10::AutoGradMode grad(true);
+  const at::Tensor rows = at::empty({0, latent}, cuda(at::kBFloat16)).requires_grad_(true);
+  const at::Tensor gate = at::randn({n, ffn, latent}, cuda(at::kBFloat16)).requires_grad_(true);
+  const at::Tensor up = at::randn({n, ffn, latent}, cuda(at::kBFloat16)).requires_grad_(true);
+  const at::Tensor down = at::randn({n, latent, ffn}, cuda(at::kBFloat16)).requires_grad_(true);
+  ASSERT_TRUE(moe_experts_fused_applies(rows, gate, up, down));
+  const at::Tensor y = moe_experts_autograd(rows, gate, up, down, perm, 4.0, 25.0, MoeGemm::kFused);
+  EXPECT_EQ(y.sizes(), (std::vector<int64_t>{0, latent}));
+  y.to(at::kFloat).sum().backward();
+  ASSERT_TRUE(rows.grad().defined());
+  EXPECT_EQ(rows.grad().sizes(), (std::vector<int64_t>{0, latent}));
+  for (const at::Tensor* w : {&gate, &up, &down}) {
+    ASSERT_TRUE(w->grad().defined());
+    EXPECT_EQ(w->grad().sizes(), w->sizes());
+    EXPECT_EQ(max_abs(w->grad().to(at::kFloat)), 0.0);
+  }
+  // The launchers on their own, with null row pointers.
+  const at::Tensor out = at::full({n, ffn, latent}, NAN, cuda(at::kBFloat16));
+  EXPECT_EQ(moe_experts_weight_grads(nullptr, nullptr, nullptr, nullptr, nullptr, perm.group_ends.data_ptr<int32_t>(),
+                                     out.data_ptr(), out.data_ptr(), nullptr, 0, n, latent, ffn, nullptr),
+            cudaSuccess);
+  EXPECT_EQ(max_abs(out.to(at::kFloat)), 0.0);
+  EXPECT_EQ(moe_experts_dx(nullptr, nullptr, gate.data_ptr(), up.data_ptr(), perm.group_ends.data_ptr<int32_t>(),
+                           nullptr, 0, n, latent, ffn, nullptr),
+            cudaSuccess);
+}
+
 TEST_F(MoeKernel, ExpertGemmStepsEqualTheFunctionsForward) {
   // The steps the bench times one at a time (moe_expert_groups / rows_times / weight_grad) are the
   // Function's own: the same forward bit for bit, for the GEMMs kAuto picks and for the loop.
