@@ -1,7 +1,9 @@
-// The routed experts' weight gradients in one kernel (contract: kernels/moe.h, "Routed experts'
-// weight gradients"; design and measurements: kernels/README.md, same section).
+// The routed experts' backward kernels (contracts: kernels/moe.h, "Routed experts' weight
+// gradients" and "Routed experts' dX"; design and measurements: kernels/README.md, "Routed
+// experts' backward"): the three weight gradients in one kernel (here), and dX (further down,
+// "dX = dG W_gate + dU W_up"). Both stage their output tiles for whole-row stores.
 //
-// For expert e with rows [r0, r1) (group_ends), three sums over its rows of outer products:
+// Weight gradients. For expert e with rows [r0, r1) (group_ends), three sums over its rows of outer products:
 //   dW_gate[e] = dG_e^T X_e  [F, L]     dW_up[e] = dU_e^T X_e  [F, L]     dW_down[e] = dY_e^T H_e  [L, F]
 // each out[m][n] = sum_r A[r][m] B[r][n] with A and B row-major over the rows: both operands are
 // k-major tiles, read as mma fragments by ldmatrix.trans.
