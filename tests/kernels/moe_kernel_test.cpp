@@ -523,6 +523,15 @@ at::Tensor experts_reference(const at::Tensor& rows, const at::Tensor& gate, con
   return at::cat(out, 0);
 }
 
+// m tokens routed to k of n >= 16 experts: every token picks expert 0 (with m = 700, k = 2: 700
+// rows, tiles of 117 rows, 22 chunks of 32), experts 13..15 get no rows, the rest at random.
+MoePermutation popular_and_empty_experts(int64_t m, int64_t n, int64_t k) {
+  at::Tensor bias = at::zeros({n}, cuda());
+  bias[0].fill_(10.0);
+  bias.narrow(0, 13, 3).fill_(-10.0);
+  return moe_permutation(model::select_experts(at::sigmoid(at::randn({m, n}, cuda())), bias, k), n);
+}
+
 // y and the gradients of <y, dy> with respect to rows, gate, up and down: through
 // moe_experts_autograd with `gemm`, or (reference) through experts_reference in fp64.
 std::vector<at::Tensor> expert_outputs_and_grads(const at::Tensor& rows, const at::Tensor& gate,
@@ -586,11 +595,7 @@ TEST_F(MoeKernel, FusedExpertsMatchTheGroupedGemmsAndTheFp64Reference) {
   const int64_t m = 700, n = 16, k = 2;
   for (const auto& [latent, ffn] : std::vector<std::pair<int64_t, int64_t>>{{128, 64}, {256, 128}, {384, 192}}) {
     at::manual_seed(23 + latent);
-    at::Tensor bias = at::zeros({n}, cuda());
-    bias[0].fill_(10.0);                   // every token: 700 rows, tiles of 117 rows
-    bias.narrow(0, 13, 3).fill_(-10.0);    // experts 13..15: no rows
-    const at::Tensor selected = model::select_experts(at::sigmoid(at::randn({m, n}, cuda())), bias, k);
-    const MoePermutation perm = moe_permutation(selected, n);
+    const MoePermutation perm = popular_and_empty_experts(m, n, k);
     const at::Tensor rows = at::randn({m * k, latent}, cuda(at::kBFloat16));
     const double scale = 1.0 / std::sqrt(static_cast<double>(latent));
     const at::Tensor gate = (at::randn({n, ffn, latent}, cuda()) * 3 * scale).to(at::kBFloat16);
@@ -701,11 +706,7 @@ TEST_F(MoeKernel, ExpertWeightGradsMatchTheFp64ReferenceAndTheGroupedGemms) {
   for (const auto& [latent, ffn, n] : std::vector<std::tuple<int64_t, int64_t, int64_t>>{
            {128, 64, 16}, {256, 192, 16}, {384, 192, 16}, {512, 128, 16}, {640, 320, 16}, {128, 128, 1000}}) {
     at::manual_seed(31 + latent + ffn + n);
-    at::Tensor bias = at::zeros({n}, cuda());
-    bias[0].fill_(10.0);
-    bias.narrow(0, 13, 3).fill_(-10.0);
-    const at::Tensor selected = model::select_experts(at::sigmoid(at::randn({m, n}, cuda())), bias, k);
-    const MoePermutation perm = moe_permutation(selected, n);
+    const MoePermutation perm = popular_and_empty_experts(m, n, k);
     const int64_t r = m * k;
     const at::Tensor x = at::randn({r, latent}, cuda(at::kBFloat16));
     const at::Tensor dg = at::randn({r, ffn}, cuda(at::kBFloat16));
@@ -752,11 +753,7 @@ TEST_F(MoeKernel, ExpertDxMatchesTheFp64ReferenceAndTheTwoGemms) {
   for (const auto& [latent, ffn, n] : std::vector<std::tuple<int64_t, int64_t, int64_t>>{
            {128, 64, 16}, {256, 192, 16}, {384, 192, 16}, {640, 320, 16}, {128, 128, 1000}}) {
     at::manual_seed(37 + latent + ffn + n);
-    at::Tensor bias = at::zeros({n}, cuda());
-    bias[0].fill_(10.0);
-    bias.narrow(0, 13, 3).fill_(-10.0);
-    const at::Tensor selected = model::select_experts(at::sigmoid(at::randn({m, n}, cuda())), bias, k);
-    const MoePermutation perm = moe_permutation(selected, n);
+    const MoePermutation perm = popular_and_empty_experts(m, n, k);
     const at::Tensor dg = at::randn({m * k, ffn}, cuda(at::kBFloat16));
     const at::Tensor du = at::randn({m * k, ffn}, cuda(at::kBFloat16));
     const double scale = 1.0 / std::sqrt(static_cast<double>(ffn));
