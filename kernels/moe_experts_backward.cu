@@ -459,23 +459,43 @@ __global__ void __launch_bounds__(kThreads, 2) moe_experts_dx_kernel(DxArgs a) {
 
 bool aligned16(const void* p) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-}  // namespace
+// The widths and expert counts both kernels take: L a multiple of 128, F of 64, 1 to 1024 experts
+// (the schedules in shared memory), E L F < 2^31 (int offsets into the weights).
+bool widths_supported(int64_t latent, int64_t ffn, int64_t experts) {
+  return latent >= kTile && latent % kTile == 0 && ffn >= 64 && ffn % 64 == 0 && experts >= 1 &&
+         experts <= kMaxExperts && experts * latent * ffn < (int64_t{1} << 31);
+}
 
-bool moe_experts_weight_grads_supported(int64_t latent, int64_t ffn, int64_t experts) {
-  if (latent < kTile || latent % kTile != 0 || ffn < 64 || ffn % 64 != 0 || experts < 1 ||
-      experts > kMaxExperts) {
-    return false;
-  }
-  const int64_t per_expert = (2 * ffn / kTile) * (latent / kTile) + (latent / kTile) * ((ffn + kTile - 1) / kTile);
-  if (experts * per_expert >= (int64_t{1} << 31) || experts * latent * ffn >= (int64_t{1} << 31)) return false;
+// Whether the current device is sm_80 or newer and gives a block `shared` bytes of shared memory.
+bool device_fits(size_t shared) {
   int device = 0, major = 0, optin = 0;
   if (cudaGetDevice(&device) != cudaSuccess) return false;
   if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
       cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
     return false;
   }
-  constexpr size_t kStatic = kMaxExperts * sizeof(int);
-  return major >= 8 && kSharedBytes + kStatic <= static_cast<size_t>(optin);
+  return major >= 8 && shared <= static_cast<size_t>(optin);
+}
+
+// The current device's SM count, with `kernel`'s dynamic shared memory raised to `shared` bytes.
+template <typename Kernel>
+cudaError_t prepare_launch(Kernel kernel, size_t shared, int& sms) {
+  int device = 0;
+  cudaError_t error = cudaGetDevice(&device);
+  if (error == cudaSuccess) error = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (error == cudaSuccess) {
+    error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared));
+  }
+  return error;
+}
+
+}  // namespace
+
+bool moe_experts_weight_grads_supported(int64_t latent, int64_t ffn, int64_t experts) {
+  if (!widths_supported(latent, ffn, experts)) return false;
+  const int64_t per_expert = (2 * ffn / kTile) * (latent / kTile) + (latent / kTile) * ((ffn + kTile - 1) / kTile);
+  if (experts * per_expert >= (int64_t{1} << 31)) return false;
+  return device_fits(kSharedBytes + kMaxExperts * sizeof(int));  // + the sorted experts
 }
 
 cudaError_t moe_experts_weight_grads(const void* rows, const void* d_gate, const void* d_up,
@@ -517,13 +537,8 @@ cudaError_t moe_experts_weight_grads(const void* rows, const void* d_gate, const
   a.gate_up_jobs = gate_up ? static_cast<int>((2 * ffn / kTile) * (latent / kTile)) : 0;
   a.down_jobs = down ? static_cast<int>((latent / kTile) * ((ffn + kTile - 1) / kTile)) : 0;
   a.jobs = static_cast<int>(experts) * (a.gate_up_jobs + a.down_jobs);
-  int device = 0, sms = 0;
-  cudaError_t error = cudaGetDevice(&device);
-  if (error == cudaSuccess) error = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  if (error == cudaSuccess) {
-    error = cudaFuncSetAttribute(moe_experts_weight_grads_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 static_cast<int>(kSharedBytes));
-  }
+  int sms = 0;
+  const cudaError_t error = prepare_launch(moe_experts_weight_grads_kernel, kSharedBytes, sms);
   if (error != cudaSuccess) return error;
   const int grid = a.jobs < 2 * sms ? a.jobs : 2 * sms;
   moe_experts_weight_grads_kernel<<<grid, kThreads, kSharedBytes, stream>>>(a);
@@ -535,18 +550,8 @@ cudaError_t moe_experts_weight_grads(const void* rows, const void* d_gate, const
 namespace odyssey::kernels {
 
 bool moe_experts_dx_supported(int64_t latent, int64_t ffn, int64_t experts) {
-  if (latent < kTile || latent % kTile != 0 || ffn < 64 || ffn % 64 != 0 || experts < 1 ||
-      experts > kMaxExperts || experts * ffn * latent >= (int64_t{1} << 31)) {
-    return false;
-  }
-  int device = 0, major = 0, optin = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return false;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
-    return false;
-  }
-  constexpr size_t kStatic = (kMaxExperts + kThreads / 32) * sizeof(int);
-  return major >= 8 && kDxSharedBytes + kStatic <= static_cast<size_t>(optin);
+  return widths_supported(latent, ffn, experts) &&
+         device_fits(kDxSharedBytes + (kMaxExperts + kThreads / 32) * sizeof(int));  // + the tile schedule
 }
 
 cudaError_t moe_experts_dx(const void* d_gate, const void* d_up, const void* gate_proj,
@@ -574,13 +579,8 @@ cudaError_t moe_experts_dx(const void* d_gate, const void* d_up, const void* gat
   a.latent = static_cast<int>(latent);
   a.ffn = static_cast<int>(ffn);
   a.slices = static_cast<int>(latent / kTile);
-  int device = 0, sms = 0;
-  cudaError_t error = cudaGetDevice(&device);
-  if (error == cudaSuccess) error = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  if (error == cudaSuccess) {
-    error = cudaFuncSetAttribute(moe_experts_dx_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 static_cast<int>(kDxSharedBytes));
-  }
+  int sms = 0;
+  const cudaError_t error = prepare_launch(moe_experts_dx_kernel, kDxSharedBytes, sms);
   if (error != cudaSuccess) return error;
   // At most one tile per 128 rows plus one partial tile per expert.
   const int64_t max_jobs = (total_rows / kTileRows + experts) * a.slices;
