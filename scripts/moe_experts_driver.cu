@@ -18,20 +18,6 @@
 
 using namespace odyssey::kernels;
 
-namespace {
-
-void* device_random_bf16(size_t count, float scale, std::mt19937& rng) {
-  std::normal_distribution<float> normal(0.f, scale);
-  std::vector<__nv_bfloat16> host(count);
-  for (auto& x : host) x = __float2bfloat16(normal(rng));
-  void* p = nullptr;
-  cudaMalloc(&p, count * 2);
-  cudaMemcpy(p, host.data(), count * 2, cudaMemcpyHostToDevice);
-  return p;
-}
-
-}  // namespace
-
 int main(int argc, char** argv) {
   const int64_t tokens = argc > 1 ? atoll(argv[1]) : 8192, top_k = argc > 2 ? atoll(argv[2]) : 16;
   const int64_t experts = argc > 3 ? atoll(argv[3]) : 896, L = argc > 4 ? atoll(argv[4]) : 384;
@@ -56,10 +42,10 @@ int main(int argc, char** argv) {
     routed[e] = static_cast<int32_t>(sum);
     even[e] = static_cast<int32_t>((e + 1) * rows / experts);
   }
-  void* x = device_random_bf16(rows * L, 1.f, rng);
-  void* wg = device_random_bf16(experts * F * L, 0.05f, rng);
-  void* wu = device_random_bf16(experts * F * L, 0.05f, rng);
-  void* wd = device_random_bf16(experts * L * F, 0.07f, rng);
+  void* x = random_bf16(rows * L, 1.f, rng).device;
+  void* wg = random_bf16(experts * F * L, 0.05f, rng).device;
+  void* wu = random_bf16(experts * F * L, 0.05f, rng).device;
+  void* wd = random_bf16(experts * L * F, 0.07f, rng).device;
   void *y = nullptr, *g = nullptr, *u = nullptr;
   int32_t* ends = nullptr;
   cudaMalloc(&y, rows * L * 2);

@@ -23,21 +23,6 @@ using namespace odyssey::kernels;
 
 namespace {
 
-struct HostDevice {
-  std::vector<__nv_bfloat16> host;
-  void* device = nullptr;
-};
-
-HostDevice random_bf16(size_t count, float scale, std::mt19937& rng) {
-  std::normal_distribution<float> normal(0.f, scale);
-  HostDevice m;
-  m.host.resize(count);
-  for (auto& x : m.host) x = __float2bfloat16(normal(rng));
-  cudaMalloc(&m.device, count * 2);
-  cudaMemcpy(m.device, m.host.data(), count * 2, cudaMemcpyHostToDevice);
-  return m;
-}
-
 double f(const __nv_bfloat16& x) { return static_cast<double>(__bfloat162float(x)); }
 
 }  // namespace
