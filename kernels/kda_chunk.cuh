@@ -894,7 +894,7 @@ __device__ __forceinline__ void prepare_chunk_pair(const ChunkedArgs& a, Slot& s
 // A warp's 16 rows of a transposed state as bf16 rows of K in global memory (the backward's
 // chunk states and their gradients): out[(row0 + g (+8)) * K + c] for the accumulator layout
 // state[j][e] (rows g, g + 8; columns 8j + 2t, +1). Each quad (the 4 lanes of one g) transposes
-// its packed pairs 4 x 4 (two xor-shuffle stages), so that lane t writes columns 8j .. 8j + 7 for
+// its packed pairs 4 x 4 (quad_transpose, mma.cuh), so that lane t writes columns 8j .. 8j + 7 for
 // the j = t mod 4 as one 16-byte store: 2 K / 32 stores a lane instead of K / 4 of 4 bytes (whose
 // 8-row strips half fill every 32-byte sector).
 template <int K>
@@ -907,20 +907,7 @@ __device__ __forceinline__ void store_state_rows(bf16* out, const float (&state)
       uint32_t r[4];
 #pragma unroll
       for (int i = 0; i < 4; ++i) r[i] = pack_bf16(state[4 * m + i][2 * half], state[4 * m + i][2 * half + 1]);
-      // Element (lane s, register i) goes to (lane i, register s): bit 0, then bit 1.
-#pragma unroll
-      for (int bit = 1; bit <= 2; bit <<= 1) {
-        const bool upper = (t & bit) != 0;
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          if ((k & bit) != 0) continue;  // k: the register pair (k, k | bit)
-          // A lane with the bit clear sends its register k | bit and receives into it; a lane
-          // with the bit set sends register k and receives into it.
-          const uint32_t send = upper ? r[k] : r[k | bit];
-          const uint32_t got = __shfl_xor_sync(0xffffffffu, send, bit);
-          if (upper) r[k] = got; else r[k | bit] = got;
-        }
-      }
+      quad_transpose(r, t);
       const int j = 4 * m + t;  // this lane's 8 columns: 8j .. 8j + 7 of row g (+8)
       *reinterpret_cast<uint4*>(out + static_cast<int64_t>(g + 8 * half) * K + 8 * j) = make_uint4(r[0], r[1], r[2], r[3]);
     }

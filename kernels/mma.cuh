@@ -1,6 +1,7 @@
 // Tensor-core building blocks shared by the kernels that multiply bf16 tiles with mma.sync
 // (kda.cu, kda_backward.cu through kda_chunk.cuh; moe_experts.cu): fragment loads by ldmatrix, the
-// m16n8k16 product, cp.async copies into shared memory and the per-lane fragment offsets. Internal
+// m16n8k16 product, cp.async copies into shared memory, the per-lane fragment offsets and the
+// quad transpose for 16-byte stores of accumulator rows. Internal
 // (anonymous namespace: each .cu gets its own copy); sm_80 or newer.
 #pragma once
 
@@ -80,6 +81,27 @@ __device__ __forceinline__ void cp_async16_or_zero(void* shared, const void* glo
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_address(shared)),
                "l"(global), "r"(valid ? 16 : 0)
                : "memory");
+}
+
+// Within each quad of lanes (t = lane % 4), element (lane s, register i) goes to (lane i,
+// register s): two xor-shuffle stages, bit 0 then bit 1. Applied to the packed bf16 pairs of four
+// n8 accumulator tiles (register i = tile i's columns 2s, 2s + 1 of lane s), lane t then holds the
+// 8 consecutive columns of tile t: one 16-byte store a lane instead of four of 4 bytes, whose
+// 8-row strips half fill every 32-byte sector.
+__device__ __forceinline__ void quad_transpose(uint32_t (&r)[4], int t) {
+#pragma unroll
+  for (int bit = 1; bit <= 2; bit <<= 1) {
+    const bool upper = (t & bit) != 0;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      if ((k & bit) != 0) continue;  // k: the register pair (k, k | bit)
+      // A lane with the bit clear sends its register k | bit and receives into it; a lane with
+      // the bit set sends register k and receives into it.
+      const uint32_t send = upper ? r[k] : r[k | bit];
+      const uint32_t got = __shfl_xor_sync(0xffffffffu, send, bit);
+      if (upper) r[k] = got; else r[k | bit] = got;
+    }
+  }
 }
 
 // Per-lane offsets into a row-major 16 x 16 bf16 block for the three ldmatrix uses:

@@ -215,11 +215,13 @@ std::vector<at::Tensor> split_bf16(const at::Tensor& t, int parts) {
 }
 
 // Σ a_i b_j over the pairs with i + j < terms: the products of the leading parts, fp32 results.
+// Each product after the first accumulates in the GEMM's epilogue (addmm with an fp32 out dtype:
+// C = A B + C), not in a separate add over [m, n] fp32.
 at::Tensor split_mm(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b, size_t terms) {
   at::Tensor sum;
   for (size_t i = 0; i < a.size(); ++i) {
     for (size_t j = 0; j < b.size() && i + j < terms; ++j) {
-      sum = sum.defined() ? sum.add_(mm_fp32(a[i], b[j])) : mm_fp32(a[i], b[j]);
+      sum = sum.defined() ? at::addmm(sum, a[i], b[j], at::kFloat) : mm_fp32(a[i], b[j]);
     }
   }
   return sum;

@@ -232,19 +232,25 @@ __global__ void __launch_bounds__(kThreads, 1) moe_experts_forward_kernel(Forwar
             for (int half = 0; half < 2; ++half) {
               const int r = wr * 64 + mi * 16 + gq + half * 8;
               const int64_t row = static_cast<int64_t>(tile.first_row + r) * F;
+              // G's two n8 tiles, then U's, packed: after quad_transpose (mma.cuh) lanes 0-1 hold 8
+              // consecutive columns of G each, lanes 2-3 of U, one 16-byte store a lane.
+              uint32_t packed[4];
+#pragma unroll
+              for (int nt = 0; nt < 4; ++nt) packed[nt] = pack_bf16(acc[mi][nt][2 * half], acc[mi][nt][2 * half + 1]);
 #pragma unroll
               for (int nt = 0; nt < 2; ++nt) {
                 const int col = s * 64 + wq * 16 + nt * 8 + 2 * tq;
-                const bf162 g2 = __floats2bfloat162_rn(acc[mi][nt][2 * half], acc[mi][nt][2 * half + 1]);
-                const bf162 u2 =
-                    __floats2bfloat162_rn(acc[mi][nt + 2][2 * half], acc[mi][nt + 2][2 * half + 1]);
-                if (r < tile.rows && a.gate != nullptr) {
-                  *reinterpret_cast<bf162*>(a.gate + row + col) = g2;
-                  *reinterpret_cast<bf162*>(a.up + row + col) = u2;
-                }
-                const float2 gf = __bfloat1622float2(g2), uf = __bfloat1622float2(u2);
+                const float2 gf = __bfloat1622float2(*reinterpret_cast<const bf162*>(&packed[nt]));
+                const float2 uf = __bfloat1622float2(*reinterpret_cast<const bf162*>(&packed[nt + 2]));
                 *reinterpret_cast<bf162*>(hs + r * S::kHStride + col) = __floats2bfloat162_rn(
                     situ_h_fast(gf.x, uf.x, caps), situ_h_fast(gf.y, uf.y, caps));
+              }
+              if (a.gate != nullptr) {
+                quad_transpose(packed, tq);
+                if (r < tile.rows) {
+                  bf16* out = (tq < 2 ? a.gate : a.up) + row + s * 64 + wq * 16 + (tq & 1) * 8;
+                  *reinterpret_cast<uint4*>(out) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+                }
               }
             }
           }
@@ -262,13 +268,15 @@ __global__ void __launch_bounds__(kThreads, 1) moe_experts_forward_kernel(Forwar
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
               const int r = wr * 64 + mi * 16 + gq + half * 8;
-              if (r >= tile.rows) continue;
-              bf16* out = a.y + static_cast<int64_t>(tile.first_row + r) * L + s * 128 + wq * 32 + 2 * tq;
+              // Four n8 tiles packed, then transposed in the quad: lane tq holds columns
+              // 8 tq .. 8 tq + 7 of the warp's 32, one 16-byte store.
+              uint32_t packed[4];
 #pragma unroll
-              for (int nt = 0; nt < 4; ++nt) {
-                *reinterpret_cast<bf162*>(out + nt * 8) =
-                    __floats2bfloat162_rn(acc[mi][nt][2 * half], acc[mi][nt][2 * half + 1]);
-              }
+              for (int nt = 0; nt < 4; ++nt) packed[nt] = pack_bf16(acc[mi][nt][2 * half], acc[mi][nt][2 * half + 1]);
+              quad_transpose(packed, tq);
+              if (r >= tile.rows) continue;
+              bf16* out = a.y + static_cast<int64_t>(tile.first_row + r) * L + s * 128 + wq * 32 + 8 * tq;
+              *reinterpret_cast<uint4*>(out) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
             }
           }
           zero(acc);
