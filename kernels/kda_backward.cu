@@ -336,11 +336,13 @@ struct ChunkGradientArgs {
   float scale;
 };
 
-// A [16][kRow] fp32 quantity as bf16 hi and lo parts (mma operands by ldmatrix).
-template <int kRow>
+// A [16][kRow] fp32 quantity as bf16 hi and lo parts (mma operands by ldmatrix). kLo false: a
+// quantity exact in bf16 (bf16 v and dO), whose lo half is never read: one row is kept so that
+// its address can still be passed to the products that skip it (store and load are not used).
+template <int kRow, bool kLo = true>
 struct SplitRows {
   bf16 hi[kChunk][kRow];
-  bf16 lo[kChunk][kRow];
+  bf16 lo[kLo ? kChunk : 1][kRow];
   __device__ __forceinline__ void store(int i, int c, float x) {
     const bf16 h = __float2bfloat16_rn(x);
     hi[i][c] = h;
@@ -351,12 +353,36 @@ struct SplitRows {
   }
 };
 
-// Shared memory of one chunk (K = V = 128: 222 KB, one CTA per SM). bf16 rows padded by 8
-// elements, fp32 rows by 4 (ldmatrix rows in distinct bank groups; strided columns spread).
-template <int K, int V>
+// A 16 x 16 fp32 matrix kept as bf16 hi and lo parts (bf16 inputs: GradientShared::kept), written
+// once by the warp that makes it and read as A fragments by ldmatrix (.trans for its transpose) by
+// every task that multiplies by it, instead of each task reading 8 fp32 a lane and splitting them
+// (the same hi and lo: the same products bit for bit). Rows of 24: ldmatrix rows in distinct banks.
+struct SmallSplit {
+  static constexpr int kRow = kChunk + 8;
+  bf16 hi[kChunk][kRow];
+  bf16 lo[kChunk][kRow];
+  __device__ __forceinline__ void store(int i, int c, float x) {
+    const bf16 h = __float2bfloat16_rn(x);
+    hi[i][c] = h;
+    lo[i][c] = __float2bfloat16_rn(x - __bfloat162float(h));
+  }
+};
+
+// Shared memory of one chunk (K = V = 128: 223 KB with bf16 inputs, 222 KB with fp32; one CTA per
+// SM). bf16 rows padded by 8 elements, fp32 rows by 4 (ldmatrix rows in distinct bank groups;
+// strided columns spread).
+// kExact (bf16 inputs): v and dO without lo halves, which leaves room for rows that spare the
+// accumulator layout's accesses (lane (g, t): row g, columns 2t, 2t + 1) bank conflicts: the
+// 16 x 16 fp32 matrices in rows of 20 (the A fragments split in registers read them as (row g,
+// column 2t) and as (row 2t, column g): rows of 17 conflicted 4-way both, rows of 20 2-way and
+// none), the [16][K] and [16][V] fp32 arrays in rows of K + 8 and V + 8 (their 8-byte stores and
+// loads of a 16-column tile: 2-way in rows of K + 4, none in rows of K + 8). fp32 inputs keep the
+// narrower rows (their v and dO lo halves leave no room).
+template <int K, int V, bool kExact>
 struct alignas(16) GradientShared {
-  static constexpr int kRowK = K + 8, kRowV = V + 8, kPadK = K + 4, kPadV = V + 4;
-  static constexpr int kPadC = kChunk + 1;
+  static constexpr int kRowK = K + 8, kRowV = V + 8;
+  static constexpr int kPadK = kExact ? K + 8 : K + 4, kPadV = kExact ? V + 8 : V + 4;
+  static constexpr int kPadC = kExact ? kChunk + 4 : kChunk + 1;
   static constexpr int kDecaySlices = kGradientThreads / 2 / (K / 2);  // of the V rows (d_decay)
   bf16 s_t[V][kRowK];          // S^T of the chunk's entering state
   bf16 ds_t[V][kRowK];         // dS'^T
@@ -380,7 +406,7 @@ struct alignas(16) GradientShared {
   };
   SplitRows<kRowK> q_hat, k_hat, k_check;  // Q^, K^, K~
   SplitRows<kRowK> d_w;        // -dV' S^T = dW
-  SplitRows<kRowV> d_o, v;     // dO (hi: the bf16 A operand of dO S^T), V
+  SplitRows<kRowV, !kExact> d_o, v;  // dO (hi: the bf16 A operand of dO S^T), V
   float gamma[kChunk][kPadK];  // Gamma; dGamma after the elementwise phase
   float k_bar[kChunk][kPadK];  // K_ in fp32
   float d_qhat[kChunk][kPadK];    // dO S^T, then + dAqk K~ = dQ^
@@ -392,18 +418,28 @@ struct alignas(16) GradientShared {
   float m[kChunk][kPadC];      // (I + Diag(beta) P)^-1
   float d_aqk[kChunk][kPadC];  // lower_incl_diag(dO V'^T)
   float d_m[kChunk][kPadC];    // G = dV' V^T, then dM
-  float t1[kChunk][kPadC];     // dM M^T
+  union alignas(16) {
+    float t1[kChunk][kPadC];   // dM M^T (phase 6)
+    float l_t[kChunk][kChunk]; // (Diag(beta) P)^T, rows 16-byte aligned (phase 1, for M)
+  };
   float d_l[kChunk][kPadC];    // dL (strictly lower)
   float x_beta[kChunk][kPadC]; // M (.) (G + H): column sums are dbeta's U and W terms
   float beta[kChunk];
   float decay[K];              // e^gamma
+  struct KeptSplits {          // bf16 inputs: split once where made (phase), read by the tasks of
+    SmallSplit m;              //   phases 5, 6 (M^T; split by warps 8-15 in phase 4)
+    SmallSplit d_aqk;          //   phase 6 (dAqk, dAqk^T; warp 0 in phase 5)
+    SmallSplit d_l, beta_d_l;  //   phase 7 (dL, (Diag(beta) dL)^T; warps 0-1 in phase 6)
+  };
+  struct NoKeptSplits {};
+  std::conditional_t<kExact, KeptSplits, NoKeptSplits> kept;
   float d_decay[kDecaySlices][K];  // sum_v dS' (.) S over slices of the V rows
 };
 
-template <int K, int V>
+template <int K, int V, bool kExact>
 constexpr size_t gradient_shared_bytes() {
-  static_assert(sizeof(GradientShared<K, V>) <= 227 * 1024, "more than an SM's shared memory");
-  return sizeof(GradientShared<K, V>);
+  static_assert(sizeof(GradientShared<K, V, kExact>) <= 227 * 1024, "more than an SM's shared memory");
+  return sizeof(GradientShared<K, V, kExact>);
 }
 
 // B fragments of two n-tiles (columns n0 .. n0 + 15) at k-step k0 by ldmatrix: stored rows = n
@@ -494,6 +530,35 @@ __device__ __forceinline__ void mma_split_tile16(const bf16* a_hi, const bf16* a
   store_split_tile16(hh, lh, hl, n0, lane, store);
 }
 
+// The n8 tile `half` (columns n0 + 8 half .. n0 + 8 half + 7) of mma_split_tile16's product: the
+// same terms in the same order, so bit for bit that half of its result; for two warps to share
+// one product on the critical path (H in phase 6).
+template <int kKdim, bool kTransB, bool kSplitA, bool kSplitB, typename Store>
+__device__ __forceinline__ void mma_split_half16(const bf16* a_hi, const bf16* a_lo, int lda, const bf16* b_hi,
+                                                 const bf16* b_lo, int ldb, int n0, int half, int lane,
+                                                 Store store) {
+  const FragmentOffsets f(lane);
+  float hh[4] = {}, lh[4] = {}, hl[4] = {};
+#pragma unroll 4
+  for (int k0 = 0; k0 < kKdim; k0 += 16) {
+    uint32_t ah[4], al[4], bh[4], bl[4];
+    ldmatrix_x4(ah, a_hi + f.a_row * lda + k0 + f.a_col);
+    if constexpr (kSplitA) ldmatrix_x4(al, a_lo + f.a_row * lda + k0 + f.a_col);
+    load_b16<kTransB>(bh, b_hi, ldb, k0, n0, f);
+    if constexpr (kSplitB) load_b16<kTransB>(bl, b_lo, ldb, k0, n0, f);
+    const uint32_t bh0 = half ? bh[2] : bh[0], bh1 = half ? bh[3] : bh[1];
+    mma(hh, ah, bh0, bh1);
+    if constexpr (kSplitA) mma(lh, al, bh0, bh1);
+    if constexpr (kSplitB) mma(hl, ah, half ? bl[2] : bl[0], half ? bl[3] : bl[1]);
+  }
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    hh[e] += lh[e] + hl[e];
+    store(g + (e >> 1) * 8, n0 + half * 8 + 2 * t + (e & 1), hh[e]);
+  }
+}
+
 // (x, y) as bf16 pairs hi = bf16(x, y) and lo = bf16((x, y) - hi).
 __device__ __forceinline__ void split_bf16(float x, float y, uint32_t& hi, uint32_t& lo) {
   const __nv_bfloat162 h = __floats2bfloat162_rn(x, y);
@@ -513,14 +578,48 @@ __device__ __forceinline__ void split_a16(const A& a, int lane, uint32_t (&hi)[4
   split_bf16(a(g + 8, c1), a(g + 8, c1 + 1), hi[3], lo[3]);
 }
 
-// One 16 x 16 tile of out = A[16][16] B[16][*]: A a 16 x 16 fp32 matrix read through a(i, k)
-// and split in registers, B split rows (rows = k, n contiguous: ldmatrix .trans).
-template <bool kSplitB, typename A, typename Store>
-__device__ __forceinline__ void mma_small_a_tile16(const A& a, const bf16* b_hi, const bf16* b_lo,
+// Sources of the split A fragments of a 16 x 16 matrix: a SmallSplit (kTrans: of its transpose),
+// or fp32 reads a(i, k) split in registers.
+template <bool kTrans>
+struct KeptSplitA {
+  const SmallSplit& s;
+  __device__ __forceinline__ void operator()(int lane, uint32_t (&hi)[4], uint32_t (&lo)[4]) const {
+    const FragmentOffsets f(lane);
+    if constexpr (kTrans) {  // A[i][k] = X[k][i]: matrices X(0-7, 0-7), (0-7, 8-15), (8-15, 0-7), (8-15, 8-15)
+      ldmatrix_x4_trans(hi, &s.hi[f.b_row][f.b_col]);
+      ldmatrix_x4_trans(lo, &s.lo[f.b_row][f.b_col]);
+    } else {
+      ldmatrix_x4(hi, &s.hi[f.a_row][f.a_col]);
+      ldmatrix_x4(lo, &s.lo[f.a_row][f.a_col]);
+    }
+  }
+};
+template <typename A>
+struct RegisterSplitA {
+  A a;
+  __device__ __forceinline__ void operator()(int lane, uint32_t (&hi)[4], uint32_t (&lo)[4]) const {
+    split_a16(a, lane, hi, lo);
+  }
+};
+template <typename A>
+__device__ __forceinline__ RegisterSplitA<A> split_in_registers(const A& a) { return {a}; }
+
+// The kept parts where the layout has them (kKept), else the fp32 reads split in registers:
+// kept(small) is only called, so only instantiated, when kKept.
+template <bool kKept, typename Small, typename Kept, typename Reads>
+__device__ __forceinline__ auto split_a_source(Small& small, const Kept& kept, const Reads& reads) {
+  if constexpr (kKept) return kept(small);
+  else return split_in_registers(reads);
+}
+
+// One 16 x 16 tile of out = A[16][16] B[16][*]: A's split fragments from a_source (above), B split
+// rows (rows = k, n contiguous: ldmatrix .trans).
+template <bool kSplitB, typename ASource, typename Store>
+__device__ __forceinline__ void mma_small_a_tile16(const ASource& a_source, const bf16* b_hi, const bf16* b_lo,
                                                    int ldb, int n0, int lane, Store store) {
   const FragmentOffsets f(lane);
   uint32_t ah[4], al[4], bh[4], bl[4];
-  split_a16(a, lane, ah, al);
+  a_source(lane, ah, al);
   load_b16<true>(bh, b_hi, ldb, 0, n0, f);
   if constexpr (kSplitB) load_b16<true>(bl, b_lo, ldb, 0, n0, f);
   float hh[2][4] = {}, lh[2][4] = {}, hl[2][4] = {};
@@ -578,7 +677,27 @@ __device__ __forceinline__ float2 load_split_pair(const SplitRows<kRow>& rows, i
 // A pair of warps (0 and 1) waits for each other (named barrier 1; barrier 0 is __syncthreads).
 __device__ __forceinline__ void warp_pair_barrier() { asm volatile("bar.sync 1, 64;\n" ::: "memory"); }
 
-// Two CTAs per SM at K = V = 32 (48 KB of shared memory; 64 registers a thread).
+// Column c of M = (I + L)^-1 for a strictly lower L given as its transpose l_t[j][i] = L[i][j]
+// (rows 16-byte aligned): unit_lower_inverse_column's right-looking substitution, the same terms in
+// the same order (bit for bit), with row j of L^T (column j of L) read as four 16-byte broadcasts.
+__device__ __forceinline__ void unit_lower_inverse_column_t(const float (&l_t)[kChunk][kChunk], int c,
+                                                            float (&m)[kChunk]) {
+#pragma unroll
+  for (int i = 0; i < kChunk; ++i) m[i] = i == c ? 1.0f : 0.0f;
+#pragma unroll
+  for (int j = 0; j < kChunk - 1; ++j) {
+    float l[kChunk];
+#pragma unroll
+    for (int q = (j + 1) / 4; q < kChunk / 4; ++q) {
+      const float4 v = *reinterpret_cast<const float4*>(&l_t[j][4 * q]);
+      l[4 * q] = v.x, l[4 * q + 1] = v.y, l[4 * q + 2] = v.z, l[4 * q + 3] = v.w;
+    }
+#pragma unroll
+    for (int i = j + 1; i < kChunk; ++i) m[i] -= l[i] * m[j];
+  }
+}
+
+// Two CTAs per SM at K = V = 32 (57-63 KB of shared memory; 64 registers a thread).
 template <int K, int V>
 constexpr int gradient_ctas_per_sm() { return K == 32 && V == 32 ? 2 : 1; }
 
@@ -590,9 +709,9 @@ constexpr int gradient_ctas_per_sm() { return K == 32 && V == 32 ? 2 : 1; }
 template <typename T, int K, int V>
 __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>())
     kda_chunk_gradient_kernel(const ChunkGradientArgs a) {
-  using Shared = GradientShared<K, V>;
-  constexpr int kRowK = Shared::kRowK, kRowV = Shared::kRowV;
   constexpr bool kExact = std::is_same_v<T, bf16>;  // v and dO exact in bf16 (their lo is zero)
+  using Shared = GradientShared<K, V, kExact>;
+  constexpr int kRowK = Shared::kRowK, kRowV = Shared::kRowV;
   extern __shared__ __align__(16) unsigned char shared_raw[];
   Shared& sh = *reinterpret_cast<Shared*>(shared_raw);
   const int tid = threadIdx.x, lane = tid & 31, warp = warp_index();
@@ -642,7 +761,7 @@ __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>()
   // stalled the warps ~4K cycles per chunk (phase 6); staged, it is 3 cp.async a thread.
   float g_col[kExact ? 1 : kChunk], q_in[kKeyItems], k_in[kKeyItems], v_in[kValueItems],
       do_in[kValueItems];
-  float beta_in = 0.0f;
+  T beta_in{};  // raw: converted where phase 0 uses it, so the load is waited for there, not here
   // bf16: warps 0 and 1, whose phase 6 is the longest chain (H, then dM M^T and dL), issue none
   // of the next chunk's loads; the other 14 warps issue them all.
   constexpr int kSkip = kExact ? 64 : 0;
@@ -696,7 +815,7 @@ __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>()
       }
     }
     cp_async_commit();
-    if (me >= 0 && me < kChunk) beta_in = to_float(static_cast<const T*>(a.beta)[real(me)]);
+    if (me >= 0 && me < kChunk) beta_in = static_cast<const T*>(a.beta)[real(me)];
   };
   issue(cur);
 
@@ -705,7 +824,7 @@ __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>()
 
   // Phase 0: from what issue() loaded: Gamma (each thread from its whole column of g), Q^, K^,
   // K~, K_, V, dO, beta.
-  if (me >= 0 && me < kChunk) sh.beta[me] = me < valid ? beta_in : 0.0f;
+  if (me >= 0 && me < kChunk) sh.beta[me] = me < valid ? to_float(beta_in) : 0.0f;
   if constexpr (kExact) {
     cp_async_wait<0>();  // sh.next, S^T and dS'^T
     __syncthreads();
@@ -790,18 +909,40 @@ __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>()
   }
   __syncthreads();
 
-  // Phase 1: P = strictly_lower(K^ K~^T) and Aqk = lower_incl_diag(Q^ K~^T) on warps 0 and 1
-  // (B(k = c, n = j) = K~[j][c]: rows = n); the state products that need nothing else on the
-  // others: dV' = K_ dS' (Aqk^T dO added in phase 4; B(k = kk, n = v) = dS'^T[v][kk]: rows = n)
-  // and dQ^ = dO S^T (dAqk K~ added in phase 6; B(k = v, n = kk) = S^T[v][kk]: rows = k).
+  // Phase 1: warps 0-1 (8 columns each): P = strictly_lower(K^ K~^T) (B(k = c, n = j) = K~[j][c]:
+  // rows = n), stored with L^T = (Diag(beta) P)^T; after their pair barrier, on warp 0's first 16
+  // lanes M = (I + L)^-1 in fp32 (lane c owns column c), and Aqk = lower_incl_diag(Q^ K~^T) in two
+  // halves, on warp 1 and on warp 4 (before its state task). Warps 2-15: the state products that
+  // need nothing else, dV' = K_ dS' (Aqk^T dO added in phase 4; B(k = kk, n = v) = dS'^T[v][kk]:
+  // rows = n) and dQ^ = dO S^T (dAqk K~ added in phase 6; B(k = v, n = kk) = S^T[v][kk]: rows = k),
+  // then (warps 8-15) e^gamma's direct gradient, sum_v dS' (.) S, in slices of V rows. (Until the
+  // eighth session M and that sum were phase 2, after a barrier, with 15 warps idle beside M's
+  // chain, and P and Aqk took a warp each; the later phases keep their numbers.)
+  auto aqk_half = [&](int half) {
+    mma_split_half16<K, false, true, true>(&sh.q_hat.hi[0][0], &sh.q_hat.lo[0][0], kRowK, &sh.k_check.hi[0][0],
+                                           &sh.k_check.lo[0][0], kRowK, 0, half, lane,
+                                           [&](int i, int j, float y) { sh.a_qk[i][j] = j <= i ? y : 0.0f; });
+  };
   if (warp < 2) {
-    const SplitRows<kRowK>& x = warp == 0 ? sh.k_hat : sh.q_hat;
-    mma_split_tile16<K, false, true, true>(&x.hi[0][0], &x.lo[0][0], kRowK, &sh.k_check.hi[0][0],
-                                           &sh.k_check.lo[0][0], kRowK, 0, lane, [&](int i, int j, float y) {
-                                             if (warp == 0) sh.p[i][j] = j < i ? y : 0.0f;
-                                             else sh.a_qk[i][j] = j <= i ? y : 0.0f;
+    mma_split_half16<K, false, true, true>(&sh.k_hat.hi[0][0], &sh.k_hat.lo[0][0], kRowK, &sh.k_check.hi[0][0],
+                                           &sh.k_check.lo[0][0], kRowK, 0, warp, lane, [&](int i, int j, float y) {
+                                             const float p = j < i ? y : 0.0f;
+                                             sh.p[i][j] = p;
+                                             sh.l_t[j][i] = sh.beta[i] * p;
                                            });
+    warp_pair_barrier();
+    if (warp == 0) {
+      if (lane < kChunk) {
+        float m[kChunk];
+        unit_lower_inverse_column_t(sh.l_t, lane, m);
+#pragma unroll
+        for (int i = 0; i < kChunk; ++i) sh.m[i][lane] = m[i];
+      }
+    } else {
+      aqk_half(0);
+    }
   } else {
+    if (warp == 4) aqk_half(1);
     constexpr int kDv = V / 16, kTasks = kDv + K / 16;
     for (int task = warp - 2; task < kTasks; task += kGradientWarps - 2) {
       if (task < kDv) {
@@ -812,29 +953,20 @@ __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>()
                             [&](int i, int c, float y) { sh.d_qhat[i][c] = y; });
       }
     }
-  }
-  __syncthreads();
-
-  // Phase 2: M = (I + Diag(beta) P)^-1 in fp32 (unit_lower_inverse_column), thread c owns column c;
-  // beside it (warps 8-15) e^gamma's direct gradient, sum_v dS' (.) S, in slices of V rows.
-  if (tid < kChunk) {
-    float m[kChunk];
-    unit_lower_inverse_column([&](int i, int j) { return sh.beta[i] * sh.p[i][j]; }, tid, m);
-#pragma unroll
-    for (int i = 0; i < kChunk; ++i) sh.m[i][tid] = m[i];
-  } else if (tid >= kGradientThreads / 2) {
-    constexpr int kPairs = K / 2, kRows = V / Shared::kDecaySlices;
-    const int x = tid - kGradientThreads / 2, pair = x % kPairs, slice = x / kPairs;
-    float acc0 = 0.0f, acc1 = 0.0f;
+    if (tid >= kGradientThreads / 2) {
+      constexpr int kPairs = K / 2, kRows = V / Shared::kDecaySlices;
+      const int x = tid - kGradientThreads / 2, pair = x % kPairs, slice = x / kPairs;
+      float acc0 = 0.0f, acc1 = 0.0f;
 #pragma unroll 8
-    for (int r = slice * kRows; r < (slice + 1) * kRows; ++r) {
-      const float2 sv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&sh.s_t[r][2 * pair]));
-      const float2 dv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&sh.ds_t[r][2 * pair]));
-      acc0 += dv.x * sv.x;
-      acc1 += dv.y * sv.y;
+      for (int r = slice * kRows; r < (slice + 1) * kRows; ++r) {
+        const float2 sv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&sh.s_t[r][2 * pair]));
+        const float2 dv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&sh.ds_t[r][2 * pair]));
+        acc0 += dv.x * sv.x;
+        acc1 += dv.y * sv.y;
+      }
+      sh.d_decay[slice][2 * pair] = acc0;
+      sh.d_decay[slice][2 * pair + 1] = acc1;
     }
-    sh.d_decay[slice][2 * pair] = acc0;
-    sh.d_decay[slice][2 * pair + 1] = acc1;
   }
   __syncthreads();
 
@@ -844,10 +976,10 @@ __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>()
     constexpr int kW = K / 16, kTasks = kW + V / 16;
     for (int task = warp; task < kTasks; task += kGradientWarps) {
       if (task < kW) {
-        mma_small_a_tile16<true>(m_beta, &sh.k_hat.hi[0][0], &sh.k_hat.lo[0][0], kRowK, task * 16, lane,
+        mma_small_a_tile16<true>(split_in_registers(m_beta), &sh.k_hat.hi[0][0], &sh.k_hat.lo[0][0], kRowK, task * 16, lane,
                                  [&](int i, int c, float y) { sh.live.a_w[i][c] = __float2bfloat16_rn(y); });
       } else {
-        mma_small_a_tile16<!kExact>(m_beta, &sh.v.hi[0][0], &sh.v.lo[0][0], kRowV, (task - kW) * 16, lane,
+        mma_small_a_tile16<!kExact>(split_in_registers(m_beta), &sh.v.hi[0][0], &sh.v.lo[0][0], kRowV, (task - kW) * 16, lane,
                                     [&](int i, int c, float y) { sh.live.vn[i][c] = y; });
       }
     }
@@ -863,9 +995,17 @@ __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>()
         mma_tile16<K, false>(&sh.live.a_w[0][0], kRowK, &sh.s_t[0][0], kRowK, task * 16, lane,
                              [&](int i, int c, float y) { sh.live.vn_s.store(i, c, sh.live.vn[i][c] - y); });
       } else {
-        mma_small_a_tile16<!kExact>([&](int i, int r) { return sh.a_qk[r][i]; }, &sh.d_o.hi[0][0],
+        mma_small_a_tile16<!kExact>(split_in_registers([&](int i, int r) { return sh.a_qk[r][i]; }), &sh.d_o.hi[0][0],
                                     &sh.d_o.lo[0][0], kRowV, (task - kVn) * 16, lane,
                                     [&](int i, int c, float y) { sh.live.dvn_s.store(i, c, sh.live.dvn[i][c] + y); });
+      }
+    }
+    // M's hi and lo parts for phases 5 and 6 (one element a thread of warps 8-15, which have one
+    // task here where warps 0-7 have the longer W S).
+    if constexpr (kExact) {
+      if (warp >= kGradientWarps / 2) {
+        const int e = tid - kGradientThreads / 2, i = e / kChunk, c = e % kChunk;
+        sh.kept.m.store(i, c, sh.m[i][c]);
       }
     }
   }
@@ -877,7 +1017,11 @@ __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>()
   if (warp == 0) {
     mma_split_tile16<V, false, !kExact, true>(&sh.d_o.hi[0][0], &sh.d_o.lo[0][0], kRowV, &sh.live.vn_s.hi[0][0],
                                               &sh.live.vn_s.lo[0][0], kRowV, 0, lane,
-                                              [&](int i, int j, float y) { sh.d_aqk[i][j] = j <= i ? y : 0.0f; });
+                                              [&](int i, int j, float y) {
+                                                const float x = j <= i ? y : 0.0f;
+                                                sh.d_aqk[i][j] = x;
+                                                if constexpr (kExact) sh.kept.d_aqk.store(i, j, x);
+                                              });
   } else if (warp == 1) {
     mma_split_tile16<V, false, true, !kExact>(&sh.live.dvn_s.hi[0][0], &sh.live.dvn_s.lo[0][0], kRowV, &sh.v.hi[0][0],
                                               &sh.v.lo[0][0], kRowV, 0, lane,
@@ -892,7 +1036,9 @@ __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>()
         mma_tile16<V, true>(&sh.live.dvn_s.hi[0][0], kRowV, &sh.s_t[0][0], kRowK, (task - kKb) * 16, lane,
                             [&](int i, int c, float y) { sh.d_w.store(i, c, -y); });
       } else {
-        mma_small_a_tile16<true>([&](int i, int r) { return sh.m[r][i]; }, &sh.live.dvn_s.hi[0][0],
+        mma_small_a_tile16<true>(split_a_source<kExact>(sh.kept, [](auto& kept) { return KeptSplitA<true>{kept.m}; },
+                                                        [&](int i, int r) { return sh.m[r][i]; }),
+                                 &sh.live.dvn_s.hi[0][0],
                                  &sh.live.dvn_s.lo[0][0], kRowV, (task - kKb - kDw) * 16, lane,
                                  [&](int i, int c, float y) {
                                    if (i < valid) static_cast<T*>(a.dv)[token(i) * V + c] = from_float<T>(sh.beta[i] * y);
@@ -911,40 +1057,51 @@ __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>()
     issue(next);
   }
 
-  // Phase 6: warp 0: H = dW K^^T (B(k = c, n = i) = K^[i][c]: rows = n) -> dM = (G + H) Diag(beta),
-  // M (.) (G + H); then warps 0-1 (8 columns each): dM M^T -> dL = -M^T dM M^T (strictly lower).
+  // Phase 6: warps 0-1 (8 columns each): H = dW K^^T (B(k = c, n = i) = K^[i][c]: rows = n) ->
+  // dM = (G + H) Diag(beta), M (.) (G + H); then dM M^T -> dL = -M^T dM M^T (strictly lower).
   // Warps 2-15: the dq / dk terms that need no dL: dQ^ += dAqk K~, M^T dW (into d_khat),
   // dAqk^T Q^ (into d_kcheck) (B rows = k).
   if (warp < 2) {
-    if (warp == 0) {
-      mma_split_tile16<K, false, true, true>(&sh.d_w.hi[0][0], &sh.d_w.lo[0][0], kRowK, &sh.k_hat.hi[0][0],
-                                             &sh.k_hat.lo[0][0], kRowK, 0, lane, [&](int t, int i, float y) {
-                                               const float gh = sh.d_m[t][i] + y;
-                                               sh.d_m[t][i] = sh.beta[i] * gh;
-                                               sh.x_beta[t][i] = sh.m[t][i] * gh;
-                                             });
-    }
+    mma_split_half16<K, false, true, true>(&sh.d_w.hi[0][0], &sh.d_w.lo[0][0], kRowK, &sh.k_hat.hi[0][0],
+                                           &sh.k_hat.lo[0][0], kRowK, 0, warp, lane, [&](int t, int i, float y) {
+                                             const float gh = sh.d_m[t][i] + y;
+                                             sh.d_m[t][i] = sh.beta[i] * gh;
+                                             sh.x_beta[t][i] = sh.m[t][i] * gh;
+                                           });
     warp_pair_barrier();
     const int n0 = warp * 8;
     mma_small_tile8([&](int i, int c) { return sh.d_m[i][c]; }, [&](int c, int j) { return sh.m[j][c]; },
                     n0, lane, [&](int i, int j, float y) { sh.t1[i][j] = y; });
     warp_pair_barrier();
     mma_small_tile8([&](int i, int c) { return sh.m[c][i]; }, [&](int c, int j) { return sh.t1[c][j]; },
-                    n0, lane, [&](int i, int j, float y) { sh.d_l[i][j] = j < i ? -y : 0.0f; });
+                    n0, lane, [&](int i, int j, float y) {
+                      const float x = j < i ? -y : 0.0f;
+                      sh.d_l[i][j] = x;
+                      if constexpr (kExact) {
+                        sh.kept.d_l.store(i, j, x);
+                        sh.kept.beta_d_l.store(i, j, sh.beta[i] * x);
+                      }
+                    });
   } else {
     constexpr int kPer = K / 16, kTasks = 3 * kPer;
     for (int task = warp - 2; task < kTasks; task += kGradientWarps - 2) {
       const int n0 = (task % kPer) * 16;
       if (task < kPer) {
-        mma_small_a_tile16<true>([&](int i, int j) { return sh.d_aqk[i][j]; }, &sh.k_check.hi[0][0],
+        mma_small_a_tile16<true>(split_a_source<kExact>(sh.kept, [](auto& kept) { return KeptSplitA<false>{kept.d_aqk}; },
+                                                        [&](int i, int j) { return sh.d_aqk[i][j]; }),
+                                 &sh.k_check.hi[0][0],
                                  &sh.k_check.lo[0][0], kRowK, n0, lane,
                                  [&](int i, int c, float y) { sh.d_qhat[i][c] += y; });
       } else if (task < 2 * kPer) {
-        mma_small_a_tile16<true>([&](int i, int r) { return sh.m[r][i]; }, &sh.d_w.hi[0][0],
+        mma_small_a_tile16<true>(split_a_source<kExact>(sh.kept, [](auto& kept) { return KeptSplitA<true>{kept.m}; },
+                                                        [&](int i, int r) { return sh.m[r][i]; }),
+                                 &sh.d_w.hi[0][0],
                                  &sh.d_w.lo[0][0], kRowK, n0, lane,
                                  [&](int i, int c, float y) { sh.d_khat[i][c] = y; });
       } else {
-        mma_small_a_tile16<true>([&](int i, int r) { return sh.d_aqk[r][i]; }, &sh.q_hat.hi[0][0],
+        mma_small_a_tile16<true>(split_a_source<kExact>(sh.kept, [](auto& kept) { return KeptSplitA<true>{kept.d_aqk}; },
+                                                        [&](int i, int r) { return sh.d_aqk[r][i]; }),
+                                 &sh.q_hat.hi[0][0],
                                  &sh.q_hat.lo[0][0], kRowK, n0, lane,
                                  [&](int i, int c, float y) { sh.d_kcheck[i][c] = y; });
       }
@@ -952,28 +1109,25 @@ __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>()
   }
   __syncthreads();
 
-  // Phase 7: dK^ = Diag(beta) (M^T dW + dL K~), dK~ += (Diag(beta) dL)^T K^; dbeta.
+  // Phase 7: dK^ = Diag(beta) (M^T dW + dL K~), dK~ += (Diag(beta) dL)^T K^.
   {
     constexpr int kPer = K / 16;
     for (int task = warp; task < 2 * kPer; task += kGradientWarps) {
       const int n0 = (task % kPer) * 16;
       if (task < kPer) {
-        mma_small_a_tile16<true>([&](int i, int j) { return sh.d_l[i][j]; }, &sh.k_check.hi[0][0],
+        mma_small_a_tile16<true>(split_a_source<kExact>(sh.kept, [](auto& kept) { return KeptSplitA<false>{kept.d_l}; },
+                                                        [&](int i, int j) { return sh.d_l[i][j]; }),
+                                 &sh.k_check.hi[0][0],
                                  &sh.k_check.lo[0][0], kRowK, n0, lane,
                                  [&](int i, int c, float y) { sh.d_khat[i][c] = sh.beta[i] * (sh.d_khat[i][c] + y); });
       } else {
-        mma_small_a_tile16<true>([&](int i, int r) { return sh.beta[r] * sh.d_l[r][i]; }, &sh.k_hat.hi[0][0],
+        mma_small_a_tile16<true>(split_a_source<kExact>(sh.kept, [](auto& kept) { return KeptSplitA<true>{kept.beta_d_l}; },
+                                                        [&](int i, int r) { return sh.beta[r] * sh.d_l[r][i]; }),
+                                 &sh.k_hat.hi[0][0],
                                  &sh.k_hat.lo[0][0], kRowK, n0, lane,
                                  [&](int i, int c, float y) { sh.d_kcheck[i][c] += y; });
       }
     }
-  }
-  if (tid < kChunk && tid < valid) {
-    const int i = tid;
-    float acc = 0.0f;
-#pragma unroll
-    for (int r = 0; r < kChunk; ++r) acc += sh.x_beta[r][i] + sh.d_l[i][r] * sh.p[i][r];
-    a.dbeta[token(i)] = acc;
   }
   __syncthreads();
 
@@ -1006,7 +1160,15 @@ __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>()
   }
   __syncthreads();
 
-  // Phase 9: dg = reverse cumulative sum of dGamma + dgamma.
+  // Phase 9: dg = reverse cumulative sum of dGamma + dgamma (threads 0 .. K - 1); beside it dbeta
+  // (threads K .. K + 15; it was phase 7's, where its dependent chain of 16 delayed the barrier).
+  if (tid >= K && tid < K + kChunk && tid - K < valid) {
+    const int i = tid - K;
+    float acc = 0.0f;
+#pragma unroll
+    for (int r = 0; r < kChunk; ++r) acc += sh.x_beta[r][i] + sh.d_l[i][r] * sh.p[i][r];
+    a.dbeta[token(i)] = acc;
+  }
   for (int c = tid; c < K; c += kGradientThreads) {
     float acc = 0.0f;
 #pragma unroll
@@ -1085,7 +1247,7 @@ struct BackwardLayout {
 template <typename T, int K, int V>
 cudaError_t launch_chunk_gradients(ChunkGradientArgs a, int64_t batch, int64_t chunks,
                                    cudaStream_t stream) {
-  constexpr size_t shared = gradient_shared_bytes<K, V>();
+  constexpr size_t shared = gradient_shared_bytes<K, V, std::is_same_v<T, bf16>>();
   const auto kernel = kda_chunk_gradient_kernel<T, K, V>;
   cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            static_cast<int>(shared));
