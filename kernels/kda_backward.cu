@@ -510,6 +510,19 @@ __device__ __forceinline__ void store_split_tile16(float (&hh)[2][4], const floa
   store_tile16(hh, n0, lane, store);
 }
 
+// The fragments of k-step k0 of a product of split operands: A (rows of stride lda) and B
+// (columns n0 .. n0 + 15, as load_b16 gives them), hi and, where split, lo.
+template <bool kTransB, bool kSplitA, bool kSplitB>
+__device__ __forceinline__ void load_split_step(uint32_t (&ah)[4], uint32_t (&al)[4], uint32_t (&bh)[4],
+                                                uint32_t (&bl)[4], const bf16* a_hi, const bf16* a_lo, int lda,
+                                                const bf16* b_hi, const bf16* b_lo, int ldb, int k0, int n0,
+                                                const FragmentOffsets& f) {
+  ldmatrix_x4(ah, a_hi + f.a_row * lda + k0 + f.a_col);
+  if constexpr (kSplitA) ldmatrix_x4(al, a_lo + f.a_row * lda + k0 + f.a_col);
+  load_b16<kTransB>(bh, b_hi, ldb, k0, n0, f);
+  if constexpr (kSplitB) load_b16<kTransB>(bl, b_lo, ldb, k0, n0, f);
+}
+
 // The same with both operands split (hi, lo arrays of one layout): Ah Bh + (Al Bh + Ah Bl) in
 // three independent chains. kSplitA / kSplitB false: that operand is exact in bf16 (lo unused).
 template <int kKdim, bool kTransB, bool kSplitA, bool kSplitB, typename Store>
@@ -521,10 +534,7 @@ __device__ __forceinline__ void mma_split_tile16(const bf16* a_hi, const bf16* a
 #pragma unroll 4
   for (int k0 = 0; k0 < kKdim; k0 += 16) {
     uint32_t ah[4], al[4], bh[4], bl[4];
-    ldmatrix_x4(ah, a_hi + f.a_row * lda + k0 + f.a_col);
-    if constexpr (kSplitA) ldmatrix_x4(al, a_lo + f.a_row * lda + k0 + f.a_col);
-    load_b16<kTransB>(bh, b_hi, ldb, k0, n0, f);
-    if constexpr (kSplitB) load_b16<kTransB>(bl, b_lo, ldb, k0, n0, f);
+    load_split_step<kTransB, kSplitA, kSplitB>(ah, al, bh, bl, a_hi, a_lo, lda, b_hi, b_lo, ldb, k0, n0, f);
     mma_split_step<kSplitA, kSplitB>(hh, lh, hl, ah, al, bh, bl);
   }
   store_split_tile16(hh, lh, hl, n0, lane, store);
@@ -542,10 +552,7 @@ __device__ __forceinline__ void mma_split_half16(const bf16* a_hi, const bf16* a
 #pragma unroll 4
   for (int k0 = 0; k0 < kKdim; k0 += 16) {
     uint32_t ah[4], al[4], bh[4], bl[4];
-    ldmatrix_x4(ah, a_hi + f.a_row * lda + k0 + f.a_col);
-    if constexpr (kSplitA) ldmatrix_x4(al, a_lo + f.a_row * lda + k0 + f.a_col);
-    load_b16<kTransB>(bh, b_hi, ldb, k0, n0, f);
-    if constexpr (kSplitB) load_b16<kTransB>(bl, b_lo, ldb, k0, n0, f);
+    load_split_step<kTransB, kSplitA, kSplitB>(ah, al, bh, bl, a_hi, a_lo, lda, b_hi, b_lo, ldb, k0, n0, f);
     const uint32_t bh0 = half ? bh[2] : bh[0], bh1 = half ? bh[3] : bh[1];
     mma(hh, ah, bh0, bh1);
     if constexpr (kSplitA) mma(lh, al, bh0, bh1);
