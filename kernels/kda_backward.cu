@@ -315,8 +315,10 @@ __global__ void __launch_bounds__(kHeadThreads, 1) kda_head_state_gradient_kerne
 //     is Ah Bh + (Al Bh + Ah Bl): every product exact in fp32, the dropped Al Bl below 2^-16 of
 //     it. Rounding these products' operands to bf16 alone gave dg errors of 4.7e-2 at g = -5 (the
 //     dGamma cancellation; kernels/README.md). Operands that are exact in bf16 (bf16 v and dO)
-//     skip their lo half. The 16 x 16 left operands (M, Aqk^T, dAqk, dL, ...) are read as fp32
-//     and split in registers.
+//     skip their lo half. The 16 x 16 left operands: with bf16 inputs M, dAqk, dL and
+//     Diag(beta) dL are split once where they are made and read by ldmatrix (SmallSplit); the
+//     others (M Diag(beta), Aqk^T), and all of them with fp32 inputs, are read as fp32 and split
+//     in registers.
 // All operands reach the tensor cores by ldmatrix; fragments of fp32 16 x 16 matrices by scalar
 // shared-memory loads.
 
