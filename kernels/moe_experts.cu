@@ -118,6 +118,13 @@ __device__ Tile next_tile(int& t, int tiles, const int* tile_ends, const Forward
   return Tile{0, 0, 0};
 }
 
+// One m16 block's accumulators (four n8 tiles) for the rows of one half (g, or g + 8) as packed
+// bf16 pairs: packed[nt] = tile nt's columns 2t, 2t + 1 (quad_transpose's input layout).
+__device__ __forceinline__ void pack_row_half(const float (&acc)[4][4], int half, uint32_t (&packed)[4]) {
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt) packed[nt] = pack_bf16(acc[nt][2 * half], acc[nt][2 * half + 1]);
+}
+
 // The widths as template arguments (L, F): every index into the chunk stream is a division by a
 // constant, and the strides are immediates.
 template <int L, int F>
@@ -235,8 +242,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_experts_forward_kernel(Forwar
               // G's two n8 tiles, then U's, packed: after quad_transpose (mma.cuh) lanes 0-1 hold 8
               // consecutive columns of G each, lanes 2-3 of U, one 16-byte store a lane.
               uint32_t packed[4];
-#pragma unroll
-              for (int nt = 0; nt < 4; ++nt) packed[nt] = pack_bf16(acc[mi][nt][2 * half], acc[mi][nt][2 * half + 1]);
+              pack_row_half(acc[mi], half, packed);
 #pragma unroll
               for (int nt = 0; nt < 2; ++nt) {
                 const int col = s * 64 + wq * 16 + nt * 8 + 2 * tq;
@@ -271,8 +277,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_experts_forward_kernel(Forwar
               // Four n8 tiles packed, then transposed in the quad: lane tq holds columns
               // 8 tq .. 8 tq + 7 of the warp's 32, one 16-byte store.
               uint32_t packed[4];
-#pragma unroll
-              for (int nt = 0; nt < 4; ++nt) packed[nt] = pack_bf16(acc[mi][nt][2 * half], acc[mi][nt][2 * half + 1]);
+              pack_row_half(acc[mi], half, packed);
               quad_transpose(packed, tq);
               if (r >= tile.rows) continue;
               bf16* out = a.y + static_cast<int64_t>(tile.first_row + r) * L + s * 128 + wq * 32 + 8 * tq;
