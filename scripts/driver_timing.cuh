@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <random>
 #include <vector>
 
@@ -44,6 +45,23 @@ inline HostDevice random_bf16(size_t count, float scale, std::mt19937& rng) {
   cudaMalloc(&m.device, count * 2);
   cudaMemcpy(m.device, m.host.data(), count * 2, cudaMemcpyHostToDevice);
   return m;
+}
+
+// Rows per expert when each of `tokens` tokens picks `top_k` distinct experts uniformly (a partial
+// Fisher-Yates shuffle a token): the MoE drivers' "routed" rows.
+inline std::vector<int64_t> uniform_routing_counts(int64_t tokens, int64_t top_k, int64_t experts,
+                                                   std::mt19937& rng) {
+  std::vector<int64_t> counts(experts, 0);
+  std::vector<int> ids(experts);
+  for (int64_t e = 0; e < experts; ++e) ids[e] = static_cast<int>(e);
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t j = 0; j < top_k; ++j) {
+      std::uniform_int_distribution<int64_t> pick(j, experts - 1);
+      std::swap(ids[j], ids[pick(rng)]);
+      ++counts[ids[j]];
+    }
+  }
+  return counts;
 }
 
 }  // namespace

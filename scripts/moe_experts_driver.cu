@@ -24,16 +24,7 @@ int main(int argc, char** argv) {
   const int64_t F = argc > 5 ? atoll(argv[5]) : 192;
   const int64_t rows = tokens * top_k;
   std::mt19937 rng(7);
-  std::vector<int64_t> counts(experts, 0);
-  std::vector<int> ids(experts);
-  for (int64_t e = 0; e < experts; ++e) ids[e] = static_cast<int>(e);
-  for (int64_t t = 0; t < tokens; ++t) {
-    for (int64_t j = 0; j < top_k; ++j) {  // partial Fisher-Yates: top_k distinct experts
-      std::uniform_int_distribution<int64_t> pick(j, experts - 1);
-      std::swap(ids[j], ids[pick(rng)]);
-      ++counts[ids[j]];
-    }
-  }
+  const std::vector<int64_t> counts = uniform_routing_counts(tokens, top_k, experts, rng);
   std::vector<int32_t> routed(experts), even(experts);
   int64_t sum = 0, most = 0;
   for (int64_t e = 0; e < experts; ++e) {
