@@ -436,6 +436,7 @@ struct alignas(16) GradientShared {
   struct NoKeptSplits {};
   std::conditional_t<kExact, KeptSplits, NoKeptSplits> kept;
   float d_decay[kDecaySlices][K];  // sum_v dS' (.) S over slices of the V rows
+  float d_gamma[K];            // dgamma = sum_rows(dK_ (.) K_) + e^gamma (.) d(e^gamma) (phase 7)
 };
 
 template <int K, int V, bool kExact>
@@ -622,8 +623,9 @@ __device__ __forceinline__ auto split_a_source(Small& small, const Kept& kept, c
 }
 
 // One 16 x 16 tile of out = A[16][16] B[16][*]: A's split fragments from a_source (above), B split
-// rows (rows = k, n contiguous: ldmatrix .trans).
-template <bool kSplitB, typename ASource, typename Store>
+// rows (rows = k, n contiguous: ldmatrix .trans). kPairs: the tile goes to store(i, col, x, y) a
+// pair of adjacent columns at a time (col even), for stores of two elements at once.
+template <bool kSplitB, bool kPairs = false, typename ASource, typename Store>
 __device__ __forceinline__ void mma_small_a_tile16(const ASource& a_source, const bf16* b_hi, const bf16* b_lo,
                                                    int ldb, int n0, int lane, Store store) {
   const FragmentOffsets f(lane);
@@ -633,7 +635,18 @@ __device__ __forceinline__ void mma_small_a_tile16(const ASource& a_source, cons
   if constexpr (kSplitB) load_b16<true>(bl, b_lo, ldb, 0, n0, f);
   float hh[2][4] = {}, lh[2][4] = {}, hl[2][4] = {};
   mma_split_step<true, kSplitB>(hh, lh, hl, ah, al, bh, bl);
-  store_split_tile16(hh, lh, hl, n0, lane, store);
+  if constexpr (kPairs) {
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) hh[n][e] += lh[n][e] + hl[n][e];
+      store(g, n0 + n * 8 + 2 * t, hh[n][0], hh[n][1]);
+      store(g + 8, n0 + n * 8 + 2 * t, hh[n][2], hh[n][3]);
+    }
+  } else {
+    store_split_tile16(hh, lh, hl, n0, lane, store);
+  }
 }
 
 // One 16 x 8 tile (columns n0 .. n0 + 7) of out = A[16][16] B[16][*], both 16 x 16 fp32 matrices
@@ -653,13 +666,6 @@ __device__ __forceinline__ void mma_small_tile8(const A& a, const B& b, int n0, 
   store(g, n0 + 2 * t + 1, acc[1] + small[1]);
   store(g + 8, n0 + 2 * t, acc[2] + small[2]);
   store(g + 8, n0 + 2 * t + 1, acc[3] + small[3]);
-}
-
-// f(std::integral_constant<int, G>) for G = 0 .. kCount - 1: code specialised per compile-time G,
-// picked at run time by a (warp-uniform) index without a select per candidate.
-template <typename F, int... G>
-__device__ __forceinline__ void for_each_index(F&& f, std::integer_sequence<int, G...>) {
-  (f(std::integral_constant<int, G>{}), ...);
 }
 
 // Two adjacent bf16 of shared memory as a float2, and a float2 as two adjacent bf16 (hi), or as
@@ -774,6 +780,10 @@ __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>()
   // bf16: warps 0 and 1, whose phase 6 is the longest chain (H, then dM M^T and dL), issue none
   // of the next chunk's loads; the other 14 warps issue them all.
   constexpr int kSkip = kExact ? 64 : 0;
+  // Warps 8-15 stage g and sum it (gamma_prefix): phase 9's dg and dbeta take threads below
+  // K + 16 <= 144.
+  constexpr int kGammaThread0 = kGradientThreads / 2, kGammaBarrier = 2;
+  static_assert(K + kChunk <= kGammaThread0 && kGammaThread0 + K / 2 <= kGradientThreads, "gamma_prefix's threads");
   constexpr int kIssuers = kGradientThreads - kSkip;
   const int me = tid - kSkip;
   auto issue = [&](const Item& it) {
@@ -801,7 +811,8 @@ __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>()
           cp_async16_or_zero(&sh.next.v[i][col], v + at, i < it.valid);
           cp_async16_or_zero(&sh.next.d_o[i][col], d_o + at, i < it.valid);
         }
-        for (int e = me; e < kChunk * K / 4; e += kIssuers) {
+        // g by warps 8-15 alone: they wait for it in phase 9 and sum it (gamma_prefix below).
+        for (int e = tid - kGammaThread0; e >= 0 && e < kChunk * K / 4; e += kGradientThreads - kGammaThread0) {
           const int i = e / (K / 4), col = (e % (K / 4)) * 4;
           cp_async16_or_zero(&sh.next.g[i][col], a.g + real(i) * K + col, i < it.valid);
         }
@@ -826,50 +837,61 @@ __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>()
     cp_async_commit();
     if (me >= 0 && me < kChunk) beta_in = static_cast<const T*>(a.beta)[real(me)];
   };
+  // bf16: Gamma, the cumulative sums of the staged g down its rows, in place in sh.next.g (rows
+  // past the chunk's end are zero, so the last row is the chunk's sum), by warps 8-15 in phase 9
+  // for the next chunk (before the loop for the first): the warps that staged g wait for it and
+  // meet at a barrier of their own, K / 2 threads sum a column pair each. Phase 9 keeps warps 0-4
+  // busy and these idle; in phase 0 every thread summed the 16 rows of its columns itself (8 row
+  // groups: 8x the loads and adds, ~1K of phase 0's 3.9K instructions a chunk).
+  auto gamma_prefix = [&]() {
+    if constexpr (kExact) {
+      if (tid >= kGammaThread0) {
+        cp_async_wait<0>();
+        named_barrier_sync(kGammaBarrier, kGradientThreads - kGammaThread0);
+        if (tid < kGammaThread0 + K / 2) {
+          const int c0 = 2 * (tid - kGammaThread0);
+          float2 run = make_float2(0.0f, 0.0f);
+#pragma unroll
+          for (int i = 0; i < kChunk; ++i) {
+            float2& gi = *reinterpret_cast<float2*>(&sh.next.g[i][c0]);
+            const float2 x = gi;
+            run.x += x.x;
+            run.y += x.y;
+            gi = run;
+          }
+        }
+      }
+    }
+  };
   issue(cur);
+  gamma_prefix();
 
   for (;;) {
   const int valid = cur.valid;
 
-  // Phase 0: from what issue() loaded: Gamma (each thread from its whole column of g), Q^, K^,
-  // K~, K_, V, dO, beta.
+  // Phase 0: from what issue() loaded: Gamma (bf16: summed already, gamma_prefix; fp32: each
+  // thread from its whole column of g), Q^, K^, K~, K_, V, dO, beta.
   if (me >= 0 && me < kChunk) sh.beta[me] = me < valid ? to_float(beta_in) : 0.0f;
   if constexpr (kExact) {
     cp_async_wait<0>();  // sh.next, S^T and dS'^T
     __syncthreads();
     // Staged rows past the chunk's end are zero (q, k, v, dO and g), so no row needs a guard.
     // A thread owns two adjacent columns of kPairRows consecutive rows (pairwise loads and
-    // stores); the row group is warp-uniform at K >= 64, so picking its prefix sums of g is a
-    // uniform branch, not a select per row.
+    // stores); sh.next.g holds Gamma (gamma_prefix), its last row the chunk's sum.
     if (tid < kPairThreads) {
       const int c0 = 2 * (tid % (K / 2)), group = tid / (K / 2), i0 = group * kPairRows;
-      float2 cum[kChunk];
-      float2 run = make_float2(0.0f, 0.0f);
-#pragma unroll
-      for (int i = 0; i < kChunk; ++i) {
-        const float2 gi = *reinterpret_cast<const float2*>(&sh.next.g[i][c0]);
-        run.x += gi.x;
-        run.y += gi.y;
-        cum[i] = run;
-      }
-      float2 gam[kPairRows];
-      for_each_index([&](auto G) {
-        constexpr int kGroup = decltype(G)::value;
-        if (group == kGroup) {
-#pragma unroll
-          for (int j = 0; j < kPairRows; ++j) gam[j] = cum[kGroup * kPairRows + j];
-        }
-      }, std::make_integer_sequence<int, kChunk / kPairRows>{});
+      const float2 run = *reinterpret_cast<const float2*>(&sh.next.g[kChunk - 1][c0]);  // Gamma's last row
       const float2 decay = make_float2(exp_ftz(run.x), exp_ftz(run.y));
       if (group == 0) *reinterpret_cast<float2*>(&sh.decay[c0]) = decay;
 #pragma unroll
       for (int j = 0; j < kPairRows; ++j) {
         const int i = i0 + j;
+        const float2 gam = *reinterpret_cast<const float2*>(&sh.next.g[i][c0]);
         const float2 qv = load_bf16x2(&sh.next.q[i][c0]), kv = load_bf16x2(&sh.next.k[i][c0]);
         float2 up, down;
-        exp_both(gam[j].x, up.x, down.x);
-        exp_both(gam[j].y, up.y, down.y);
-        *reinterpret_cast<float2*>(&sh.gamma[i][c0]) = gam[j];
+        exp_both(gam.x, up.x, down.x);
+        exp_both(gam.y, up.y, down.y);
+        *reinterpret_cast<float2*>(&sh.gamma[i][c0]) = gam;
         store_split_pair(sh.q_hat, i, c0, a.scale * qv.x * up.x, a.scale * qv.y * up.y);
         store_split_pair(sh.k_hat, i, c0, kv.x * up.x, kv.y * up.y);
         store_split_pair(sh.k_check, i, c0, kv.x * down.x, kv.y * down.y);
@@ -1045,13 +1067,13 @@ __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>()
         mma_tile16<V, true>(&sh.live.dvn_s.hi[0][0], kRowV, &sh.s_t[0][0], kRowK, (task - kKb) * 16, lane,
                             [&](int i, int c, float y) { sh.d_w.store(i, c, -y); });
       } else {
-        mma_small_a_tile16<true>(split_a_source<kExact>(sh.kept, [](auto& kept) { return KeptSplitA<true>{kept.m}; },
-                                                        [&](int i, int r) { return sh.m[r][i]; }),
-                                 &sh.live.dvn_s.hi[0][0],
-                                 &sh.live.dvn_s.lo[0][0], kRowV, (task - kKb - kDw) * 16, lane,
-                                 [&](int i, int c, float y) {
-                                   if (i < valid) static_cast<T*>(a.dv)[token(i) * V + c] = from_float<T>(sh.beta[i] * y);
-                                 });
+        mma_small_a_tile16<true, /*kPairs=*/true>(
+            split_a_source<kExact>(sh.kept, [](auto& kept) { return KeptSplitA<true>{kept.m}; },
+                                   [&](int i, int r) { return sh.m[r][i]; }),
+            &sh.live.dvn_s.hi[0][0], &sh.live.dvn_s.lo[0][0], kRowV, (task - kKb - kDw) * 16, lane,
+            [&](int i, int c, float x, float y) {
+              if (i < valid) store_pair(static_cast<T*>(a.dv) + token(i) * V + c, sh.beta[i] * x, sh.beta[i] * y);
+            });
       }
     }
   }
@@ -1137,6 +1159,18 @@ __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>()
                                  [&](int i, int c, float y) { sh.d_kcheck[i][c] += y; });
       }
     }
+    // dgamma on threads kGradientThreads / 2 .. + K - 1 (warps 8-11 at K = 128, whose tasks here
+    // are the shorter), from arrays final since phase 5, so that phase 9 is the reverse sum alone.
+    if (tid >= kGradientThreads / 2 && tid < kGradientThreads / 2 + K) {
+      const int c = tid - kGradientThreads / 2;
+      float acc = 0.0f;
+#pragma unroll
+      for (int s = 0; s < Shared::kDecaySlices; ++s) acc += sh.d_decay[s][c];
+      acc *= sh.decay[c];
+#pragma unroll
+      for (int i = 0; i < kChunk; ++i) acc += sh.d_kbar[i][c] * sh.k_bar[i][c];
+      sh.d_gamma[c] = acc;
+    }
   }
   __syncthreads();
 
@@ -1169,7 +1203,8 @@ __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>()
   }
   __syncthreads();
 
-  // Phase 9: dg = reverse cumulative sum of dGamma + dgamma (threads 0 .. K - 1); beside it dbeta
+  // Phase 9: dg = reverse cumulative sum of dGamma + dgamma (threads 0 .. K - 1; dgamma made in
+  // phase 7); beside it dbeta
   // (threads K .. K + 15; it was phase 7's, where its dependent chain of 16 delayed the barrier).
   if (tid >= K && tid < K + kChunk && tid - K < valid) {
     const int i = tid - K;
@@ -1178,20 +1213,25 @@ __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>()
     for (int r = 0; r < kChunk; ++r) acc += sh.x_beta[r][i] + sh.d_l[i][r] * sh.p[i][r];
     a.dbeta[token(i)] = acc;
   }
+  // The sums first, then the stores down one pointer at a token's stride: with each row's address
+  // from token(i) (64-bit products) between the adds, phase 9 took ~1K cycles.
   for (int c = tid; c < K; c += kGradientThreads) {
-    float acc = 0.0f;
-#pragma unroll
-    for (int s = 0; s < Shared::kDecaySlices; ++s) acc += sh.d_decay[s][c];
-    acc *= sh.decay[c];
-#pragma unroll
-    for (int i = 0; i < kChunk; ++i) acc += sh.d_kbar[i][c] * sh.k_bar[i][c];
+    float sum[kChunk];
+    float acc = sh.d_gamma[c];
 #pragma unroll
     for (int i = kChunk - 1; i >= 0; --i) {
       acc += sh.gamma[i][c];
-      if (i < valid) a.dg[token(i) * K + c] = acc;
+      sum[i] = acc;
+    }
+    float* out = a.dg + token(0) * K + c;
+    const int64_t stride = static_cast<int64_t>(H) * K;
+#pragma unroll
+    for (int i = 0; i < kChunk; ++i, out += stride) {
+      if (i < valid) *out = sum[i];
     }
   }
   if (!more) break;
+  gamma_prefix();   // the next chunk's, beside the dg and dbeta sums
   __syncthreads();  // phase 9's reads before the next phase 0's writes
   w = next_w;
   cur = next;
