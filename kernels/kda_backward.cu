@@ -468,22 +468,28 @@ __device__ __forceinline__ void store_tile16(const float (&acc)[2][4], int n0, i
   }
 }
 
-// One 16 x 16 tile (columns n0 .. n0 + 15) of out = A[16][kKdim] B, bf16 operands by ldmatrix
-// (the K x V products). A: rows of stride lda.
-template <int kKdim, bool kTransB, typename Store>
+// kTiles 16 x 16 tiles (columns n0 .. n0 + 16 kTiles - 1) of out = A[16][kKdim] B, bf16 operands
+// by ldmatrix (the K x V products). A: rows of stride lda, its fragments loaded once a k-step for
+// all the tiles (each tile's products and their order are those of one tile alone: the same bits).
+template <int kKdim, bool kTransB, int kTiles = 1, typename Store>
 __device__ __forceinline__ void mma_tile16(const bf16* a, int lda, const bf16* b, int ldb, int n0,
                                            int lane, Store store) {
   const FragmentOffsets f(lane);
-  float acc[2][4] = {};
+  float acc[kTiles][2][4] = {};
 #pragma unroll 4
   for (int k0 = 0; k0 < kKdim; k0 += 16) {
-    uint32_t af[4], bf[4];
+    uint32_t af[4];
     ldmatrix_x4(af, a + f.a_row * lda + k0 + f.a_col);
-    load_b16<kTransB>(bf, b, ldb, k0, n0, f);
-    mma(acc[0], af, bf[0], bf[1]);
-    mma(acc[1], af, bf[2], bf[3]);
+#pragma unroll
+    for (int x = 0; x < kTiles; ++x) {
+      uint32_t bf[4];
+      load_b16<kTransB>(bf, b, ldb, k0, n0 + 16 * x, f);
+      mma(acc[x][0], af, bf[0], bf[1]);
+      mma(acc[x][1], af, bf[2], bf[3]);
+    }
   }
-  store_tile16(acc, n0, lane, store);
+#pragma unroll
+  for (int x = 0; x < kTiles; ++x) store_tile16(acc[x], n0 + 16 * x, lane, store);
 }
 
 // One k-step of a split product on two n-tiles: hh += Ah Bh, lh += Al Bh, hl += Ah Bl (b: the
@@ -1058,19 +1064,24 @@ __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>()
                                               &sh.v.lo[0][0], kRowV, 0, lane,
                                               [&](int t, int i, float y) { sh.d_m[t][i] = y; });
   } else {
-    constexpr int kKb = K / 16, kDw = K / 16, kTasks = kKb + kDw + V / 16;
-    for (int task = warp - 2; task < kTasks; task += kGradientWarps - 2) {
-      if (task < kKb) {
-        mma_tile16<V, true>(&sh.live.vn_s.hi[0][0], kRowV, &sh.ds_t[0][0], kRowK, task * 16, lane,
-                            [&](int i, int c, float y) { sh.d_kbar[i][c] = y; });
-      } else if (task < kKb + kDw) {
-        mma_tile16<V, true>(&sh.live.dvn_s.hi[0][0], kRowV, &sh.s_t[0][0], kRowK, (task - kKb) * 16, lane,
-                            [&](int i, int c, float y) { sh.d_w.store(i, c, -y); });
-      } else {
+    // dK_ and dW 32 columns a task (A read once for two tiles), one a warp on warps 2 ..; the
+    // light dv tasks on the warps after them. (Tiles of 16 columns handed out in turn gave two
+    // warps two heavy tasks each, and two others two dv tasks.)
+    constexpr int kKb = K / 32, kHeavy = 2 * kKb, kDv = V / 16, kDvWarps = kGradientWarps - 2 - kHeavy;
+    static_assert(kDvWarps > 0, "warps for the dv tasks");
+    const int task = warp - 2;
+    if (task < kKb) {
+      mma_tile16<V, true, 2>(&sh.live.vn_s.hi[0][0], kRowV, &sh.ds_t[0][0], kRowK, task * 32, lane,
+                             [&](int i, int c, float y) { sh.d_kbar[i][c] = y; });
+    } else if (task < kHeavy) {
+      mma_tile16<V, true, 2>(&sh.live.dvn_s.hi[0][0], kRowV, &sh.s_t[0][0], kRowK, (task - kKb) * 32, lane,
+                             [&](int i, int c, float y) { sh.d_w.store(i, c, -y); });
+    } else {
+      for (int d = task - kHeavy; d < kDv; d += kDvWarps) {
         mma_small_a_tile16<true, /*kPairs=*/true>(
             split_a_source<kExact>(sh.kept, [](auto& kept) { return KeptSplitA<true>{kept.m}; },
                                    [&](int i, int r) { return sh.m[r][i]; }),
-            &sh.live.dvn_s.hi[0][0], &sh.live.dvn_s.lo[0][0], kRowV, (task - kKb - kDw) * 16, lane,
+            &sh.live.dvn_s.hi[0][0], &sh.live.dvn_s.lo[0][0], kRowV, d * 16, lane,
             [&](int i, int c, float x, float y) {
               if (i < valid) store_pair(static_cast<T*>(a.dv) + token(i) * V + c, sh.beta[i] * x, sh.beta[i] * y);
             });
