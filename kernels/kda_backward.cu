@@ -361,6 +361,7 @@ struct SplitRows {
 // (the same hi and lo: the same products bit for bit). Rows of 24: ldmatrix rows in distinct banks.
 struct SmallSplit {
   static constexpr int kRow = kChunk + 8;
+  using Row = bf16[kRow];
   bf16 hi[kChunk][kRow];
   bf16 lo[kChunk][kRow];
   __device__ __forceinline__ void store(int i, int c, float x) {
@@ -398,8 +399,8 @@ struct alignas(16) GradientShared {
     float vn[kChunk][kPadV];     // U, then V' = U - W S
     float dvn[kChunk][kPadV];    // K_ dS' (then + Aqk^T dO = dV', kept split in dvn_s)
   };
-  struct Staged {                // bf16 inputs of the next chunk, rows past its end zero
-    bf16 q[kChunk][K], k[kChunk][K], v[kChunk][V], d_o[kChunk][V];
+  struct Staged {                // bf16 inputs of the next chunk, rows past its end zero (its v
+    bf16 q[kChunk][K], k[kChunk][K];  // and dO go straight to v and d_o, dead after phase 5)
     float g[kChunk][K];
   };
   union alignas(16) {
@@ -655,15 +656,42 @@ __device__ __forceinline__ void mma_small_a_tile16(const ASource& a_source, cons
   }
 }
 
-// One 16 x 8 tile (columns n0 .. n0 + 7) of out = A[16][16] B[16][*], both 16 x 16 fp32 matrices
-// read through a(i, k) and b(k, n) and split in registers (dM M^T, M^T (dM M^T)).
-template <typename A, typename B, typename Store>
-__device__ __forceinline__ void mma_small_tile8(const A& a, const B& b, int n0, int lane, Store store) {
-  const int g = lane >> 2, t = lane & 3, c0 = 2 * t, c1 = c0 + 8;
+// Sources of the split B fragments of one n8 tile (columns n0 .. n0 + 7) of a 16 x 16 B: fp32
+// reads b(k, n) split in registers, or a SmallSplit X with B(k, n) = X[n][k] (rows = n: one
+// ldmatrix x4 for hi and lo; the same hi and lo, so the same products bit for bit).
+template <typename B>
+struct RegisterSplitB {
+  B b;
+  __device__ __forceinline__ void operator()(int n0, int lane, uint32_t (&hi)[2], uint32_t (&lo)[2]) const {
+    const int g = lane >> 2, c0 = 2 * (lane & 3), c1 = c0 + 8;
+    split_bf16(b(c0, n0 + g), b(c0 + 1, n0 + g), hi[0], lo[0]);
+    split_bf16(b(c1, n0 + g), b(c1 + 1, n0 + g), hi[1], lo[1]);
+  }
+};
+template <typename B>
+__device__ __forceinline__ RegisterSplitB<B> split_b_in_registers(const B& b) { return {b}; }
+struct KeptSplitRowsB {
+  const SmallSplit& s;
+  __device__ __forceinline__ void operator()(int n0, int lane, uint32_t (&hi)[2], uint32_t (&lo)[2]) const {
+    // lanes 0-15: hi's (n, k 0-7) and (n, k 8-15) 8 x 8 blocks, lanes 16-31 lo's.
+    const int r = lane & 7, m = lane >> 3;
+    const SmallSplit::Row* rows = (m & 2) ? s.lo : s.hi;
+    uint32_t x[4];
+    ldmatrix_x4(x, &rows[n0 + r][(m & 1) * 8]);
+    hi[0] = x[0], hi[1] = x[1], lo[0] = x[2], lo[1] = x[3];
+  }
+};
+
+// One 16 x 8 tile (columns n0 .. n0 + 7) of out = A[16][16] B[16][*], both 16 x 16 fp32 matrices,
+// their split fragments from a_source (as mma_small_a_tile16's) and b_source (above)
+// (dM M^T, M^T (dM M^T)).
+template <typename ASource, typename BSource, typename Store>
+__device__ __forceinline__ void mma_small_tile8(const ASource& a_source, const BSource& b_source, int n0, int lane,
+                                                Store store) {
+  const int g = lane >> 2, t = lane & 3;
   uint32_t ah[4], al[4], bh[2], bl[2];
-  split_a16(a, lane, ah, al);
-  split_bf16(b(c0, n0 + g), b(c0 + 1, n0 + g), bh[0], bl[0]);
-  split_bf16(b(c1, n0 + g), b(c1 + 1, n0 + g), bh[1], bl[1]);
+  a_source(lane, ah, al);
+  b_source(n0, lane, bh, bl);
   float acc[4] = {}, small[4] = {};
   mma(small, al, bh[0], bh[1]);
   mma(acc, ah, bh[0], bh[1]);
@@ -814,8 +842,9 @@ __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>()
         for (int e = me; e < kChunk * V / 8; e += kIssuers) {
           const int i = e / (V / 8), col = (e % (V / 8)) * 8;
           const int64_t at = real(i) * V + col;
-          cp_async16_or_zero(&sh.next.v[i][col], v + at, i < it.valid);
-          cp_async16_or_zero(&sh.next.d_o[i][col], d_o + at, i < it.valid);
+          // Straight into V and dO's arrays: their last reads are in phase 5.
+          cp_async16_or_zero(&sh.v.hi[i][col], v + at, i < it.valid);
+          cp_async16_or_zero(&sh.d_o.hi[i][col], d_o + at, i < it.valid);
         }
         // g by warps 10-15 alone: they wait for it in phase 9 and sum it (gamma_prefix below).
         for (int e = tid - kGammaThread0; e >= 0 && e < kChunk * K / 4; e += kGradientThreads - kGammaThread0) {
@@ -906,12 +935,8 @@ __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>()
         store_bf16x2(&sh.a_kbar[i][c0], kb.x, kb.y);
       }
     }
-    // v and dO are exact in bf16: their lo halves are never read (kSplit* = !kExact).
-    for (int e = tid; e < kChunk * V / 2; e += kGradientThreads) {
-      const int i = e / (V / 2), c = 2 * (e % (V / 2));
-      *reinterpret_cast<uint32_t*>(&sh.v.hi[i][c]) = *reinterpret_cast<const uint32_t*>(&sh.next.v[i][c]);
-      *reinterpret_cast<uint32_t*>(&sh.d_o.hi[i][c]) = *reinterpret_cast<const uint32_t*>(&sh.next.d_o[i][c]);
-    }
+    // v and dO (exact in bf16: their lo halves are never read, kSplit* = !kExact) were staged in
+    // place by issue().
   } else {
     float cum = 0.0f, gam[kKeyItems] = {};
 #pragma unroll
@@ -1112,10 +1137,18 @@ __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>()
                                            });
     warp_pair_barrier();
     const int n0 = warp * 8;
-    mma_small_tile8([&](int i, int c) { return sh.d_m[i][c]; }, [&](int c, int j) { return sh.m[j][c]; },
+    // M's parts as kept by phase 4 (bf16 inputs), else split here.
+    auto m_reads = [&](int c, int j) { return sh.m[j][c]; };
+    auto m_rows = [&](auto& kept) {
+      if constexpr (kExact) return KeptSplitRowsB{kept.m};
+      else return split_b_in_registers(m_reads);
+    };
+    mma_small_tile8(split_in_registers([&](int i, int c) { return sh.d_m[i][c]; }), m_rows(sh.kept),
                     n0, lane, [&](int i, int j, float y) { sh.t1[i][j] = y; });
     warp_pair_barrier();
-    mma_small_tile8([&](int i, int c) { return sh.m[c][i]; }, [&](int c, int j) { return sh.t1[c][j]; },
+    mma_small_tile8(split_a_source<kExact>(sh.kept, [](auto& kept) { return KeptSplitA<true>{kept.m}; },
+                                           [&](int i, int c) { return sh.m[c][i]; }),
+                    split_b_in_registers([&](int c, int j) { return sh.t1[c][j]; }),
                     n0, lane, [&](int i, int j, float y) {
                       const float x = j < i ? -y : 0.0f;
                       sh.d_l[i][j] = x;
@@ -1195,6 +1228,7 @@ __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>()
   if (tid < kPairThreads) {
     const int c0 = 2 * (tid % (K / 2)), i0 = tid / (K / 2) * kPairRows;
     const float2 decay = *reinterpret_cast<const float2*>(&sh.decay[c0]);
+    const int64_t first = token(i0) * K + c0, stride = static_cast<int64_t>(H) * K;  // row i0, a token's step
 #pragma unroll
     for (int j = 0; j < kPairRows; ++j) {
       const int i = i0 + j;
@@ -1207,8 +1241,8 @@ __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>()
       exp_both(gam.x, up.x, down.x);
       exp_both(gam.y, up.y, down.y);
       if (i < valid) {
-        store_pair(static_cast<T*>(a.dq) + token(i) * K + c0, a.scale * d_qhat.x * up.x, a.scale * d_qhat.y * up.y);
-        store_pair(static_cast<T*>(a.dk) + token(i) * K + c0,
+        store_pair(static_cast<T*>(a.dq) + first + j * stride, a.scale * d_qhat.x * up.x, a.scale * d_qhat.y * up.y);
+        store_pair(static_cast<T*>(a.dk) + first + j * stride,
                    d_khat.x * up.x + d_kcheck.x * down.x + d_kbar.x * (decay.x * down.x),
                    d_khat.y * up.y + d_kcheck.y * down.y + d_kbar.y * (decay.y * down.y));
       }
