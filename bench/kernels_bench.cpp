@@ -18,6 +18,7 @@
 #include <torch/cuda.h>
 
 #include "kernels/kda.h"
+#include "kernels/kda_autograd.h"
 #include "kernels/moe_autograd.h"
 #include "kernels/torch_bindings.h"
 #include "model/balancing.h"
@@ -178,6 +179,43 @@ double bench_backward(const KernelsBenchOptions& o, int64_t batch, int64_t lengt
               static_cast<long>(batch), static_cast<long>(length), static_cast<long>(heads),
               kernel.best_ms, kernel.median_ms, kernel.best_ms / forward_ms, forward_ms,
               workspace_bytes / 1e9);
+  // A training step's forward keeping the chunk states (KdaChunkedOptions::chunk_states with o) and
+  // the backward from them (no state recompute), against the forward and backward above.
+  {
+    at::Tensor out = at::empty_like(in.v), final_state = at::empty({batch, heads, key, value}, f32);
+    at::Tensor states = at::empty({batch, heads, (length + 15) / 16, value, key}, in.q.options().dtype(at::kBFloat16));
+    kernels::KdaChunkedOptions keep;
+    keep.chunk_states = states.data_ptr();
+    const Timing forward_keeping = time_cuda(
+        [&] {
+          const cudaError_t e = kernels::kda_chunked_forward(
+              kernels::KdaDtype::kBFloat16, in.q.data_ptr(), in.k.data_ptr(), in.v.data_ptr(),
+              in.g.data_ptr<float>(), in.beta.data_ptr(), nullptr, out.data_ptr(), final_state.data_ptr<float>(),
+              nullptr, batch, length, heads, key, value, static_cast<float>(in.scale), keep, stream);
+          if (e != cudaSuccess) error = e;
+        },
+        o.warmup, o.repeats);
+    const size_t given_bytes =
+        kernels::kda_chunked_backward_workspace_bytes(batch, length, heads, key, value, /*states_given=*/true);
+    const Timing from_states = time_cuda(
+        [&] {
+          const cudaError_t e = kernels::kda_chunked_backward(
+              kernels::KdaDtype::kBFloat16, in.q.data_ptr(), in.k.data_ptr(), in.v.data_ptr(),
+              in.g.data_ptr<float>(), in.beta.data_ptr(), nullptr, d_o.data_ptr(), nullptr,
+              dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), dg.data_ptr<float>(), dbeta.data_ptr<float>(),
+              d_state.data_ptr<float>(), batch, length, heads, key, value, static_cast<float>(in.scale),
+              states.data_ptr(), workspace.data_ptr(), given_bytes, stream);
+          if (e != cudaSuccess) error = e;
+        },
+        o.warmup, o.repeats);
+    TORCH_CHECK(error == cudaSuccess, "kda with kept chunk states: ", cudaGetErrorString(error));
+    std::printf("kda backward from kept chunk states B=%ld T=%ld H=%ld: kernel best %8.3f ms (%.2fx the forward's"
+                " %.3f ms; workspace %.2f GB + %.2f GB of states); the forward keeping them %.3f ms: forward +"
+                " backward %.3f ms against %.3f ms recomputing them\n",
+                static_cast<long>(batch), static_cast<long>(length), static_cast<long>(heads), from_states.best_ms,
+                from_states.best_ms / forward_ms, forward_ms, given_bytes / 1e9, states.nbytes() / 1e9,
+                forward_keeping.best_ms, forward_keeping.best_ms + from_states.best_ms, forward_ms + kernel.best_ms);
+  }
   std::fflush(stdout);
   if (o.reference) {
     // A training step each way: forward with autograd recording, then backward of <o, d_o>.
@@ -190,6 +228,20 @@ double bench_backward(const KernelsBenchOptions& o, int64_t batch, int64_t lengt
       (out.o.to(at::kFloat) * d_o.to(at::kFloat)).sum().backward();
     };
     const Timing kernels_step = time_cuda([&] { step(true); }, 1, o.reference_repeats);
+    // The same step with the forward keeping the chunk states for the backward.
+    const Timing kept_step = time_cuda(
+        [&] {
+          const c10::AutoGradMode grad(true);
+          const at::Tensor q = in.q.detach().requires_grad_(true);
+          const kernels::KdaChunkedOutput out = kernels::kda_chunked_autograd(
+              q, in.k, in.v, in.g, in.beta, at::Tensor(), in.scale, /*keep_chunk_states=*/true);
+          (out.o.to(at::kFloat) * d_o.to(at::kFloat)).sum().backward();
+        },
+        1, o.reference_repeats);
+    std::printf("kda train step keeping the chunk states B=%ld T=%ld H=%ld: kernels best %8.3f ms (recomputing"
+                " them: %.3f ms)\n",
+                static_cast<long>(batch), static_cast<long>(length), static_cast<long>(heads), kept_step.best_ms,
+                kernels_step.best_ms);
     try {
       const Timing reference = time_cuda([&] { step(false); }, 0, o.reference_repeats);
       std::printf("kda train step (forward + backward) B=%ld T=%ld H=%ld: kernels best %8.3f ms,"

@@ -27,7 +27,8 @@
 // segment's [A_seg | B_seg] from [I | 0] without outputs, kda_segment_scan_kernel chains the
 // segments in fp32, and Pass::kForward walks every segment from its start state. Pass::kStates is
 // the forward's walk without outputs that stores the state entering every chunk (bf16) for the
-// backward (kda_backward.cu).
+// backward (kda_backward.cu); Pass::kForwardStates the forward's walk that also stores them (a
+// training step's forward keeping them for its backward: KdaChunkedOptions::chunk_states with o).
 #include "kernels/kda.h"
 
 #include <cuda_bf16.h>
@@ -249,13 +250,14 @@ __device__ __forceinline__ void walk_end_tile(const ChunkedArgs& a, const float 
 // Transition: grid (K / kTile + V / kTile, H, N * (P - 1)); tiles x < K / kTile are kTile columns
 // of A_seg (state starts at I, values zero), the others kTile columns of B_seg (state starts at 0).
 // With the lead, segment 0's CTAs x < V / kTile walk it forward instead (kLead: kForward, or
-// kStates in the backward's states pass), and the forward pass's grid z covers segments 1..P-1.
+// kStates / kForwardStates when chunk states are kept), and the forward pass's grid z covers
+// segments 1..P-1.
 template <typename T, int K, int kTile, Pass kPass>
 __device__ __forceinline__ void chunked_walk(const ChunkedArgs& a, int seq, int segment, int x) {
   // kForward: walks from the initial or segment state (the forward and the state recompute);
   // kOutputs: also Q^, Aqk and o (the forward only).
   constexpr bool kForward = kPass != Pass::kTransition;
-  constexpr bool kOutputs = kPass == Pass::kForward;
+  constexpr bool kOutputs = pass_writes_outputs(kPass);
   constexpr int kWarps = Walk<kTile>::kWarps;
   static_assert(K % kTile == 0 || kForward, "the transition pass tiles K too");
   extern __shared__ __align__(16) unsigned char shared_raw[];
@@ -304,7 +306,7 @@ __device__ __forceinline__ void chunked_walk(const ChunkedArgs& a, int seq, int 
     for (int s = 0; s < count; ++s) {
       const int64_t chunk = group + s;
       const int valid = static_cast<int>(min64(kChunk, length - chunk * kChunk));
-      if constexpr (kPass == Pass::kStates) {
+      if constexpr (pass_keeps_states(kPass)) {
         store_chunk_state<K>(a, state, seq, h, chunk_base + chunk, v_col, lane);
       }
       walk_chunk<T, K, kTile, kOutputs>(a, slots[s], state, stage, row0 + chunk * kChunk, valid,
@@ -366,7 +368,7 @@ __device__ __forceinline__ void head_walk(const ChunkedArgs& a, int seq, int seg
   // transition pass: CTA x = 0 walks the K columns of A_seg from I without values, x = 1 the V
   // columns of B_seg from 0 (grid (2, H, N (P - 1))).
   constexpr bool kForward = kPass != Pass::kTransition;
-  constexpr bool kOutputs = kPass == Pass::kForward;
+  constexpr bool kOutputs = pass_writes_outputs(kPass);
   static_assert(kForward || K == V, "the transition pass's two CTAs walk K and V columns with one shape");
   using T = bf16;
   using Shared = HeadShared<K, V, /*kGradients=*/false>;
@@ -404,7 +406,7 @@ __device__ __forceinline__ void head_walk(const ChunkedArgs& a, int seq, int seg
   head_pipeline(
       num_chunks, warp,
       [&](int slot, int64_t chunk) {
-        if constexpr (kPass == Pass::kStates) store_chunk_state<K>(a, state, seq, h, chunk_base + chunk, v_col, lane);
+        if constexpr (pass_keeps_states(kPass)) store_chunk_state<K>(a, state, seq, h, chunk_base + chunk, v_col, lane);
         walk_chunk<T, K, V, kOutputs>(a, sh.slot[slot], state, sh.stage[warp], row0 + chunk * kChunk,
                                       valid_rows(chunk), h, v_col, with_values, lane);
       },
@@ -424,7 +426,7 @@ __device__ __forceinline__ void head_walk(const ChunkedArgs& a, int seq, int seg
 }
 
 // With the lead (kLead != kPass: the transition pass), segment 0's CTA x = 0 walks it forward
-// (kForward, or kStates in the backward's states pass) and x = 1 has nothing to do.
+// (kForward, or kStates / kForwardStates when chunk states are kept) and x = 1 has nothing to do.
 template <int K, int V, Pass kPass, Pass kLead = kPass>
 __global__ void __launch_bounds__(kHeadThreads, 1) kda_head_kernel(const ChunkedArgs a) {
   int seq, segment;
@@ -762,20 +764,25 @@ cudaError_t run_chunked(ChunkedArgs a, const SegmentPlan& plan, unsigned char* w
                         int64_t value_dim, cudaStream_t stream) {
   const unsigned h = static_cast<unsigned>(heads), n = static_cast<unsigned>(batch);
   const unsigned v_tiles = static_cast<unsigned>(value_dim / kTile);
-  // With chunk_states (the backward's state recompute): the same walk without outputs.
-  const bool keep_states = a.chunk_states != nullptr;
+  // With chunk_states: the same walk storing every chunk's entering state, without outputs (the
+  // backward's state recompute, o nullptr) or with them (a training step's forward).
+  const bool keep_states = a.chunk_states != nullptr, outputs = a.o != nullptr;
+  // The walk's pass as a type, for the launchers' template arguments.
+  auto with_walk_pass = [&](auto launch) {
+    using Forward = std::integral_constant<Pass, Pass::kForward>;
+    using States = std::integral_constant<Pass, Pass::kStates>;
+    using ForwardStates = std::integral_constant<Pass, Pass::kForwardStates>;
+    return !keep_states ? launch(Forward{}) : outputs ? launch(ForwardStates{}) : launch(States{});
+  };
   // The forward and states passes of bf16 K = V = 128 heads: one CTA of 8 warps per head.
   auto walk = [&](unsigned z) {
-    if constexpr (std::is_same_v<T, bf16> && K == 128 && kTile == 64) {
-      if (a.head_walk) {
-        const dim3 grid(1, h, z);
-        return keep_states ? launch_head<K, 128, Pass::kStates>(a, grid, stream)
-                           : launch_head<K, 128, Pass::kForward>(a, grid, stream);
+    return with_walk_pass([&](auto pass) -> cudaError_t {
+      constexpr Pass kPass = decltype(pass)::value;
+      if constexpr (std::is_same_v<T, bf16> && K == 128 && kTile == 64) {
+        if (a.head_walk) return launch_head<K, 128, kPass>(a, dim3(1, h, z), stream);
       }
-    }
-    const dim3 grid(v_tiles, h, z);
-    return keep_states ? launch_chunked<T, K, kTile, Pass::kStates>(a, grid, stream)
-                       : launch_chunked<T, K, kTile, Pass::kForward>(a, grid, stream);
+      return launch_chunked<T, K, kTile, kPass>(a, dim3(v_tiles, h, z), stream);
+    });
   };
   if (plan.segments == 1) return walk(n);
 
@@ -800,10 +807,9 @@ cudaError_t run_chunked(ChunkedArgs a, const SegmentPlan& plan, unsigned char* w
     return launch_chunked<T, K, kTile, Pass::kTransition, kLead>(a, dim3(K / kTile + v_tiles, h, n * (p - 1)),
                                                                  stream);
   };
-  using Lead = std::integral_constant<Pass, Pass::kForward>;
-  using LeadStates = std::integral_constant<Pass, Pass::kStates>;
+  // The lead walks segment 0 with the walk's own pass.
   using NoLead = std::integral_constant<Pass, Pass::kTransition>;
-  cudaError_t error = !plan.lead ? transitions(NoLead{}) : keep_states ? transitions(LeadStates{}) : transitions(Lead{});
+  cudaError_t error = !plan.lead ? transitions(NoLead{}) : with_walk_pass(transitions);
   if (error != cudaSuccess) return error;
   if (!plan.lead || p > 2) {  // with the lead and P = 2, segment 1's start is the lead's end state
     error = launch_segment_scan<K>(a, states, batch, stream);

@@ -95,8 +95,10 @@ struct KdaChunkedOptions {
   bool head_walk = true;
   // For the backward (kda_chunked_backward): when set, bf16 [N, H, ceil(length / 16), V, K]
   // receives the state entering every chunk of 16 tokens, transposed (row = value column), as
-  // the forward rounds it for its matmuls; o may then be nullptr (no outputs written). Not with
-  // cu_seqlens (cudaErrorInvalidValue).
+  // the forward rounds it for its matmuls. With o as well, both are written in one walk (a
+  // training step's forward keeping the states, so that its backward need not recompute them:
+  // kda_chunked_backward's chunk_states; o is the same bit for bit); o nullptr: the states alone.
+  // Not with cu_seqlens (cudaErrorInvalidValue).
   void* chunk_states = nullptr;
 };
 
@@ -154,6 +156,23 @@ cudaError_t kda_chunked_backward(KdaDtype dtype, const void* q, const void* k, c
                                  float* d_initial_state, int64_t batch, int64_t length,
                                  int64_t heads, int64_t key_dim, int64_t value_dim, float scale,
                                  void* workspace, size_t workspace_bytes, cudaStream_t stream);
+
+// The same from the chunk states the forward kept: chunk_states as KdaChunkedOptions::chunk_states
+// received them from kda_chunked_forward on these inputs and initial_state (bf16
+// [N, H, ceil(L / 16), V, K]); the first pass (their recompute) is skipped, and the gradients are
+// the recompute's bit for bit. chunk_states nullptr: recomputed, as above. Its workspace
+// (states_given: no room for the states, about half): kda_chunked_backward_workspace_bytes below.
+size_t kda_chunked_backward_workspace_bytes(int64_t batch, int64_t length, int64_t heads,
+                                            int64_t key_dim, int64_t value_dim, bool states_given);
+
+cudaError_t kda_chunked_backward(KdaDtype dtype, const void* q, const void* k, const void* v,
+                                 const float* g, const void* beta, const float* initial_state,
+                                 const void* d_o, const float* d_final_state, void* dq,
+                                 void* dk, void* dv, float* dg, float* dbeta,
+                                 float* d_initial_state, int64_t batch, int64_t length,
+                                 int64_t heads, int64_t key_dim, int64_t value_dim, float scale,
+                                 const void* chunk_states, void* workspace, size_t workspace_bytes,
+                                 cudaStream_t stream);
 
 // One decode token for a batch of sequences; the state is updated in place.
 //   q, k  T [B, H, K]    v T [B, H, V]    g f32 [B, H, K]    beta T [B, H]

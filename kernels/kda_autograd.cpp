@@ -16,11 +16,16 @@ class KdaChunkedFunction : public torch::autograd::Function<KdaChunkedFunction> 
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
                                const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta,
-                               const at::Tensor& initial_state_or_empty, double scale) {
+                               const at::Tensor& initial_state_or_empty, double scale,
+                               bool keep_chunk_states) {
     const at::Tensor initial_state = state_or_undefined(initial_state_or_empty);
-    KdaChunkedOutput out = kda_chunked(q, k, v, g, beta, initial_state, scale);
+    KdaChunkedOutput out = kda_chunked(q, k, v, g, beta, initial_state, scale, at::Tensor(),
+                                       /*segment_length=*/0, /*prefetch=*/true, /*head_walk=*/true,
+                                       /*lead_length=*/0, keep_chunk_states);
     ctx->save_for_backward({q, k, v, g, beta, initial_state_or_empty});
     ctx->saved_data["scale"] = scale;
+    // Not an input or an output: held by the context until the backward (or the graph) is freed.
+    if (keep_chunk_states) ctx->saved_data["chunk_states"] = out.chunk_states;
     return {out.o, out.final_state};
   }
 
@@ -30,12 +35,14 @@ class KdaChunkedFunction : public torch::autograd::Function<KdaChunkedFunction> 
                      &beta = saved[4];
     const at::Tensor initial_state = state_or_undefined(saved[5]);
     const double scale = ctx->saved_data["scale"].toDouble();
+    const auto kept = ctx->saved_data.find("chunk_states");
+    const at::Tensor chunk_states = kept != ctx->saved_data.end() ? kept->second.toTensor() : at::Tensor();
     // An output that did not reach the loss has an undefined gradient.
     const at::Tensor d_o = grads[0].defined() ? grads[0] : at::zeros_like(v, q.scalar_type());
     const KdaChunkedGradients d =
-        kda_chunked_backward(q, k, v, g, beta, initial_state, d_o, grads[1], scale);
+        kda_chunked_backward(q, k, v, g, beta, initial_state, d_o, grads[1], scale, chunk_states);
     return {d.dq, d.dk, d.dv, d.dg, d.dbeta,
-            initial_state.defined() ? d.d_initial_state : at::Tensor(), at::Tensor()};
+            initial_state.defined() ? d.d_initial_state : at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -44,10 +51,10 @@ class KdaChunkedFunction : public torch::autograd::Function<KdaChunkedFunction> 
 KdaChunkedOutput kda_chunked_autograd(const at::Tensor& q, const at::Tensor& k,
                                       const at::Tensor& v, const at::Tensor& g,
                                       const at::Tensor& beta, const at::Tensor& initial_state,
-                                      double scale) {
+                                      double scale, bool keep_chunk_states) {
   const at::Tensor state =
       initial_state.defined() ? initial_state : at::empty({0}, q.options().dtype(at::kFloat));
-  const variable_list out = KdaChunkedFunction::apply(q, k, v, g, beta, state, scale);
+  const variable_list out = KdaChunkedFunction::apply(q, k, v, g, beta, state, scale, keep_chunk_states);
   return {out[0], out[1]};
 }
 

@@ -1,7 +1,7 @@
 // KDA chunked attention as an autograd function on the GPU: the forward kernel
 // (kernels/kda.h, kda_chunked_forward) in the forward, the backward kernel (kda_chunked_backward)
-// in the backward. Only the inputs (and the initial state) are saved: the backward recomputes
-// everything else. Built only with -DODYSSEY_CUDA=ON; model/kda.cpp's kda::chunked uses it for
+// in the backward. The inputs (and the initial state) are saved, and the backward recomputes
+// everything else, unless the forward is asked to keep the chunk states (keep_chunk_states). Built only with -DODYSSEY_CUDA=ON; model/kda.cpp's kda::chunked uses it for
 // CUDA inputs the kernels support when a gradient is needed.
 #pragma once
 
@@ -15,9 +15,13 @@ namespace odyssey::kernels {
 // any of q, k, v, g, beta, initial_state requires grad (initial_state may be undefined: zeros).
 // Shapes and requirements as kda_chunked without cu_seqlens; g must lie in [-5, 0]. The backward
 // is first order only (its own ops are not recorded: no double backward).
+// keep_chunk_states: the forward also writes the state entering every chunk and keeps it for the
+// backward, which then skips their recompute (its first pass): the same gradients bit for bit,
+// a shorter training step (kernels/README.md, "Kept chunk states") for B T H K V / 8 bytes (4.3 GB
+// at B=2 T=16K H=64 K=V=128) held from the forward to the backward. Off: only the inputs are held.
 KdaChunkedOutput kda_chunked_autograd(const at::Tensor& q, const at::Tensor& k,
                                       const at::Tensor& v, const at::Tensor& g,
                                       const at::Tensor& beta, const at::Tensor& initial_state,
-                                      double scale);
+                                      double scale, bool keep_chunk_states = false);
 
 }  // namespace odyssey::kernels

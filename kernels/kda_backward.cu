@@ -55,7 +55,8 @@
 // Passes (all on the caller's stream):
 //   1. states: kda_chunked_forward with KdaChunkedOptions::chunk_states, no outputs: the state
 //      entering every chunk, bf16, transposed [N, H, chunks, V, K] (exactly the bf16 operand the
-//      forward's matmuls saw). Context parallel where the forward would be.
+//      forward's matmuls saw). Context parallel where the forward would be. Skipped when the
+//      caller gives them (a training step's forward kept them: kda.h, chunk_states).
 //   2. state gradients (kda_state_gradient_kernel): the forward's structure run backwards. One
 //      CTA of 4 warps per (sequence, head, 64 value columns), or of 2 warps per 32 columns when K
 //      or V is 32 (the forward's Walk tile); warp w holds 16 rows of dS^T in fp32 mma
@@ -1325,14 +1326,17 @@ struct BackwardLayout {
   // segment [N, P, H, K, V], then A'^T [N, P - 1, H, K, K] and B' [N, P - 1, H, K, V], fp32.
   ReversePlan reverse;
   size_t segment_states = 0, transition_a = 0, transition_b = 0;
-  BackwardLayout(int64_t batch, int64_t length, int64_t heads, int64_t key, int64_t value)
+  // states_given: the forward kept the chunk states (no room for them, nor for pass 1's final state).
+  BackwardLayout(int64_t batch, int64_t length, int64_t heads, int64_t key, int64_t value,
+                 bool states_given = false)
       : reverse(reverse_plan(batch, length, heads, key, value)) {
     auto aligned = [](size_t n) { return (n + 255) / 256 * 256; };
     const size_t chunks = static_cast<size_t>((length + kChunk - 1) / kChunk);
     const size_t per_chunk = static_cast<size_t>(batch * heads) * chunks * key * value * sizeof(bf16);
-    d_states = aligned(per_chunk);
+    d_states = states_given ? 0 : aligned(per_chunk);
     final_state = d_states + aligned(per_chunk);
-    bytes = final_state + aligned(static_cast<size_t>(batch * heads * key * value) * sizeof(float));
+    bytes = final_state +
+            (states_given ? 0 : aligned(static_cast<size_t>(batch * heads * key * value) * sizeof(float)));
     if (reverse.segments > 1) {
       const size_t pairs = static_cast<size_t>(batch * heads), p = static_cast<size_t>(reverse.segments);
       segment_states = bytes;
@@ -1430,12 +1434,17 @@ bool backward_sizes_supported(int64_t batch, int64_t length, int64_t heads, int6
 }  // namespace
 
 size_t kda_chunked_backward_workspace_bytes(int64_t batch, int64_t length, int64_t heads,
-                                            int64_t key_dim, int64_t value_dim) {
+                                            int64_t key_dim, int64_t value_dim, bool states_given) {
   if (!backward_sizes_supported(batch, length, heads, key_dim, value_dim) || batch == 0 ||
       length == 0) {
     return 0;
   }
-  return BackwardLayout(batch, length, heads, key_dim, value_dim).bytes;
+  return BackwardLayout(batch, length, heads, key_dim, value_dim, states_given).bytes;
+}
+
+size_t kda_chunked_backward_workspace_bytes(int64_t batch, int64_t length, int64_t heads,
+                                            int64_t key_dim, int64_t value_dim) {
+  return kda_chunked_backward_workspace_bytes(batch, length, heads, key_dim, value_dim, false);
 }
 
 cudaError_t kda_chunked_backward(KdaDtype dtype, const void* q, const void* k, const void* v,
@@ -1445,6 +1454,19 @@ cudaError_t kda_chunked_backward(KdaDtype dtype, const void* q, const void* k, c
                                  float* d_initial_state, int64_t batch, int64_t length,
                                  int64_t heads, int64_t key_dim, int64_t value_dim, float scale,
                                  void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  return kda_chunked_backward(dtype, q, k, v, g, beta, initial_state, d_o, d_final_state, dq, dk, dv, dg,
+                              dbeta, d_initial_state, batch, length, heads, key_dim, value_dim, scale,
+                              /*chunk_states=*/nullptr, workspace, workspace_bytes, stream);
+}
+
+cudaError_t kda_chunked_backward(KdaDtype dtype, const void* q, const void* k, const void* v,
+                                 const float* g, const void* beta, const float* initial_state,
+                                 const void* d_o, const float* d_final_state, void* dq,
+                                 void* dk, void* dv, float* dg, float* dbeta,
+                                 float* d_initial_state, int64_t batch, int64_t length,
+                                 int64_t heads, int64_t key_dim, int64_t value_dim, float scale,
+                                 const void* chunk_states, void* workspace, size_t workspace_bytes,
+                                 cudaStream_t stream) {
   if (!backward_sizes_supported(batch, length, heads, key_dim, value_dim)) {
     return cudaErrorInvalidValue;
   }
@@ -1462,7 +1484,9 @@ cudaError_t kda_chunked_backward(KdaDtype dtype, const void* q, const void* k, c
       dbeta == nullptr) {
     return cudaErrorInvalidValue;
   }
-  const BackwardLayout layout(batch, length, heads, key_dim, value_dim);
+  const bool states_given = chunk_states != nullptr;
+  if (states_given && reinterpret_cast<uintptr_t>(chunk_states) % 16 != 0) return cudaErrorInvalidValue;
+  const BackwardLayout layout(batch, length, heads, key_dim, value_dim, states_given);
   unsigned char* scratch = static_cast<unsigned char*>(workspace);
   bool allocated = false;
   if (scratch == nullptr) {
@@ -1472,17 +1496,21 @@ cudaError_t kda_chunked_backward(KdaDtype dtype, const void* q, const void* k, c
   } else if (workspace_bytes < layout.bytes || reinterpret_cast<uintptr_t>(scratch) % 16 != 0) {
     return cudaErrorInvalidValue;
   }
-  bf16* states = reinterpret_cast<bf16*>(scratch + layout.states);
   bf16* d_states = reinterpret_cast<bf16*>(scratch + layout.d_states);
-  float* final_state = reinterpret_cast<float*>(scratch + layout.final_state);
   const int64_t chunks = (length + kChunk - 1) / kChunk;
 
-  // Pass 1: the state entering every chunk (no outputs).
-  KdaChunkedOptions forward_options;
-  forward_options.chunk_states = states;
-  cudaError_t error = kda_chunked_forward(dtype, q, k, v, g, beta, initial_state, /*o=*/nullptr,
-                                          final_state, /*cu_seqlens=*/nullptr, batch, length,
-                                          heads, key_dim, value_dim, scale, forward_options, stream);
+  // Pass 1: the state entering every chunk (no outputs), unless the forward kept them.
+  const bf16* states = static_cast<const bf16*>(chunk_states);
+  cudaError_t error = cudaSuccess;
+  if (!states_given) {
+    bf16* recomputed = reinterpret_cast<bf16*>(scratch + layout.states);
+    KdaChunkedOptions forward_options;
+    forward_options.chunk_states = recomputed;
+    error = kda_chunked_forward(dtype, q, k, v, g, beta, initial_state, /*o=*/nullptr,
+                                reinterpret_cast<float*>(scratch + layout.final_state), /*cu_seqlens=*/nullptr,
+                                batch, length, heads, key_dim, value_dim, scale, forward_options, stream);
+    states = recomputed;
+  }
   if (error == cudaSuccess) {
     StateGradientArgs sa{};
     sa.forward.q = q, sa.forward.k = k, sa.forward.v = v, sa.forward.beta = beta;

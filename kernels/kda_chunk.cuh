@@ -320,10 +320,13 @@ struct ChunkedArgs {
 };
 
 // The kernels built from the prepare/walk code: the forward (outputs, state from the initial or
-// segment state), the transition pass of context parallelism (no outputs, no Q^ / Aqk), and the
+// segment state), the transition pass of context parallelism (no outputs, no Q^ / Aqk), the
 // backward's state recompute (the forward's walk without outputs, storing every chunk's entering
-// state in chunk_states).
-enum class Pass { kForward, kTransition, kStates };
+// state in chunk_states), and the forward of a training step that keeps those states for its
+// backward (outputs and chunk_states: kForwardStates).
+enum class Pass { kForward, kTransition, kStates, kForwardStates };
+constexpr bool pass_writes_outputs(Pass p) { return p == Pass::kForward || p == Pass::kForwardStates; }
+constexpr bool pass_keeps_states(Pass p) { return p == Pass::kStates || p == Pass::kForwardStates; }
 
 // Transition walks of context parallelism (the forward's and the backward's reverse walk): a
 // segment's affine map X_end = A X_start + B is walked as one state [A | B] from [I | 0], the A

@@ -145,7 +145,8 @@ KdaChunkedOutput kda_chunked(const at::Tensor& q, const at::Tensor& k, const at:
                              const at::Tensor& g, const at::Tensor& beta,
                              const at::Tensor& initial_state, double scale,
                              const at::Tensor& cu_seqlens, int64_t segment_length,
-                             bool prefetch, bool head_walk, int64_t lead_length) {
+                             bool prefetch, bool head_walk, int64_t lead_length,
+                             bool keep_chunk_states) {
   constexpr const char* where = "kernels::kda_chunked";
   const auto [batch, length, heads, key, value] =
       check_kda_sequence(where, q, k, v, g, beta, /*d_o=*/at::Tensor());
@@ -190,6 +191,12 @@ KdaChunkedOutput kda_chunked(const at::Tensor& q, const at::Tensor& k, const at:
   options.lead_length = lead_length;
   options.prefetch = prefetch;
   options.head_walk = head_walk;
+  at::Tensor chunk_states;
+  if (keep_chunk_states) {
+    TORCH_CHECK(!offsets.defined(), where, ": keep_chunk_states is not supported with cu_seqlens");
+    chunk_states = at::empty({sequences, heads, (length + 15) / 16, value, key}, q.options().dtype(at::kBFloat16));
+    options.chunk_states = chunk_states.data_ptr();
+  }
   // The context-parallel path's scratch (none for the serial walk), from the caching allocator.
   const size_t workspace_bytes = kda_chunked_forward_workspace_bytes(
       kernel_dtype(q.scalar_type()), offsets.defined(), sequences, length, heads, key, value, options);
@@ -208,14 +215,14 @@ KdaChunkedOutput kda_chunked(const at::Tensor& q, const at::Tensor& k, const at:
                           length, heads, key, value, static_cast<float>(scale), options,
                           at::cuda::getCurrentCUDAStream(device.index()).stream()),
       where);
-  return {o, final_state};
+  return {o, final_state, chunk_states};
 }
 
 KdaChunkedGradients kda_chunked_backward(const at::Tensor& q, const at::Tensor& k,
                                          const at::Tensor& v, const at::Tensor& g,
                                          const at::Tensor& beta, const at::Tensor& initial_state,
                                          const at::Tensor& d_o, const at::Tensor& d_final_state,
-                                         double scale) {
+                                         double scale, const at::Tensor& chunk_states) {
   constexpr const char* where = "kernels::kda_chunked_backward";
   TORCH_CHECK(d_o.defined(), where, ": d_o must be defined (the gradient of o)");
   const auto [batch, length, heads, key, value] = check_kda_sequence(where, q, k, v, g, beta, d_o);
@@ -225,6 +232,17 @@ KdaChunkedGradients kda_chunked_backward(const at::Tensor& q, const at::Tensor& 
                                                  "[B, H, K, V]", state_shape, device);
   const at::Tensor d_state_out = kda_state_argument(where, "d_final_state", d_final_state,
                                                     "[B, H, K, V]", state_shape, device);
+  if (chunk_states.defined()) {
+    const std::vector<int64_t> kept_shape = {batch, heads, (length + 15) / 16, value, key};
+    TORCH_CHECK(chunk_states.sizes() == at::IntArrayRef(kept_shape), where,
+                ": chunk_states must be [B, H, ceil(T / 16), V, K] = ", at::IntArrayRef(kept_shape),
+                " (kda_chunked's, kept on these inputs), got ", chunk_states.sizes());
+    TORCH_CHECK(chunk_states.scalar_type() == at::kBFloat16, where,
+                ": chunk_states must be bf16 (kda_chunked's), got ", chunk_states.scalar_type());
+    check_cuda(where, "chunk_states", chunk_states, device);
+    TORCH_CHECK(chunk_states.is_contiguous() && reinterpret_cast<uintptr_t>(chunk_states.data_ptr()) % 16 == 0,
+                where, ": chunk_states must be contiguous and 16-byte aligned (as kda_chunked returns it)");
+  }
 
   const c10::cuda::CUDAGuard guard(device);
   const KdaLaunchInputs c = kda_launch_inputs(q, k, v, g, beta);
@@ -236,8 +254,8 @@ KdaChunkedGradients kda_chunked_backward(const at::Tensor& q, const at::Tensor& 
   at::Tensor dg = at::empty(q.sizes(), f32), dv = at::empty(v.sizes(), q.options());
   at::Tensor dbeta = at::empty(beta.sizes(), f32);
   at::Tensor d_initial = at::empty(state_shape, f32);
-  const size_t workspace_bytes =
-      kernels::kda_chunked_backward_workspace_bytes(batch, length, heads, key, value);
+  const size_t workspace_bytes = kernels::kda_chunked_backward_workspace_bytes(
+      batch, length, heads, key, value, /*states_given=*/chunk_states.defined());
   at::Tensor workspace;
   if (workspace_bytes > 0) {
     workspace = at::empty({static_cast<int64_t>(workspace_bytes)}, q.options().dtype(at::kByte));
@@ -250,8 +268,9 @@ KdaChunkedGradients kda_chunked_backward(const at::Tensor& q, const at::Tensor& 
           d_state_out.defined() ? d_state_out.data_ptr<float>() : nullptr, dq.data_ptr(),
           dk.data_ptr(), dv.data_ptr(), dg.data_ptr<float>(),
           dbeta.data_ptr<float>(), d_initial.data_ptr<float>(), batch, length, heads, key, value,
-          static_cast<float>(scale), workspace.defined() ? workspace.data_ptr() : nullptr,
-          workspace_bytes, at::cuda::getCurrentCUDAStream(device.index()).stream()),
+          static_cast<float>(scale), chunk_states.defined() ? chunk_states.data_ptr() : nullptr,
+          workspace.defined() ? workspace.data_ptr() : nullptr, workspace_bytes,
+          at::cuda::getCurrentCUDAStream(device.index()).stream()),
       where);
   KdaChunkedGradients out;
   out.dq = dq;

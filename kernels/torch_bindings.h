@@ -15,6 +15,9 @@ namespace odyssey::kernels {
 struct KdaChunkedOutput {
   at::Tensor o;            // [B, T, H, V], q's dtype
   at::Tensor final_state;  // [N, H, K, V], fp32
+  // bf16 [N, H, ceil(T / 16), V, K]: the state entering every chunk, when kda_chunked was asked
+  // to keep them (for kda_chunked_backward's chunk_states); else undefined.
+  at::Tensor chunk_states;
 };
 
 // Whether kda_chunked can run these inputs (shapes as in model/kda.h): CUDA tensors on one
@@ -32,12 +35,16 @@ bool kda_chunked_supported(const at::Tensor& q, const at::Tensor& k, const at::T
 // comes from the caching allocator. prefetch, head_walk: KdaChunkedOptions::prefetch and
 // ::head_walk (same results, bit for bit, under the same segments). lead_length:
 // KdaChunkedOptions::lead_length (0 automatic, < 0 none, > 0 tokens, a multiple of 16).
+// keep_chunk_states: also return the state entering every chunk (KdaChunkedOptions::chunk_states,
+// written in the same walk; not with cu_seqlens), so that a training step's backward need not
+// recompute them: B T H K V 2 / 16 bytes (B=2 T=16K H=64 K=V=128: 4.3 GB) held until then.
 KdaChunkedOutput kda_chunked(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              const at::Tensor& g, const at::Tensor& beta,
                              const at::Tensor& initial_state, double scale,
                              const at::Tensor& cu_seqlens = at::Tensor(),
                              int64_t segment_length = 0, bool prefetch = true,
-                             bool head_walk = true, int64_t lead_length = 0);
+                             bool head_walk = true, int64_t lead_length = 0,
+                             bool keep_chunk_states = false);
 
 // The gradients of kda_chunked (no cu_seqlens, no context-parallel options) with respect to its
 // inputs, from the gradients of its outputs: d_o [B, T, H, V] (any float dtype; converted to q's),
@@ -45,6 +52,9 @@ KdaChunkedOutput kda_chunked(const at::Tensor& q, const at::Tensor& k, const at:
 // kda_chunked_backward (state recompute, reverse state walk, per-chunk gradients) in fp32; each
 // gradient is returned in its input's dtype (d_initial_state: initial_state's, fp32 when that is
 // undefined). g must lie in [-5, 0]. The workspace comes from the caching allocator.
+// chunk_states: kda_chunked's, kept by the forward on these inputs (keep_chunk_states): the
+// states are not recomputed (the same gradients bit for bit, one pass less, half the workspace);
+// undefined: recomputed.
 struct KdaChunkedGradients {
   at::Tensor dq, dk, dv, dg, dbeta, d_initial_state;
 };
@@ -52,7 +62,7 @@ KdaChunkedGradients kda_chunked_backward(const at::Tensor& q, const at::Tensor& 
                                          const at::Tensor& v, const at::Tensor& g,
                                          const at::Tensor& beta, const at::Tensor& initial_state,
                                          const at::Tensor& d_o, const at::Tensor& d_final_state,
-                                         double scale);
+                                         double scale, const at::Tensor& chunk_states = at::Tensor());
 
 // Whether kda_step can run these: CUDA, q k v of one dtype bf16 / fp32, K in {32, 64, 128}, V a
 // multiple of 32 up to 256, state fp32 and contiguous (it is updated in place).

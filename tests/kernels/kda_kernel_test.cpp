@@ -661,6 +661,93 @@ TEST_F(KdaKernel, BackwardThroughTheContextParallelStatePassMatches) {
   }
 }
 
+// A training step's forward keeping the chunk states (kda_chunked's keep_chunk_states: the walk
+// with outputs that also stores them, Pass::kForwardStates) and the backward from them: o, the
+// final state, the states themselves and every gradient are bit for bit what the forward alone,
+// the states pass (the launcher with chunk_states and no o) and the recomputing backward give: on
+// the whole-head walk, the 64-column CTAs, head widths 32 and 64, partly filled last chunks and the
+// context-parallel path with its lead (4133 tokens, 2 heads). Bad chunk_states are refused by name.
+TEST_F(KdaKernel, KeptChunkStatesEqualTheRecomputeBitForBit) {
+  struct Case {
+    int64_t batch, length, heads, key, value;
+    at::ScalarType dtype;
+    bool with_state;
+  };
+  const std::vector<Case> cases = {
+      {2, 100, 2, 128, 128, at::kBFloat16, true}, {2, 100, 2, 128, 128, at::kFloat, true},
+      {1, 37, 3, 32, 32, at::kBFloat16, false},   {1, 50, 2, 64, 128, at::kFloat, true},
+      {1, 4133, 2, 128, 128, at::kBFloat16, true},
+  };
+  for (const Case& c : cases) {
+    const Inputs in = make_inputs(c.batch, c.length, c.heads, c.key, c.value, c.dtype, Gates::kRandom,
+                                  c.with_state, /*seed=*/900 + c.length);
+    const std::string name = shape_name(c.batch, c.length, c.heads, c.key, c.value, c.dtype);
+    const KdaChunkedOutput plain = kda_chunked(in.q, in.k, in.v, in.g, in.beta, in.state, in.scale);
+    const KdaChunkedOutput kept = kda_chunked(in.q, in.k, in.v, in.g, in.beta, in.state, in.scale, at::Tensor(),
+                                              0, true, true, 0, /*keep_chunk_states=*/true);
+    ASSERT_TRUE(kept.chunk_states.defined()) << name;
+    const int64_t chunks = (c.length + 15) / 16;
+    ASSERT_EQ(kept.chunk_states.sizes(), at::IntArrayRef({c.batch, c.heads, chunks, c.value, c.key})) << name;
+    EXPECT_FALSE(plain.chunk_states.defined()) << name;
+    EXPECT_TRUE(at::equal(kept.o, plain.o)) << name << ": o";
+    EXPECT_TRUE(at::equal(kept.final_state, plain.final_state)) << name << ": final state";
+
+    at::Tensor states = at::empty_like(kept.chunk_states), final_state = at::empty_like(plain.final_state);
+    KdaChunkedOptions options;
+    options.chunk_states = states.data_ptr();
+    const cudaError_t error = kda_chunked_forward(
+        c.dtype == at::kBFloat16 ? KdaDtype::kBFloat16 : KdaDtype::kFloat32, in.q.data_ptr(), in.k.data_ptr(),
+        in.v.data_ptr(), in.g.data_ptr<float>(), in.beta.data_ptr(),
+        in.state.defined() ? in.state.data_ptr<float>() : nullptr, /*o=*/nullptr, final_state.data_ptr<float>(),
+        nullptr, c.batch, c.length, c.heads, c.key, c.value, static_cast<float>(in.scale), options, nullptr);
+    ASSERT_EQ(error, cudaSuccess) << name << ": " << cudaGetErrorString(error);
+    EXPECT_TRUE(at::equal(kept.chunk_states, states)) << name << ": chunk states";
+
+    const auto [d_o, d_final] = output_gradients(in, /*with_final=*/true, 950 + c.length);
+    const KdaChunkedGradients recomputed =
+        kda_chunked_backward(in.q, in.k, in.v, in.g, in.beta, in.state, d_o, d_final, in.scale);
+    const KdaChunkedGradients given =
+        kda_chunked_backward(in.q, in.k, in.v, in.g, in.beta, in.state, d_o, d_final, in.scale, kept.chunk_states);
+    for (const auto& [what, a, b] :
+         {std::tuple{"dq", given.dq, recomputed.dq}, std::tuple{"dk", given.dk, recomputed.dk},
+          std::tuple{"dv", given.dv, recomputed.dv}, std::tuple{"dg", given.dg, recomputed.dg},
+          std::tuple{"dbeta", given.dbeta, recomputed.dbeta},
+          std::tuple{"dS0", given.d_initial_state, recomputed.d_initial_state}}) {
+      EXPECT_TRUE(at::equal(a, b)) << name << ": " << what << " max diff " << max_error(a, b);
+    }
+    std::printf("  %-28s o, final state, %ld chunk states and the gradients from them: bit for bit\n",
+                name.c_str(), static_cast<long>(chunks));
+  }
+
+  const Inputs in = make_inputs(1, 40, 2, 64, 64, at::kBFloat16, Gates::kRandom, false, 960);
+  const auto [d_o, d_final] = output_gradients(in, /*with_final=*/false, 961);
+  const at::Tensor kept = kda_chunked(in.q, in.k, in.v, in.g, in.beta, at::Tensor(), in.scale, at::Tensor(), 0,
+                                      true, true, 0, true).chunk_states;
+  const std::pair<const char*, at::Tensor> bad[] = {
+      {"must be [B, H, ceil(T / 16), V, K]", kept.narrow(2, 0, 2).contiguous()},
+      {"must be bf16", kept.to(at::kFloat)},
+      {"must be contiguous", kept.transpose(3, 4).contiguous().transpose(3, 4)},
+  };
+  for (const auto& [message, states] : bad) {
+    try {
+      kda_chunked_backward(in.q, in.k, in.v, in.g, in.beta, at::Tensor(), d_o, d_final, in.scale, states);
+      ADD_FAILURE() << "chunk_states accepted; expected: " << message;
+    } catch (const c10::Error& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("chunk_states"), std::string::npos) << what;
+      EXPECT_NE(what.find(message), std::string::npos) << what;
+    }
+  }
+  const at::Tensor packed = at::tensor({0, 15, 40}, at::TensorOptions().dtype(at::kInt));
+  try {
+    kda_chunked(in.q, in.k, in.v, in.g, in.beta, at::Tensor(), in.scale, packed, 0, true, true, 0, true);
+    ADD_FAILURE() << "keep_chunk_states accepted with cu_seqlens";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("keep_chunk_states is not supported with cu_seqlens"), std::string::npos)
+        << e.what();
+  }
+}
+
 TEST_F(KdaKernel, BackwardOfAnEmptySequencePassesTheStateGradientThrough) {
   const Inputs in = make_inputs(2, 0, 2, 64, 64, at::kBFloat16, Gates::kRandom, true, 1);
   const auto [d_o, d_final] = output_gradients(in, /*with_final=*/true, 2);
@@ -792,6 +879,30 @@ TEST_F(KdaKernel, AutogradFunctionWorksWithoutAnInitialStateAndWithFewInputsNeed
     const double error = max_error(got, expected), magnitude = max_abs(expected);
     std::printf("  %-3s max|d - ref| %.3e (|ref| <= %.3e)\n", name, error, magnitude);
     EXPECT_LE(error, kGradientTolerance * std::max(1e-6, magnitude)) << name;
+  }
+}
+
+TEST_F(KdaKernel, AutogradKeepingTheChunkStatesGivesTheSameGradients) {
+  // kda_chunked_autograd with keep_chunk_states: the forward keeps the states, the backward skips
+  // their recompute; outputs and every gradient bit for bit those of the recomputing function.
+  const Inputs in = make_inputs(2, 70, 2, 128, 128, at::kBFloat16, Gates::kRandom, true, 79);
+  auto run = [&](bool keep) {
+    auto leaf = [](const at::Tensor& t) { return t.detach().clone().requires_grad_(true); };
+    const at::Tensor q = leaf(in.q), k = leaf(in.k), v = leaf(in.v), g = leaf(in.g), beta = leaf(in.beta),
+                     s0 = leaf(in.state);
+    const KdaChunkedOutput r = kda_chunked_autograd(q, k, v, g, beta, s0, in.scale, keep);
+    (r.o.to(at::kFloat).pow(2).sum() + r.final_state.sin().sum()).backward();
+    return std::make_pair(r.o.detach(), Gradients{q.grad(), k.grad(), v.grad(), g.grad(), beta.grad(), s0.grad()});
+  };
+  const auto [o, recomputed] = run(false);
+  const auto [o_kept, kept] = run(true);
+  EXPECT_TRUE(at::equal(o, o_kept)) << "o";
+  for (const auto& [what, a, b] :
+       {std::tuple{"dq", kept.dq, recomputed.dq}, std::tuple{"dk", kept.dk, recomputed.dk},
+        std::tuple{"dv", kept.dv, recomputed.dv}, std::tuple{"dg", kept.dg, recomputed.dg},
+        std::tuple{"dbeta", kept.dbeta, recomputed.dbeta}, std::tuple{"dS0", kept.d_state, recomputed.d_state}}) {
+    ASSERT_TRUE(a.defined() && b.defined()) << what;
+    EXPECT_TRUE(at::equal(a, b)) << what << " max diff " << max_error(a, b);
   }
 }
 
