@@ -119,7 +119,9 @@ void chunked_backward(ChunkedPolicy& runner, int64_t batch, int64_t length, cons
   const int64_t chunks = num_chunks(length, chunk);
 
   if (!options.recompute || chunks == 1) {
-    // One graph over the whole sequence (a single chunk needs nothing else either).
+    // One graph over the whole sequence (a single chunk needs nothing else either). The KDA chunk
+    // states are kept for one chunk only: over the whole sequence they would stay until its end.
+    const model::kda::KeepChunkStatesGuard keep(options.keep_kda_chunk_states && options.recompute && chunks == 1);
     CarriedState state = runner.initial_state(batch);
     at::Tensor total;
     for (int64_t c = 0; c < chunks; ++c) {
@@ -173,6 +175,8 @@ void chunked_backward(ChunkedPolicy& runner, int64_t batch, int64_t length, cons
       }
     }
     incoming[static_cast<size_t>(c)].clear();  // no longer needed
+    // This chunk's backward follows at once: its KDA kernels may keep their chunk states for it.
+    const model::kda::KeepChunkStatesGuard keep(options.keep_kda_chunk_states);
     const ChunkOutput out = runner.forward_chunk(cb.tokens(start, len), in);
     const at::Tensor l = cb.loss(ChunkView{c, start, len, &out});
 

@@ -92,6 +92,10 @@ struct ChunkView {
 struct ChunkedBackwardOptions {
   int64_t chunk_tokens = 2048;  // positions per chunk (per sequence of the batch)
   bool recompute = true;
+  // With recompute (or one chunk): each chunk's KDA forward keeps its chunk states for that
+  // chunk's backward (model::kda::KeepChunkStatesGuard; the CUDA kernels only: one pass of the
+  // KDA backward less, the same gradients), for one chunk of tokens' states held at a time.
+  bool keep_kda_chunk_states = true;
 };
 
 // Callbacks:

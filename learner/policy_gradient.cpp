@@ -135,7 +135,7 @@ PolicyGradientResult accumulate_policy_gradient(ChunkedPolicy& runner, ChunkedPo
       if (piece.tokens == 0 || tokens_global <= 0) return at::Tensor();
       return loss / tokens_global;
     };
-    chunked_backward(runner, B, T, ChunkedBackwardOptions{chunk, o.recompute}, cb);
+    chunked_backward(runner, B, T, ChunkedBackwardOptions{chunk, o.recompute, o.kda_keep_chunk_states}, cb);
   }
   return result;
 }

@@ -99,6 +99,7 @@ Result<PretrainOptions> pretrain_options(const Config& config) {
   if (o.threads == 0) o.threads = static_cast<int>(config.get_int("policy.threads"));
   o.chunk_tokens = config.get_int("learner.chunk_tokens");
   o.recompute = config.get_bool("learner.recompute");
+  o.kda_keep_chunk_states = config.get_bool("learner.kda_keep_chunk_states");
   o.eval.env = config.get_string("env.name");
   o.eval.env_config = json::parse(config.get_string("env.config"), nullptr, /*allow_exceptions=*/false);
   if (!o.eval.env_config.is_object()) {
@@ -259,7 +260,7 @@ class StageTrainer {
         total += loss.item<double>();
         return loss;
       };
-      chunked_backward(runner_, B, T, ChunkedBackwardOptions{o_.chunk_tokens, o_.recompute}, cb);
+      chunked_backward(runner_, B, T, ChunkedBackwardOptions{o_.chunk_tokens, o_.recompute, o_.kda_keep_chunk_states}, cb);
       r.loss = total;
     }
     *grad_norm = clip_grad_norm(params(adamw), o_.max_grad_norm);

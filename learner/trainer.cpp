@@ -50,6 +50,7 @@ TrainerOptions trainer_options(const Config& c, int rank, bool resume) {
   o.groups_per_step = c.get_int("learner.groups_per_step");
   o.chunk_tokens = c.get_int("learner.chunk_tokens");
   o.recompute = c.get_bool("learner.recompute");
+  o.kda_keep_chunk_states = c.get_bool("learner.kda_keep_chunk_states");
   o.steps = c.get_int("learner.steps");
   o.adamw.lr = c.get_double("learner.lr");
   o.adamw.weight_decay = c.get_double("learner.weight_decay");
@@ -374,6 +375,7 @@ Result<StepMetrics> Trainer::Impl::step_once(const std::atomic<bool>* stop) {
   PolicyGradientOptions pgo;
   pgo.chunk_tokens = o.chunk_tokens;
   pgo.recompute = o.recompute;
+  pgo.kda_keep_chunk_states = o.kda_keep_chunk_states;
   pgo.loss = o.loss;
   pgo.tokens_global = tokens_global;
   pgo.device = device;

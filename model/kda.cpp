@@ -128,6 +128,16 @@ Output recurrent(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   return {o.to(q.scalar_type()), state};
 }
 
+namespace {
+thread_local bool t_keep_chunk_states = false;
+}  // namespace
+
+KeepChunkStatesGuard::KeepChunkStatesGuard(bool keep) : previous_(t_keep_chunk_states) {
+  t_keep_chunk_states = keep;
+}
+KeepChunkStatesGuard::~KeepChunkStatesGuard() { t_keep_chunk_states = previous_; }
+bool keep_chunk_states() { return t_keep_chunk_states; }
+
 Output chunked(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                const at::Tensor& g, const at::Tensor& beta, const at::Tensor& initial_state,
                double scale, int64_t chunk) {
@@ -136,10 +146,11 @@ Output chunked(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       kernels::kda_chunked_supported(q, k, v, g, beta, initial_state, chunk)) {
     check_sequence_inputs("kda::chunked", q, k, v, g, beta, initial_state);
     // With a gradient wanted: the forward kernel recorded with the backward kernel as its
-    // backward (only the inputs are saved); otherwise the forward kernel alone.
+    // backward (only the inputs are saved, and the chunk states inside a KeepChunkStatesGuard);
+    // otherwise the forward kernel alone.
     kernels::KdaChunkedOutput out =
         needs_grad({&q, &k, &v, &g, &beta, &initial_state})
-            ? kernels::kda_chunked_autograd(q, k, v, g, beta, initial_state, scale)
+            ? kernels::kda_chunked_autograd(q, k, v, g, beta, initial_state, scale, keep_chunk_states())
             : kernels::kda_chunked(q, k, v, g, beta, initial_state, scale);
     return {out.o, out.final_state};
   }

@@ -906,6 +906,26 @@ TEST_F(KdaKernel, AutogradKeepingTheChunkStatesGivesTheSameGradients) {
   }
 }
 
+TEST_F(KdaKernel, ModelChunkedInsideTheKeepGuardGivesTheSameGradients) {
+  // kda::chunked inside model::kda::KeepChunkStatesGuard (the learner's recompute pass) records
+  // the kernels with their chunk states kept; outputs and gradients are bit for bit those without.
+  const Inputs in = make_inputs(1, 80, 2, 64, 64, at::kBFloat16, Gates::kRandom, true, 81);
+  auto run = [&](bool keep) {
+    auto leaf = [](const at::Tensor& t) { return t.detach().clone().requires_grad_(true); };
+    const at::Tensor q = leaf(in.q), k = leaf(in.k), g = leaf(in.g), s0 = leaf(in.state);
+    const kda::KeepChunkStatesGuard guard(keep);
+    const kda::Output out = kda::chunked(q, k, in.v, g, in.beta, s0, in.scale);
+    (out.o.to(at::kFloat).pow(2).sum() + out.final_state.sum()).backward();
+    return std::vector<at::Tensor>{out.o.detach(), q.grad(), k.grad(), g.grad(), s0.grad()};
+  };
+  const std::vector<at::Tensor> plain = run(false), kept = run(true);
+  const char* names[] = {"o", "dq", "dk", "dg", "dS0"};
+  for (size_t i = 0; i < plain.size(); ++i) {
+    ASSERT_TRUE(plain[i].defined() && kept[i].defined()) << names[i];
+    EXPECT_TRUE(at::equal(plain[i], kept[i])) << names[i] << " max diff " << max_error(plain[i], kept[i]);
+  }
+}
+
 TEST_F(KdaKernel, LayerParametersGetTheReferenceGradientsThroughTheKernels) {
   // Head widths 64 and 32 (the tiny model's layer: 2 heads of K = V = 32).
   for (int64_t width : {64, 32}) {

@@ -14,6 +14,7 @@
 
 #include "learner/chunked_policy.h"
 #include "model/config.h"
+#include "model/kda.h"
 #include "model/policy.h"
 
 namespace odyssey::learner {
@@ -98,6 +99,40 @@ TEST(ChunkedBackward, GradientChunkByChunkEqualsTheFullSequenceGradient) {
                   static_cast<long>(chunk), diff);
       EXPECT_LT(diff, 1e-9) << "recompute " << recompute << " chunk " << chunk;
     }
+  }
+}
+
+TEST(ChunkedBackward, KdaChunkStatesAreKeptOnlyWhileAChunksBackwardFollows) {
+  // model::kda::keep_chunk_states() as each chunk's loss sees it (the loss runs right after the
+  // chunk's forward, in the same scope): set in the recompute pass (each chunk's backward follows at
+  // once) and for a single chunk, never for a graph over several chunks (held to the end), and
+  // never when keep_kda_chunk_states is off. The CUDA kernels read it (model/kda.h); on the CPU it
+  // changes nothing else.
+  model::Policy policy = tiny_fp64(14);
+  ChunkedPolicy runner(policy);
+  const int64_t B = 1, T = 40;
+  const at::Tensor tokens = at::randint(0, 256, {B, T}, at::kLong);
+  struct Case {
+    bool recompute;
+    int64_t chunk;
+    bool keep, expected;
+  };
+  for (const Case& c : {Case{true, 16, true, true}, Case{true, 40, true, true}, Case{false, 16, true, false},
+                        Case{true, 16, false, false}}) {
+    std::vector<bool> seen;
+    ChunkCallbacks cb;
+    cb.tokens = [&](int64_t s, int64_t n) { return tokens.narrow(1, s, n); };
+    cb.loss = [&](const ChunkView& v) {
+      seen.push_back(model::kda::keep_chunk_states());
+      return v.output->logits.sum();
+    };
+    ChunkedBackwardOptions options{c.chunk, c.recompute};
+    options.keep_kda_chunk_states = c.keep;
+    zero_grads(policy);
+    chunked_backward(runner, B, T, options, cb);
+    ASSERT_FALSE(seen.empty());
+    for (bool kept : seen) EXPECT_EQ(kept, c.expected) << "recompute " << c.recompute << " chunk " << c.chunk << " keep " << c.keep;
+    EXPECT_FALSE(model::kda::keep_chunk_states()) << "left set after chunked_backward";
   }
 }
 

@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <map>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -62,6 +63,23 @@ void expect_chunked_equals_recurrent(const Inputs& in, int64_t chunk, double tol
   report(label + " final state", s_diff);
   EXPECT_LT(o_diff, tolerance) << label;
   EXPECT_LT(s_diff, tolerance) << label;
+}
+
+TEST(Kda, KeepChunkStatesGuardNestsRestoresAndStaysOnItsThread) {
+  EXPECT_FALSE(kda::keep_chunk_states());
+  {
+    const kda::KeepChunkStatesGuard keep;
+    EXPECT_TRUE(kda::keep_chunk_states());
+    {
+      const kda::KeepChunkStatesGuard off(false);
+      EXPECT_FALSE(kda::keep_chunk_states());
+    }
+    EXPECT_TRUE(kda::keep_chunk_states());
+    bool other = true;
+    std::thread([&] { other = kda::keep_chunk_states(); }).join();
+    EXPECT_FALSE(other) << "the setting leaked to another thread";
+  }
+  EXPECT_FALSE(kda::keep_chunk_states());
 }
 
 TEST(Kda, ChunkedEqualsRecurrentInFp64OnRandomInputs) {
