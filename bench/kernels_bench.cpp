@@ -168,7 +168,7 @@ double bench_backward(const KernelsBenchOptions& o, int64_t batch, int64_t lengt
             in.g.data_ptr<float>(), in.beta.data_ptr(), nullptr, d_o.data_ptr(), nullptr,
             dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
             dg.data_ptr<float>(), dbeta.data_ptr<float>(), d_state.data_ptr<float>(), batch,
-            length, heads, key, value, static_cast<float>(in.scale), workspace.data_ptr(),
+            length, heads, key, value, static_cast<float>(in.scale), /*chunk_states=*/nullptr, workspace.data_ptr(),
             workspace_bytes, stream);
         if (e != cudaSuccess) error = e;
       },

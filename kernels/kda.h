@@ -143,27 +143,16 @@ cudaError_t kda_chunked_forward(KdaDtype dtype, const void* q, const void* k, co
 // (one sequence of `length` tokens per batch entry). Numerics: the forward's (bf16 matmul
 // operands, fp32 accumulation); the chunk states and their gradients are kept in bf16 between
 // passes, which is how the forward's matmuls saw them. g must lie in [-5, 0].
-// Workspace: kda_chunked_backward_workspace_bytes() bytes, 16-byte aligned, used only within
-// the stream order of the call (two bf16 [B, H, ceil(L / 16), K, V] and one fp32 state); nullptr:
-// taken from cudaMallocAsync / cudaFreeAsync on the stream.
+// chunk_states: nullptr (the states are recomputed, as above), or the states the forward kept:
+// KdaChunkedOptions::chunk_states of a kda_chunked_forward on these inputs and initial_state
+// (bf16 [N, H, ceil(L / 16), V, K], 16-byte aligned); the first pass (their recompute) is then
+// skipped, with the same gradients bit for bit.
+// Workspace: kda_chunked_backward_workspace_bytes() bytes (states_given: chunk_states will be
+// passed, and there is no room for them: about half), 16-byte aligned, used only within the stream
+// order of the call (two bf16 [B, H, ceil(L / 16), K, V], one of them when the states are given,
+// and one fp32 state); nullptr: taken from cudaMallocAsync / cudaFreeAsync on the stream.
 size_t kda_chunked_backward_workspace_bytes(int64_t batch, int64_t length, int64_t heads,
-                                            int64_t key_dim, int64_t value_dim);
-
-cudaError_t kda_chunked_backward(KdaDtype dtype, const void* q, const void* k, const void* v,
-                                 const float* g, const void* beta, const float* initial_state,
-                                 const void* d_o, const float* d_final_state, void* dq,
-                                 void* dk, void* dv, float* dg, float* dbeta,
-                                 float* d_initial_state, int64_t batch, int64_t length,
-                                 int64_t heads, int64_t key_dim, int64_t value_dim, float scale,
-                                 void* workspace, size_t workspace_bytes, cudaStream_t stream);
-
-// The same from the chunk states the forward kept: chunk_states as KdaChunkedOptions::chunk_states
-// received them from kda_chunked_forward on these inputs and initial_state (bf16
-// [N, H, ceil(L / 16), V, K]); the first pass (their recompute) is skipped, and the gradients are
-// the recompute's bit for bit. chunk_states nullptr: recomputed, as above. Its workspace
-// (states_given: no room for the states, about half): kda_chunked_backward_workspace_bytes below.
-size_t kda_chunked_backward_workspace_bytes(int64_t batch, int64_t length, int64_t heads,
-                                            int64_t key_dim, int64_t value_dim, bool states_given);
+                                            int64_t key_dim, int64_t value_dim, bool states_given = false);
 
 cudaError_t kda_chunked_backward(KdaDtype dtype, const void* q, const void* k, const void* v,
                                  const float* g, const void* beta, const float* initial_state,

@@ -1442,23 +1442,6 @@ size_t kda_chunked_backward_workspace_bytes(int64_t batch, int64_t length, int64
   return BackwardLayout(batch, length, heads, key_dim, value_dim, states_given).bytes;
 }
 
-size_t kda_chunked_backward_workspace_bytes(int64_t batch, int64_t length, int64_t heads,
-                                            int64_t key_dim, int64_t value_dim) {
-  return kda_chunked_backward_workspace_bytes(batch, length, heads, key_dim, value_dim, false);
-}
-
-cudaError_t kda_chunked_backward(KdaDtype dtype, const void* q, const void* k, const void* v,
-                                 const float* g, const void* beta, const float* initial_state,
-                                 const void* d_o, const float* d_final_state, void* dq,
-                                 void* dk, void* dv, float* dg, float* dbeta,
-                                 float* d_initial_state, int64_t batch, int64_t length,
-                                 int64_t heads, int64_t key_dim, int64_t value_dim, float scale,
-                                 void* workspace, size_t workspace_bytes, cudaStream_t stream) {
-  return kda_chunked_backward(dtype, q, k, v, g, beta, initial_state, d_o, d_final_state, dq, dk, dv, dg,
-                              dbeta, d_initial_state, batch, length, heads, key_dim, value_dim, scale,
-                              /*chunk_states=*/nullptr, workspace, workspace_bytes, stream);
-}
-
 cudaError_t kda_chunked_backward(KdaDtype dtype, const void* q, const void* k, const void* v,
                                  const float* g, const void* beta, const float* initial_state,
                                  const void* d_o, const float* d_final_state, void* dq,

@@ -52,7 +52,7 @@ int main(int argc, char** argv) {
 
   auto backward = [&] {
     return kda_chunked_backward(KdaDtype::kBFloat16, q, k, v, g, beta, nullptr, d_o, d_final, dq, dk, dv,
-                                dg, dbeta, d_init, B, T, H, K, V, scale, workspace, bytes, 0);
+                                dg, dbeta, d_init, B, T, H, K, V, scale, /*chunk_states=*/nullptr, workspace, bytes, 0);
   };
   // The passes alone, on the workspace the whole backward fills (as kda_chunked_backward lays it out).
   const BackwardLayout layout(B, T, H, K, V);

@@ -784,7 +784,7 @@ TEST_F(KdaKernel, LaunchersAndBindingsRejectUnsupportedSizes) {
     EXPECT_EQ(kda_chunked_backward(KdaDtype::kBFloat16, nullptr, nullptr, nullptr, nullptr, nullptr,
                                    nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
                                    nullptr, nullptr, /*batch=*/1, /*length=*/16, /*heads=*/1, key,
-                                   value, 1.0f, nullptr, 0, nullptr),
+                                   value, 1.0f, /*chunk_states=*/nullptr, nullptr, 0, nullptr),
               cudaErrorInvalidValue)
         << name;
   }
@@ -800,7 +800,7 @@ TEST_F(KdaKernel, LaunchersAndBindingsRejectUnsupportedSizes) {
     EXPECT_EQ(kda_chunked_backward(KdaDtype::kBFloat16, nullptr, nullptr, nullptr, nullptr, nullptr,
                                    nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
                                    nullptr, nullptr, /*batch=*/1, /*length=*/16, /*heads=*/1, key,
-                                   value, 1.0f, nullptr, 0, nullptr),
+                                   value, 1.0f, /*chunk_states=*/nullptr, nullptr, 0, nullptr),
               cudaErrorInvalidValue)
         << "null inputs, K" << key << " V" << value;
   }
