@@ -100,8 +100,9 @@ ConfigSchema build_config_schema() {
   s.add_int("learner.chunk_tokens", 2048, "tokens per chunk when recomputing log-probs, state carried",
             at_least(16));
   s.add_bool("learner.recompute", true, "recompute activations in the backward, chunk by chunk");
-  s.add_bool("learner.kda_keep_chunk_states", true,
-             "GPU: with recompute, each chunk's KDA kernels keep their chunk states for its backward (one pass less)");
+  s.add_bool("learner.kda_keep_chunk_states", false,
+             "GPU: with recompute, each chunk's KDA kernels keep their chunk states for its backward (one pass "
+             "less; chunk_tokens * heads * d_k * d_v / 8 bytes per KDA layer held until the chunk's backward)");
   s.add_int("learner.steps", 200, "optimizer steps of the job", at_least(1));
   s.add_double("learner.lr", 1e-4, "peak learning rate (AdamW)", at_least(0));
   s.add_double("learner.weight_decay", 0.0, "AdamW weight decay", at_least(0));

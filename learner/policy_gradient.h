@@ -36,7 +36,7 @@ namespace odyssey::learner {
 struct PolicyGradientOptions {
   int64_t chunk_tokens = 2048;
   bool recompute = true;
-  bool kda_keep_chunk_states = true;  // ChunkedBackwardOptions::keep_kda_chunk_states
+  bool kda_keep_chunk_states = false;  // ChunkedBackwardOptions::keep_kda_chunk_states
   LossOptions loss;
   double tokens_global = 0;  // the token-mean denominator over all ranks (0: the local count)
   at::Device device = at::kCPU;

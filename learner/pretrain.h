@@ -129,7 +129,7 @@ struct PretrainOptions {
   double max_grad_norm = 1.0;
   int64_t chunk_tokens = 2048;  // learner.chunk_tokens
   bool recompute = true;        // learner.recompute
-  bool kda_keep_chunk_states = true;  // learner.kda_keep_chunk_states
+  bool kda_keep_chunk_states = false;  // learner.kda_keep_chunk_states
   DataOptions data;             // data.seed = job.seed
   uint64_t seed = 0;            // job.seed: initial weights and data
   std::string job = "tiny";

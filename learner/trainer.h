@@ -64,7 +64,7 @@ struct TrainerOptions {
   int64_t groups_per_step = 4;
   int64_t chunk_tokens = 2048;
   bool recompute = true;
-  bool kda_keep_chunk_states = true;  // learner.kda_keep_chunk_states
+  bool kda_keep_chunk_states = false;  // learner.kda_keep_chunk_states
   int64_t steps = 200;
   AdamWOptions adamw;
   ScheduleOptions schedule;
