@@ -118,6 +118,7 @@ Result<LearnerBenchResult> run_learner_bench(const LearnerBenchOptions& o) {
   learner::PolicyGradientOptions pgo;
   pgo.chunk_tokens = o.chunk_tokens;
   pgo.recompute = o.recompute;
+  pgo.kda_keep_chunk_states = o.kda_keep_chunk_states;
   pgo.device = device;
 
   // The learner's step compute on `batch`.
@@ -129,9 +130,9 @@ Result<LearnerBenchResult> run_learner_bench(const LearnerBenchOptions& o) {
     synchronize(device);
   };
 
-  std::printf("model %s (%s) on %s, %d thread(s), chunk_tokens %ld, recompute %s\n", cfg.name.c_str(),
-              o.model_config.c_str(), o.device.c_str(), std::max(1, o.threads), static_cast<long>(o.chunk_tokens),
-              o.recompute ? "on" : "off");
+  std::printf("model %s (%s) on %s, %d thread(s), chunk_tokens %ld, recompute %s, kda_keep_chunk_states %s\n",
+              cfg.name.c_str(), o.model_config.c_str(), o.device.c_str(), std::max(1, o.threads),
+              static_cast<long>(o.chunk_tokens), o.recompute ? "on" : "off", o.kda_keep_chunk_states ? "on" : "off");
   LearnerBenchResult result;
   if (o.long_tokens > 0) {
     const auto batch = synthetic_batch(1, o.long_tokens, cfg.vocab_size);

@@ -27,6 +27,7 @@ struct LearnerBenchOptions {
   int64_t batch_tokens = 2048;
   int64_t chunk_tokens = 1024;  // learner.chunk_tokens
   bool recompute = true;
+  bool kda_keep_chunk_states = false;  // learner.kda_keep_chunk_states (kept KDA states from forward to backward)
   int repeats = 1;        // best of (after one warm-up run)
   int threads = 1;
   int64_t long_tokens = 0;  // > 0: the long-trajectory check only

@@ -134,6 +134,8 @@ void add_bench_commands(CLI::App& app, Action& action) {
   learner->add_option("--repeats", learner_options.repeats, "best of this many runs")->capture_default_str();
   learner->add_option("--long", learner_options.long_tokens, "instead: one step on one trajectory of this many tokens");
   learner->add_option("--device", learner_options.device, "cpu or cuda (GPU build)")->capture_default_str();
+  learner->add_flag("--kda-keep-chunk-states", learner_options.kda_keep_chunk_states,
+                    "learner.kda_keep_chunk_states: each chunk's forward keeps its KDA chunk states for the backward");
   learner->callback([&action] {
     action = [] {
       auto r = bench::run_learner_bench(learner_options);
