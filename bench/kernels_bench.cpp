@@ -20,6 +20,7 @@
 #include "kernels/kda.h"
 #include "kernels/kda_autograd.h"
 #include "kernels/moe_autograd.h"
+#include "kernels/moe_experts_sm90.h"
 #include "kernels/torch_bindings.h"
 #include "model/balancing.h"
 #include "model/kda.h"
@@ -800,22 +801,29 @@ void moe_grouped_gemm_comparison(const KernelsBenchOptions& o, model::MoeImpl& l
     // three dense matmuls of the same shapes.
     kernels::MoePermutation even_perm = v.perm;
     even_perm.group_ends = even_ends;
-    auto fused = [&](const kernels::MoePermutation& p) {
-      kernels::moe_experts_fused_forward(v.rows, gate_proj, layer.experts->up_proj, down_proj, p, mo.situ_beta1,
-                                         mo.situ_beta2, true);
-    };
-    const double routed_ms = best([&] { fused(v.perm); });
-    const double even_ms = best([&] { fused(even_perm); });
     const double dense_ms = best([&] {
       at::mm(v.rows, v.w_gate.select(0, 0));
       at::mm(v.rows, v.w_up.select(0, 0));
       at::mm(v.h, v.w_down.select(0, 0));
     });
     const double flops = 3 * 2 * r * l * f;
-    std::printf("  %-40s %22s %22s %22s %7.2f\n", "fused forward: G, U, SiTU-GLU, Y (+ G, U)",
-                cell(routed_ms, flops).c_str(), cell(even_ms, flops).c_str(), cell(dense_ms, flops).c_str(),
-                dense_ms / routed_ms);
-    std::printf("  (fused: moe_experts_forward, one kernel, against the three dense matmuls of its products)\n");
+    const bool wgmma = kernels::moe_experts_forward_wgmma_supported(mo.latent, mo.expert_ffn, mo.num_experts);
+    for (const auto kernel : {kernels::MoeExpertsKernel::kMmaSync, kernels::MoeExpertsKernel::kWgmma}) {
+      if (kernel == kernels::MoeExpertsKernel::kWgmma && !wgmma) continue;
+      auto fused = [&](const kernels::MoePermutation& p) {
+        kernels::moe_experts_fused_forward(v.rows, gate_proj, layer.experts->up_proj, down_proj, p, mo.situ_beta1,
+                                           mo.situ_beta2, true, kernel);
+      };
+      const double routed_ms = best([&] { fused(v.perm); });
+      const double even_ms = best([&] { fused(even_perm); });
+      std::printf("  %-40s %22s %22s %22s %7.2f\n",
+                  kernel == kernels::MoeExpertsKernel::kWgmma ? "fused forward, wgmma (sm_90)"
+                                                              : "fused forward, mma.sync (+ G, U)",
+                  cell(routed_ms, flops).c_str(), cell(even_ms, flops).c_str(), cell(dense_ms, flops).c_str(),
+                  dense_ms / routed_ms);
+    }
+    std::printf("  (fused: moe_experts_forward, one kernel: G, U, SiTU-GLU, Y, storing G and U, against the three\n"
+                "   dense matmuls of its products; the layer runs the wgmma kernel where it applies)\n");
   }
   if (kernels::moe_experts_dx_applies(ds.d_gate, gate_proj)) {
     // dX = dG W_gate + dU W_up in one kernel, against the two dense matmuls of the same shapes.

@@ -167,12 +167,19 @@ cudaError_t situ_glu_backward_with_h(MoeDtype dtype, const void* gate, const voi
 // multiple of 64 with L + F <= 640 (the pairs compiled: 128 rows of L and of F plus three 16 KB
 // weight chunks fit an sm_90 CTA's 227 KB; L = 384, F = 192: 207 KB), and the device's opt-in
 // shared memory; 1 <= E <= 1024, R < 2^31, 16-byte aligned rows, weights and y.
+// Two kernels do it (MoeExpertsKernel): kMmaSync, the one above (sm_80 and newer); kWgmma, the
+// same tiles on Hopper's warpgroup instructions (kernels/moe_experts_sm90.h: sm_90 devices, L + F
+// <= 576), whose sums run in another order (G and U equal kMmaSync's up to fp32 rounding before
+// their bf16 rounding). kAuto takes kWgmma where it is supported, else kMmaSync; asking for a
+// kernel that is not supported here returns cudaErrorInvalidValue.
+enum class MoeExpertsKernel : int32_t { kAuto = 0, kMmaSync = 1, kWgmma = 2 };
 bool moe_experts_fused_supported(int64_t latent, int64_t ffn, int64_t experts);
 cudaError_t moe_experts_forward(const void* rows, const void* gate_proj, const void* up_proj,
                                 const void* down_proj, const int32_t* group_ends, void* y,
                                 void* gate, void* up, int64_t total_rows, int64_t experts,
                                 int64_t latent, int64_t ffn, float beta1, float beta2,
-                                cudaStream_t stream);
+                                cudaStream_t stream,
+                                MoeExpertsKernel kernel = MoeExpertsKernel::kAuto);
 
 // ---- Routed experts' weight gradients (moe_experts_backward.cu) ----------------------------------
 // The three weight gradients of the routed experts in one kernel, on tensor cores (mma.sync, fp32

@@ -1,4 +1,5 @@
 #include "kernels/moe_autograd.h"
+#include "kernels/moe_experts_sm90.h"
 
 #include <cstdint>
 #include <vector>
@@ -349,7 +350,7 @@ bool moe_experts_fused_applies(const at::Tensor& rows, const at::Tensor& gate_pr
 MoeExpertsFused moe_experts_fused_forward(const at::Tensor& rows, const at::Tensor& gate_proj,
                                           const at::Tensor& up_proj, const at::Tensor& down_proj,
                                           const MoePermutation& permutation, double beta1,
-                                          double beta2, bool want_gate_up) {
+                                          double beta2, bool want_gate_up, MoeExpertsKernel kernel) {
   constexpr const char* where = "kernels::moe_experts_fused_forward";
   TORCH_CHECK(moe_experts_fused_applies(rows, gate_proj, up_proj, down_proj), where,
               ": needs CUDA bf16 rows [R, L] and weights [E, F, L], [E, F, L], [E, L, F] on sm_80 or "
@@ -367,6 +368,10 @@ MoeExpertsFused moe_experts_fused_forward(const at::Tensor& rows, const at::Tens
               ") does not describe ", rows.size(0), " rows of ", experts, " experts");
   TORCH_CHECK(beta1 > 0 && beta2 > 0, where, ": caps must be positive, got ", beta1, " and ", beta2);
   const c10::cuda::CUDAGuard guard(rows.device());
+  TORCH_CHECK(kernel != MoeExpertsKernel::kWgmma || moe_experts_forward_wgmma_supported(latent, ffn, experts),
+              where, ": the wgmma kernel does not apply to L = ", latent, ", F = ", ffn, ", ", experts,
+              " experts on this device (it needs an sm_90 GPU and L + F <= 576; MoeExpertsKernel::kMmaSync "
+              "runs elsewhere)");
   const at::Tensor x = rows.contiguous(), wg = gate_proj.contiguous(), wu = up_proj.contiguous(),
                    wd = down_proj.contiguous();
   const at::Tensor ends = permutation.group_ends.to(at::kInt).contiguous();
@@ -381,7 +386,7 @@ MoeExpertsFused moe_experts_fused_forward(const at::Tensor& rows, const at::Tens
       out.y.data_ptr(), want_gate_up ? out.gate.data_ptr() : nullptr,
       want_gate_up ? out.up.data_ptr() : nullptr, x.size(0), experts, latent, ffn,
       static_cast<float>(beta1), static_cast<float>(beta2),
-      at::cuda::getCurrentCUDAStream(x.device().index()).stream());
+      at::cuda::getCurrentCUDAStream(x.device().index()).stream(), kernel);
   TORCH_CHECK(error == cudaSuccess, where, ": CUDA error ", cudaGetErrorName(error), " (",
               cudaGetErrorString(error), ")");
   return out;

@@ -27,6 +27,7 @@
 
 #include <ATen/ATen.h>
 
+#include "kernels/moe.h"
 #include "kernels/torch_bindings.h"
 
 namespace odyssey::kernels {
@@ -51,15 +52,17 @@ bool moe_experts_fused_applies(const at::Tensor& rows, const at::Tensor& gate_pr
                                const at::Tensor& up_proj, const at::Tensor& down_proj);
 
 // moe_experts_forward on tensors, without autograd: y [R, L] and, when want_gate_up, the gate
-// and up activations [R, F] (what MoeExpertsFunction saves for its backward). Errors name what
-// does not apply.
+// and up activations [R, F] (what MoeExpertsFunction saves for its backward); `kernel` picks the
+// mma.sync or the wgmma kernel (kernels/moe.h, MoeExpertsKernel; kAuto as the layer runs). Errors
+// name what does not apply.
 struct MoeExpertsFused {
   at::Tensor y, gate, up;
 };
 MoeExpertsFused moe_experts_fused_forward(const at::Tensor& rows, const at::Tensor& gate_proj,
                                           const at::Tensor& up_proj, const at::Tensor& down_proj,
                                           const MoePermutation& permutation, double beta1,
-                                          double beta2, bool want_gate_up);
+                                          double beta2, bool want_gate_up,
+                                          MoeExpertsKernel kernel = MoeExpertsKernel::kAuto);
 
 // dX = dG W_gate + dU W_up of the routed experts as one kernel (moe_experts_dx, kernels/moe.h):
 // one fp32 sum over the 2F products per element, rounded once. d_gate, d_up [R, F] grouped by

@@ -24,6 +24,7 @@
 
 #include "kernels/mma.cuh"
 #include "kernels/moe.h"
+#include "kernels/moe_experts_sm90.h"
 #include "kernels/moe_tiles.cuh"
 #include "kernels/situ.cuh"
 
@@ -293,6 +294,9 @@ __global__ void __launch_bounds__(kThreads, 1) moe_experts_forward_kernel(Forwar
     base = (base + S::kChunks) % kStages;
     t_next += gridDim.x;
     next = next_tile(t_next, tiles, tile_ends, a);
+    // The new tile's rows went out with the group of chunk kChunksA + kStages - 1; with fewer than
+    // two chunks in stage B (L = 128, F = 64) the waits above have not covered that group yet.
+    if (S::kChunks - S::kChunksA < kStages - 1) cp_async_wait<0>();
   }
   cp_async_wait<0>();
 }
@@ -342,7 +346,12 @@ cudaError_t moe_experts_forward(const void* rows, const void* gate_proj, const v
                                 const void* down_proj, const int32_t* group_ends, void* y,
                                 void* gate, void* up, int64_t total_rows, int64_t experts,
                                 int64_t latent, int64_t ffn, float beta1, float beta2,
-                                cudaStream_t stream) {
+                                cudaStream_t stream, MoeExpertsKernel kernel) {
+  const bool wgmma = moe_experts_forward_wgmma_supported(latent, ffn, experts);
+  if (kernel == MoeExpertsKernel::kWgmma || (kernel == MoeExpertsKernel::kAuto && wgmma)) {
+    return moe_experts_forward_wgmma(rows, gate_proj, up_proj, down_proj, group_ends, y, gate, up,
+                                     total_rows, experts, latent, ffn, beta1, beta2, stream);
+  }
   if (!moe_experts_fused_supported(latent, ffn, experts) || total_rows < 0 ||
       total_rows >= (int64_t{1} << 31) || (gate == nullptr) != (up == nullptr) ||
       !(beta1 > 0.f) || !(beta2 > 0.f)) {

@@ -65,6 +65,13 @@ struct Tile {
   int rows;       // <= kTileRows; <= 0: nothing to do
 };
 
+// How an expert's ceil(c / 128) tiles share its c rows: kEven, ceil(c / tiles) rows each (146 rows:
+// two of 73, for the mma.sync kernels whose m16 blocks waste at most 15 rows a tile); kFull, 128
+// rows each and the rest in the last (146 rows: 128 and 18, for the WGMMA kernels whose warpgroups
+// take 64-row blocks: 3 blocks instead of 4).
+enum class TileSplit { kEven, kFull };
+
+template <TileSplit kSplit = TileSplit::kEven>
 __device__ Tile find_tile(int t, const int* tile_ends, const int32_t* __restrict__ group_ends,
                           int experts) {
   int lo = 0, hi = experts - 1;  // the first expert whose tiles end after t
@@ -80,7 +87,7 @@ __device__ Tile find_tile(int t, const int* tile_ends, const int32_t* __restrict
   const int rows = group_ends[lo] - begin;
   const int tiles = tile_ends[lo] - (lo > 0 ? tile_ends[lo - 1] : 0);
   const int j = t - (tile_ends[lo] - tiles);
-  const int per_tile = (rows + tiles - 1) / tiles;
+  const int per_tile = kSplit == TileSplit::kFull ? kTileRows : (rows + tiles - 1) / tiles;
   const int start = j * per_tile;
   return Tile{lo, begin + start, min(per_tile, rows - start)};
 }

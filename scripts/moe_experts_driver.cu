@@ -1,9 +1,10 @@
 // A standalone timing of the fused routed experts (kernels/moe_experts.cu) on the small config's
 // expert shapes, 8K tokens x top-16 (not part of the CMake build):
-//   nvcc -O3 -std=c++17 -arch=sm_90 [-Ivariant] -I. scripts/moe_experts_driver.cu -o /tmp/moe_experts
+//   nvcc -O3 -std=c++17 -arch=sm_90a --expt-relaxed-constexpr [-Ivariant] -I. scripts/moe_experts_driver.cu \
+//        kernels/moe_experts_sm90.cu -o /tmp/moe_experts
 //   /tmp/moe_experts [tokens top_k experts L F]
 // Rows per expert: every token picks top_k distinct experts uniformly at random (fixed seed), and
-// the same rows spread evenly. Prints the best and median of 20 launches, TFLOP/s of the three
+// the same rows spread evenly. Both kernels (mma.sync, and wgmma on sm_90). Prints the best and median of 20 launches, TFLOP/s of the three
 // products, and the bytes a launch must move at least (rows in, weights once, y, G and U out).
 // -Ivariant first: a folder holding a modified kernels/moe_experts.cu is used instead (timing
 // experiments); the parity is kernels_tests' job.
@@ -52,16 +53,19 @@ int main(int argc, char** argv) {
               static_cast<long>(F), flops / 1e9, bytes / 1e6);
   for (const auto& [name, host_ends] : {std::make_pair("routed", &routed), std::make_pair("even", &even)}) {
     cudaMemcpy(ends, host_ends->data(), experts * 4, cudaMemcpyHostToDevice);
-    for (const bool store_gu : {true, false}) {
-      cudaError_t error = cudaSuccess;
-      const std::vector<float> ms = time_launches([&] {
-        error = moe_experts_forward(x, wg, wu, wd, ends, y, store_gu ? g : nullptr, store_gu ? u : nullptr,
-                                    rows, experts, L, F, 4.f, 25.f, nullptr);
-      });
-      const cudaError_t sync = cudaDeviceSynchronize();
-      std::printf("  %-6s %-14s best %.3f ms  median %.3f ms  %6.1f TFLOP/s  %5.0f GB/s of the least bytes  %s\n",
-                  name, store_gu ? "(G, U stored)" : "(y only)", ms[0], ms[10], flops / (ms[0] * 1e-3) / 1e12,
-                  bytes / (ms[0] * 1e-3) / 1e9, cudaGetErrorName(error != cudaSuccess ? error : sync));
+    for (const MoeExpertsKernel kernel : {MoeExpertsKernel::kMmaSync, MoeExpertsKernel::kWgmma}) {
+      for (const bool store_gu : {true, false}) {
+        cudaError_t error = cudaSuccess;
+        const std::vector<float> ms = time_launches([&] {
+          error = moe_experts_forward(x, wg, wu, wd, ends, y, store_gu ? g : nullptr, store_gu ? u : nullptr, rows,
+                                      experts, L, F, 4.f, 25.f, nullptr, kernel);
+        });
+        const cudaError_t sync = cudaDeviceSynchronize();
+        std::printf("  %-6s %-8s %-14s best %.3f ms  median %.3f ms  %6.1f TFLOP/s  %5.0f GB/s of the least bytes  %s\n",
+                    name, kernel == MoeExpertsKernel::kWgmma ? "wgmma" : "mma.sync",
+                    store_gu ? "(G, U stored)" : "(y only)", ms[0], ms[10], flops / (ms[0] * 1e-3) / 1e12,
+                    bytes / (ms[0] * 1e-3) / 1e9, cudaGetErrorName(error != cudaSuccess ? error : sync));
+      }
     }
   }
   return 0;

@@ -22,6 +22,7 @@
 
 #include "kernels/moe.h"
 #include "kernels/moe_autograd.h"
+#include "kernels/moe_experts_sm90.h"
 #include "kernels/torch_bindings.h"
 #include "model/balancing.h"
 #include "model/ffn.h"
@@ -636,6 +637,68 @@ TEST_F(MoeKernel, FusedExpertsMatchTheGroupedGemmsAndTheFp64Reference) {
     EXPECT_TRUE(at::equal(fused.y, y_only.y)) << "y without storing the activations" << tag;
     EXPECT_FALSE(y_only.gate.defined());
   }
+}
+
+TEST_F(MoeKernel, WgmmaExpertsMatchTheMmaSyncKernelAndTheFp64Reference) {
+  // The Hopper kernel (moe_experts_sm90.cu) against the mma.sync one and fp64: the widths it
+  // compiles from the smallest to the largest L and F, on two routings: one expert every token
+  // picks (700 rows: five full 128-row tiles and one of 60, which only the first warpgroup takes),
+  // three without rows and the rest uneven; and 896 experts of ~9 rows each (every tile a part of
+  // one 64-row block), as an untrained router of the small config spreads a short batch.
+  if (!moe_experts_forward_wgmma_supported(384, 192, 896)) GTEST_SKIP() << "needs an sm_90 GPU (wgmma)";
+  struct Case {
+    int64_t latent, ffn, experts;
+  };
+  for (const Case& c : std::vector<Case>{{128, 64, 16}, {128, 448, 16}, {256, 128, 16}, {384, 192, 16},
+                                         {512, 64, 16}, {384, 192, 896}}) {
+    const int64_t m = c.experts == 16 ? 700 : 4096, k = 2;
+    at::manual_seed(31 + c.latent + c.ffn + c.experts);
+    const MoePermutation perm =
+        c.experts == 16 ? popular_and_empty_experts(m, c.experts, k)
+                        : moe_permutation(model::select_experts(at::sigmoid(at::randn({m, c.experts}, cuda())),
+                                                                at::zeros({c.experts}, cuda()), k),
+                                          c.experts);
+    const at::Tensor rows = at::randn({m * k, c.latent}, cuda(at::kBFloat16));
+    const double scale = 1.0 / std::sqrt(static_cast<double>(c.latent));
+    const at::Tensor gate = (at::randn({c.experts, c.ffn, c.latent}, cuda()) * 3 * scale).to(at::kBFloat16);
+    const at::Tensor up = (at::randn({c.experts, c.ffn, c.latent}, cuda()) * 3 * scale).to(at::kBFloat16);
+    const at::Tensor down = (at::randn({c.experts, c.latent, c.ffn}, cuda()) * 3 * scale).to(at::kBFloat16);
+    const std::string tag =
+        " L=" + std::to_string(c.latent) + " F=" + std::to_string(c.ffn) + " E=" + std::to_string(c.experts);
+    ASSERT_TRUE(moe_experts_forward_wgmma_supported(c.latent, c.ffn, c.experts)) << tag;
+    const c10::NoGradGuard no_grad;
+    const MoeExpertsFused wgmma =
+        moe_experts_fused_forward(rows, gate, up, down, perm, 4.0, 25.0, true, MoeExpertsKernel::kWgmma);
+    const MoeExpertsFused mma_sync =
+        moe_experts_fused_forward(rows, gate, up, down, perm, 4.0, 25.0, true, MoeExpertsKernel::kMmaSync);
+    // The same products summed in another order: G and U at most a bf16 rounding apart.
+    expect_close("wgmma gate activations vs mma.sync" + tag, wgmma.gate, mma_sync.gate, 8e-3);
+    expect_close("wgmma up activations vs mma.sync" + tag, wgmma.up, mma_sync.up, 8e-3);
+    expect_close("wgmma y vs mma.sync" + tag, wgmma.y, mma_sync.y, 1e-2);
+    const at::Tensor expected = experts_reference(rows.to(at::kDouble), gate.to(at::kDouble), up.to(at::kDouble),
+                                                  down.to(at::kDouble), perm.tokens_per_expert);
+    expect_close("wgmma y vs fp64" + tag, wgmma.y, expected, 3e-2);
+    // kAuto takes it here, and y does not depend on storing the activations.
+    EXPECT_TRUE(at::equal(wgmma.y, moe_experts_fused_forward(rows, gate, up, down, perm, 4.0, 25.0, false).y))
+        << tag;
+  }
+  // A width the mma.sync kernel takes and this one does not (L + F = 640: its ring of four chunks
+  // would not fit) is refused by name at the tensor level, and kAuto runs the mma.sync kernel.
+  const MoePermutation perm = popular_and_empty_experts(64, 16, 2);
+  const at::Tensor rows = at::randn({128, 512}, cuda(at::kBFloat16));
+  const at::Tensor gate = (at::randn({16, 128, 512}, cuda()) * 0.1).to(at::kBFloat16);
+  const at::Tensor down = (at::randn({16, 512, 128}, cuda()) * 0.1).to(at::kBFloat16);
+  EXPECT_FALSE(moe_experts_forward_wgmma_supported(512, 128, 16));
+  try {
+    moe_experts_fused_forward(rows, gate, gate, down, perm, 4.0, 25.0, false, MoeExpertsKernel::kWgmma);
+    ADD_FAILURE() << "L = 512, F = 128: no error";
+  } catch (const c10::Error& e) {
+    const std::string message = e.what_without_backtrace();
+    EXPECT_NE(message.find("wgmma kernel does not apply to L = 512, F = 128"), std::string::npos) << message;
+  }
+  EXPECT_TRUE(at::equal(
+      moe_experts_fused_forward(rows, gate, gate, down, perm, 4.0, 25.0, false).y,
+      moe_experts_fused_forward(rows, gate, gate, down, perm, 4.0, 25.0, false, MoeExpertsKernel::kMmaSync).y));
 }
 
 TEST_F(MoeKernel, FusedExpertsRefuseWhatTheyDoNotSupport) {

@@ -1,0 +1,395 @@
+// The routed experts' fused forward on Hopper's warpgroup tensor-core instructions (wgmma); the
+// contract is moe_experts_forward's (kernels/moe.h), this file's own entry points are in
+// kernels/moe_experts_sm90.h. Built for sm_90a only (wgmma is an arch-specific feature); the
+// mma.sync kernel in moe_experts.cu is the path everywhere else and this kernel's parity reference.
+//
+// A CTA of two warpgroups takes a tile of at most 128 rows of one expert (TileSplit::kFull: 128
+// rows a tile and the rest in the last, so an expert's rows cost ceil(c / 64) blocks of 64);
+// warpgroup g owns rows 64 g .. 64 g + 63 (on a tile of 64 rows or fewer the second warpgroup's
+// products run on whatever its rows hold and are never stored: skipping them behind a branch makes
+// ptxas serialize every wgmma of the kernel, C7511 / C7520):
+//   stage A, per slice s of 64 columns of F: [G | U] (64 x 128 a warpgroup, fp32 in registers)
+//            = X (the tile's rows, in shared memory) times 128 x 64 chunks of [W_gate; W_up]
+//            (rows 0-63: W_gate's 64 columns of the slice, 64-127: W_up's) streamed along L; then
+//            G, U are rounded to bf16 (and stored, when wanted) and H = situ_glu(G, U)
+//            (situ_h_fast, on the bf16 G and U) goes to shared memory as bf16;
+//   stage B, per slice of 128 columns of L: Y = H times 128 x 64 chunks of W_down along F.
+// Every weight chunk is 128 rows of 64 bf16 (16 KB) through one ring of kStages slots filled by
+// cp.async two chunks ahead; the stream runs on into the next tile (whose rows are loaded as soon
+// as stage B starts). A chunk's four k16 steps are four wgmma.m64n128k16 a warpgroup, left in flight
+// while the next chunk's loads are issued (wgmma.wait_group 1), and waited for at a slice's end.
+//
+// Shared operands are in wgmma's K-major layout with the 128-byte swizzle: a matrix of rows of 64
+// bf16 (128 bytes) in 1024-byte blocks of 8 rows, where row r's 16-byte piece c sits at piece
+// c ^ (r % 8); X and H are stored as L / 64 (F / 64) such matrices of 128 rows. Every 8-row block
+// starts 1024 bytes after the last (the descriptors' stride); a k16 step is 32 bytes further in
+// the row (the hardware applies the swizzle to the address it forms, the blocks being 1024-aligned).
+#include "kernels/moe_experts_sm90.h"
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/mma.cuh"
+#include "kernels/moe_tiles.cuh"
+#include "kernels/situ.cuh"
+
+namespace odyssey::kernels {
+namespace {
+
+using bf16 = __nv_bfloat16;
+using bf162 = __nv_bfloat162;
+
+constexpr int kThreads = 256;      // two warpgroups
+constexpr int kStages = 4;         // ring slots: loads two chunks ahead, one chunk's wgmma in flight
+constexpr int kRowBytes = 128;     // a swizzled row: 64 bf16
+constexpr int kMatrixBytes = kTileRows * kRowBytes;  // 128 rows of 64 bf16: 16 KB
+
+// Built for sm_90a only (CMake: odyssey_kernels_sm90a). nvcc also preprocesses the file for the
+// plain architecture; the kernel's body exists only where the wgmma instructions do, and traps
+// anywhere else (a build that left sm_90a out fails loudly instead of returning garbage).
+#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define ODYSSEY_NO_WGMMA 1
+#pragma nv_diag_suppress 177  // the helpers below, unused in that pass
+#endif
+
+// Byte offset of row r's 16-byte piece c in a swizzled matrix.
+__device__ __forceinline__ uint32_t swizzled(int r, int c) {
+  return static_cast<uint32_t>(r * kRowBytes + ((c ^ (r & 7)) << 4));
+}
+
+// A wgmma shared-memory descriptor: K-major, 128-byte swizzle, 8-row blocks 1024 bytes apart.
+__device__ __forceinline__ uint64_t descriptor(uint32_t address) {
+  return static_cast<uint64_t>((address & 0x3FFFF) >> 4) | (uint64_t{1} << 16) |
+         (uint64_t{1024 >> 4} << 32) | (uint64_t{1} << 62);
+}
+
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int kPending>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+}
+
+// d (64 x 128 fp32, the m64n128 accumulator layout) += A (64 x 16 at a) B^T (128 x 16 at b).
+__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t a, uint64_t b) {
+  asm volatile(
+      "{\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "%64, %65, 1, 1, 1, 0, 0;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(a), "l"(b));
+}
+
+struct Args {
+  const bf16* rows;
+  const bf16* gate_proj;
+  const bf16* up_proj;
+  const bf16* down_proj;
+  const int32_t* group_ends;
+  bf16* y;
+  bf16* gate;  // or nullptr
+  bf16* up;    // or nullptr
+  int experts;
+  float beta1, beta2;
+};
+
+__device__ Tile next_tile(int& t, int tiles, const int* tile_ends, const Args& a) {
+  for (; t < tiles; t += gridDim.x) {
+    const Tile tile = find_tile<TileSplit::kFull>(t, tile_ends, a.group_ends, a.experts);
+    if (tile.rows > 0) return tile;
+  }
+  return Tile{0, 0, 0};
+}
+
+template <int L, int F>
+struct Shape {
+  static_assert(L % 128 == 0 && F % 64 == 0, "L a multiple of 128, F of 64");
+  static constexpr int kKChunksA = L / 64, kChunksA = (F / 64) * kKChunksA;
+  static constexpr int kKChunksB = F / 64, kChunks = kChunksA + (L / 128) * kKChunksB;
+  // X (L / 64 matrices), H (F / 64), the ring, and 1 KB to align the start to 1024 bytes.
+  static constexpr size_t kSharedBytes =
+      size_t{L / 64 + F / 64 + kStages} * kMatrixBytes + 1024;
+};
+
+// The tile's rows of X [R, L] into xs: rows up to the next multiple of 64 (the warpgroups' blocks),
+// those past tile.rows zero-filled (their products are computed and never stored).
+template <int L>
+__device__ void load_tile_rows(uint32_t xs, const bf16* __restrict__ x, const Tile& tile) {
+  constexpr int kPieces = L / 8;
+  const int padded_rows = (tile.rows + 63) & ~63;
+  for (int p = threadIdx.x; p < padded_rows * kPieces; p += kThreads) {
+    const int r = p / kPieces, c = p - r * kPieces;
+    const bool valid = r < tile.rows;
+    const bf16* src = x + static_cast<int64_t>(tile.first_row + (valid ? r : 0)) * L + c * 8;
+    const uint32_t dst = xs + (c >> 3) * kMatrixBytes + swizzled(r, c & 7);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
+                 : "memory");
+  }
+}
+
+__device__ __forceinline__ void cp_async16_at(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+}
+
+template <int L, int F>
+__global__ void __launch_bounds__(kThreads, 1) moe_experts_forward_wgmma_kernel(Args a) {
+#if defined(ODYSSEY_NO_WGMMA)
+  __trap();
+#else
+  using S = Shape<L, F>;
+  extern __shared__ unsigned char shared_bytes[];
+  __shared__ int tile_ends[kMaxExperts];
+  const uint32_t base_address = (shared_address(shared_bytes) + 1023u) & ~1023u;
+  unsigned char* base = shared_bytes + (base_address - shared_address(shared_bytes));
+  const uint32_t xs = base_address;
+  const uint32_t hs = xs + (L / 64) * kMatrixBytes;
+  const uint32_t ring = hs + (F / 64) * kMatrixBytes;
+  unsigned char* hs_bytes = base + (L / 64) * kMatrixBytes;
+
+  const int tiles = build_tile_schedule<kThreads>(a.group_ends, a.experts, tile_ends);
+  const int warpgroup = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+  const int gq = lane >> 2, tq = lane & 3;
+  const SituCaps caps{a.beta1, a.beta2, 1.f / a.beta1, 1.f / a.beta2};
+  // This warpgroup's 64 rows in X and H.
+  const uint32_t x_rows = xs + warpgroup * 64 * kRowBytes, h_rows = hs + warpgroup * 64 * kRowBytes;
+  // This thread's pieces of every chunk: rows piece_row + 32 i, piece piece_col; the swizzled
+  // offset is the same for all four (32 i keeps r % 8).
+  const int piece_row = threadIdx.x >> 3, piece_col = threadIdx.x & 7;
+  const uint32_t piece_offset = swizzled(piece_row, piece_col);
+
+  auto issue_chunk = [&](const Tile& tile, int c, int position) {
+    const uint32_t dst = ring + (position % kStages) * kMatrixBytes + piece_offset;
+    const int64_t e = tile.expert;
+    if (c < S::kChunksA) {
+      const int s = c / S::kKChunksA, kc = c - s * S::kKChunksA;
+      const int64_t at = (e * F + s * 64 + piece_row) * L + kc * 64 + piece_col * 8;
+      cp_async16_at(dst, a.gate_proj + at);
+      cp_async16_at(dst + 32 * kRowBytes, a.gate_proj + at + 32 * L);
+      cp_async16_at(dst + 64 * kRowBytes, a.up_proj + at);
+      cp_async16_at(dst + 96 * kRowBytes, a.up_proj + at + 32 * L);
+    } else {
+      const int cb = c - S::kChunksA;
+      const int s = cb / S::kKChunksB, kc = cb - s * S::kKChunksB;
+      const bf16* src = a.down_proj + (e * L + s * 128 + piece_row) * F + kc * 64 + piece_col * 8;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) cp_async16_at(dst + i * 32 * kRowBytes, src + i * 32 * F);
+    }
+  };
+
+  int t = blockIdx.x;
+  Tile tile = next_tile(t, tiles, tile_ends, a);
+  if (tile.rows == 0) return;
+  int t_next = t + gridDim.x;
+  Tile next = next_tile(t_next, tiles, tile_ends, a);
+  load_tile_rows<L>(xs, a.rows, tile);  // joins chunk 0's group
+  int base_position = 0;                // the current tile's chunk 0's position in the stream
+#pragma unroll
+  for (int c = 0; c < 2; ++c) {
+    if (c < S::kChunks) {
+      issue_chunk(tile, c, c);
+    } else if (next.rows > 0) {
+      issue_chunk(next, c - S::kChunks, c);
+    }
+    cp_async_commit();
+  }
+
+  float acc[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+  while (true) {
+    for (int c = 0; c < S::kChunks; ++c) {
+      // Chunk c (and, at a tile's chunk 0, its rows) landed; this thread's shared writes (cp.async,
+      // H) made visible to the async proxy (wgmma), then to every thread.
+      cp_async_wait<1>();
+      fence_proxy_async();
+      __syncthreads();
+      if (c == S::kChunksA && next.rows > 0) load_tile_rows<L>(xs, a.rows, next);
+      const int ahead = c + 2;
+      if (ahead < S::kChunks) {
+        issue_chunk(tile, ahead, base_position + ahead);
+      } else if (next.rows > 0) {
+        issue_chunk(next, ahead - S::kChunks, base_position + ahead);
+      }
+      cp_async_commit();  // possibly empty: keeps the wait counts uniform
+      const uint32_t slot = ring + ((base_position + c) % kStages) * kMatrixBytes;
+      const bool stage_a = c < S::kChunksA;
+      int s, kc;
+      if (stage_a) {
+        s = c / S::kKChunksA, kc = c - s * S::kKChunksA;
+      } else {
+        s = (c - S::kChunksA) / S::kKChunksB, kc = c - S::kChunksA - s * S::kKChunksB;
+      }
+      const bool slice_end = kc == (stage_a ? S::kKChunksA : S::kKChunksB) - 1;
+      const uint32_t a_rows = (stage_a ? x_rows : h_rows) + kc * kMatrixBytes;
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) wgmma_m64n128k16(acc, descriptor(a_rows + kk * 32), descriptor(slot + kk * 32));
+      wgmma_commit();
+      if (!slice_end) {
+        wgmma_wait<1>();
+        continue;
+      }
+      wgmma_wait<0>();
+      // acc[4 j + e]: n8 tile j, rows 16 warp + gq (e < 2) and + 8 (e >= 2), columns 8 j + 2 tq + (e & 1).
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = warpgroup * 64 + warp * 16 + gq + half * 8;  // row in the tile
+        if (stage_a) {
+          // G: tiles 0-7 (64 columns of the slice), U: tiles 8-15; a thread holds both of a column.
+          uint32_t packed[16];
+#pragma unroll
+          for (int j = 0; j < 16; ++j) packed[j] = pack_bf16(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            const float2 gf = __bfloat1622float2(*reinterpret_cast<const bf162*>(&packed[j]));
+            const float2 uf = __bfloat1622float2(*reinterpret_cast<const bf162*>(&packed[j + 8]));
+            const bf162 h = __floats2bfloat162_rn(situ_h_fast(gf.x, uf.x, caps), situ_h_fast(gf.y, uf.y, caps));
+            *reinterpret_cast<bf162*>(hs_bytes + s * kMatrixBytes + swizzled(r, j) + 4 * tq) = h;
+          }
+          if (a.gate != nullptr) {
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {  // G's tiles 0-3, 4-7, then U's 8-11, 12-15
+              uint32_t four[4] = {packed[4 * q], packed[4 * q + 1], packed[4 * q + 2], packed[4 * q + 3]};
+              quad_transpose(four, tq);
+              if (r < tile.rows) {
+                bf16* out = (q < 2 ? a.gate : a.up) + static_cast<int64_t>(tile.first_row + r) * F + s * 64 +
+                            (q & 1) * 32 + tq * 8;
+                *reinterpret_cast<uint4*>(out) = make_uint4(four[0], four[1], four[2], four[3]);
+              }
+            }
+          }
+        } else {
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            uint32_t four[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              const int j = 4 * q + i;
+              four[i] = pack_bf16(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+            }
+            quad_transpose(four, tq);
+            if (r < tile.rows) {
+              bf16* out = a.y + static_cast<int64_t>(tile.first_row + r) * L + s * 128 + q * 32 + tq * 8;
+              *reinterpret_cast<uint4*>(out) = make_uint4(four[0], four[1], four[2], four[3]);
+            }
+          }
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+    }
+    if (next.rows == 0) break;
+    tile = next;
+    base_position = (base_position + S::kChunks) % kStages;
+    t_next += gridDim.x;
+    next = next_tile(t_next, tiles, tile_ends, a);
+    // The next tile's rows went out with the group of chunk kChunksA + 2; with fewer than two
+    // chunks in stage B, the waits above have not covered that group yet.
+    if (S::kChunks - S::kChunksA < 2) cp_async_wait<0>();
+  }
+  cp_async_wait<0>();
+#endif
+}
+
+struct KernelInfo {
+  void (*kernel)(Args) = nullptr;
+  size_t shared = 0;
+};
+template <int L, int... Fs>
+void find_for_latent(int64_t latent, int64_t ffn, KernelInfo& info) {
+  ((latent == L && ffn == Fs ? (info = KernelInfo{&moe_experts_forward_wgmma_kernel<L, Fs>,
+                                                  Shape<L, Fs>::kSharedBytes},
+                                0)
+                             : 0),
+   ...);
+}
+// The (L, F) pairs compiled: those whose X, H and ring fit 227 KB with the schedule (L + F <= 576).
+KernelInfo find_kernel(int64_t latent, int64_t ffn) {
+  KernelInfo info;
+  find_for_latent<128, 64, 128, 192, 256, 320, 384, 448>(latent, ffn, info);
+  find_for_latent<256, 64, 128, 192, 256, 320>(latent, ffn, info);
+  find_for_latent<384, 64, 128, 192>(latent, ffn, info);
+  find_for_latent<512, 64>(latent, ffn, info);
+  return info;
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+}  // namespace
+
+bool moe_experts_forward_wgmma_supported(int64_t latent, int64_t ffn, int64_t experts) {
+  if (experts < 1 || experts > kMaxExperts) return false;
+  const KernelInfo info = find_kernel(latent, ffn);
+  if (info.kernel == nullptr) return false;
+  int device = 0, optin = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return false;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
+    return false;
+  }
+  constexpr size_t kStatic = (kMaxExperts + kThreads / 32) * sizeof(int);
+  return major == 9 && minor == 0 && info.shared + kStatic <= static_cast<size_t>(optin);
+}
+
+cudaError_t moe_experts_forward_wgmma(const void* rows, const void* gate_proj, const void* up_proj,
+                                      const void* down_proj, const int32_t* group_ends, void* y,
+                                      void* gate, void* up, int64_t total_rows, int64_t experts,
+                                      int64_t latent, int64_t ffn, float beta1, float beta2,
+                                      cudaStream_t stream) {
+  if (!moe_experts_forward_wgmma_supported(latent, ffn, experts) || total_rows < 0 ||
+      total_rows >= (int64_t{1} << 31) || (gate == nullptr) != (up == nullptr) || !(beta1 > 0.f) ||
+      !(beta2 > 0.f)) {
+    return cudaErrorInvalidValue;
+  }
+  for (const void* p : {rows, gate_proj, up_proj, down_proj, static_cast<const void*>(y)}) {
+    if (!aligned16(p)) return cudaErrorInvalidValue;
+  }
+  if (gate != nullptr && (!aligned16(gate) || !aligned16(up))) return cudaErrorInvalidValue;
+  if (total_rows == 0) return cudaSuccess;
+  const KernelInfo info = find_kernel(latent, ffn);
+  int device = 0, sms = 0;
+  cudaError_t error = cudaGetDevice(&device);
+  if (error == cudaSuccess) error = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (error == cudaSuccess) {
+    error = cudaFuncSetAttribute(info.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 static_cast<int>(info.shared));
+  }
+  if (error != cudaSuccess) return error;
+  Args a;
+  a.rows = static_cast<const bf16*>(rows);
+  a.gate_proj = static_cast<const bf16*>(gate_proj);
+  a.up_proj = static_cast<const bf16*>(up_proj);
+  a.down_proj = static_cast<const bf16*>(down_proj);
+  a.group_ends = group_ends;
+  a.y = static_cast<bf16*>(y);
+  a.gate = static_cast<bf16*>(gate);
+  a.up = static_cast<bf16*>(up);
+  a.experts = static_cast<int>(experts);
+  a.beta1 = beta1;
+  a.beta2 = beta2;
+  const int64_t max_tiles = total_rows / kTileRows + experts;
+  const int grid = static_cast<int>(max_tiles < sms ? max_tiles : sms);
+  info.kernel<<<grid, kThreads, info.shared, stream>>>(a);
+  return cudaGetLastError();
+}
+
+}  // namespace odyssey::kernels

@@ -1,0 +1,24 @@
+// The routed experts' fused forward on Hopper's wgmma (kernels/moe_experts_sm90.cu, built for
+// sm_90a only). The contract is moe_experts_forward's (kernels/moe.h): the same arguments, outputs
+// and preconditions; moe_experts_forward calls this where it is supported unless told otherwise.
+// Results: G and U are the same products as the mma.sync kernel's, summed in another order (equal
+// to within fp32 rounding before their bf16 rounding), H and y follow from them.
+// Supported: an sm_90 device (H100 / H200), L in {128, 256, 384, 512} and F a multiple of 64 with
+// L + F <= 576 (X, H and a ring of four 16 KB weight chunks in 227 KB; L = 384, F = 192: 209 KB),
+// 1 <= E <= 1024, R < 2^31, 16-byte aligned pointers.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+namespace odyssey::kernels {
+
+bool moe_experts_forward_wgmma_supported(int64_t latent, int64_t ffn, int64_t experts);
+cudaError_t moe_experts_forward_wgmma(const void* rows, const void* gate_proj, const void* up_proj,
+                                      const void* down_proj, const int32_t* group_ends, void* y,
+                                      void* gate, void* up, int64_t total_rows, int64_t experts,
+                                      int64_t latent, int64_t ffn, float beta1, float beta2,
+                                      cudaStream_t stream);
+
+}  // namespace odyssey::kernels
