@@ -5,9 +5,8 @@
 //
 // A CTA of two warpgroups takes a tile of at most 128 rows of one expert (TileSplit::kFull: 128
 // rows a tile and the rest in the last, so an expert's rows cost ceil(c / 64) blocks of 64);
-// warpgroup g owns rows 64 g .. 64 g + 63 (on a tile of 64 rows or fewer the second warpgroup's
-// products run on whatever its rows hold and are never stored: skipping them behind a branch makes
-// ptxas serialize every wgmma of the kernel, C7511 / C7520):
+// warpgroup g owns rows 64 g .. 64 g + 63 (on a tile of 64 rows or fewer the second warpgroup
+// issues no products; its epilogue runs on rows that are never stored):
 //   stage A, per slice s of 64 columns of F: [G | U] (64 x 128 a warpgroup, fp32 in registers)
 //            = X (the tile's rows, in shared memory) times 128 x 64 chunks of [W_gate; W_up]
 //            (rows 0-63: W_gate's 64 columns of the slice, 64-127: W_up's) streamed along L; then
@@ -41,7 +40,6 @@ namespace {
 using bf16 = __nv_bfloat16;
 using bf162 = __nv_bfloat162;
 
-constexpr int kThreads = 256;      // two warpgroups
 constexpr int kStages = 4;         // ring slots: loads two chunks ahead, one chunk's wgmma in flight
 constexpr int kRowBytes = 128;     // a swizzled row: 64 bf16
 constexpr int kMatrixBytes = kTileRows * kRowBytes;  // 128 rows of 64 bf16: 16 KB
@@ -111,14 +109,6 @@ struct Args {
   float beta1, beta2;
 };
 
-__device__ Tile next_tile(int& t, int tiles, const int* tile_ends, const Args& a) {
-  for (; t < tiles; t += gridDim.x) {
-    const Tile tile = find_tile<TileSplit::kFull>(t, tile_ends, a.group_ends, a.experts);
-    if (tile.rows > 0) return tile;
-  }
-  return Tile{0, 0, 0};
-}
-
 template <int L, int F>
 struct Shape {
   static_assert(L % 128 == 0 && F % 64 == 0, "L a multiple of 128, F of 64");
@@ -129,107 +119,170 @@ struct Shape {
       size_t{L / 64 + F / 64 + kStages} * kMatrixBytes + 1024;
 };
 
-// The tile's rows of X [R, L] into xs: rows up to the next multiple of 64 (the warpgroups' blocks),
-// those past tile.rows zero-filled (their products are computed and never stored).
-template <int L>
-__device__ void load_tile_rows(uint32_t xs, const bf16* __restrict__ x, const Tile& tile) {
-  constexpr int kPieces = L / 8;
-  const int padded_rows = (tile.rows + 63) & ~63;
-  for (int p = threadIdx.x; p < padded_rows * kPieces; p += kThreads) {
-    const int r = p / kPieces, c = p - r * kPieces;
-    const bool valid = r < tile.rows;
-    const bf16* src = x + static_cast<int64_t>(tile.first_row + (valid ? r : 0)) * L + c * 8;
-    const uint32_t dst = xs + (c >> 3) * kMatrixBytes + swizzled(r, c & 7);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
-                 : "memory");
-  }
-}
-
 __device__ __forceinline__ void cp_async16_at(uint32_t dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
 }
 
+// mbarriers (PTX ISA, "Parallel synchronization and communication: mbarrier").
+__device__ __forceinline__ void mbarrier_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+// One arrival from the lane that has `lane` 0, as a predicated instruction (no branch: a branch
+// here puts the consumers' wgmma on a divergent path for ptxas, which then serializes them).
+__device__ __forceinline__ void mbarrier_arrive_lane0(uint32_t bar, int lane) {
+  asm volatile(
+      "{\n"
+      ".reg .pred first;\n"
+      "setp.eq.s32 first, %1, 0;\n"
+      "@first mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];\n"
+      "}\n" ::"r"(bar),
+      "r"(lane)
+      : "memory");
+}
+// Blocks until the phase of parity `parity` has completed (a fresh barrier counts its phase of
+// parity 1 as completed, so a producer's first wait for an empty slot passes at once).
+__device__ __forceinline__ void mbarrier_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "wait_%=:\n"
+      "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra wait_%=;\n"
+      "}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+// One arrival on bar when this thread's cp.async so far have landed (counted in the init count).
+__device__ __forceinline__ void cp_async_arrive(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+
+// Roles: warps 0-7 the two consumer warpgroups (products and epilogues), warp 8 streams the
+// weight chunks, warp 9 the tiles' rows. Nothing waits on a CTA-wide barrier after the schedule
+// is built: every hand-over is an mbarrier, so a warpgroup's epilogue overlaps the other's
+// products and the loads run ahead as far as the ring allows.
+constexpr int kConsumerThreads = 256;
+constexpr int kWeightWarp = 8, kRowsWarp = 9;
+constexpr int kAllThreads = 320;
+
 template <int L, int F>
-__global__ void __launch_bounds__(kThreads, 1) moe_experts_forward_wgmma_kernel(Args a) {
+__global__ void __launch_bounds__(kAllThreads, 1) moe_experts_forward_wgmma_kernel(Args a) {
 #if defined(ODYSSEY_NO_WGMMA)
   __trap();
 #else
   using S = Shape<L, F>;
   extern __shared__ unsigned char shared_bytes[];
   __shared__ int tile_ends[kMaxExperts];
+  __shared__ __align__(8) uint64_t barriers[2 * kStages + 2];
   const uint32_t base_address = (shared_address(shared_bytes) + 1023u) & ~1023u;
   unsigned char* base = shared_bytes + (base_address - shared_address(shared_bytes));
   const uint32_t xs = base_address;
   const uint32_t hs = xs + (L / 64) * kMatrixBytes;
   const uint32_t ring = hs + (F / 64) * kMatrixBytes;
   unsigned char* hs_bytes = base + (L / 64) * kMatrixBytes;
-
-  const int tiles = build_tile_schedule<kThreads>(a.group_ends, a.experts, tile_ends);
-  const int warpgroup = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
-  const int gq = lane >> 2, tq = lane & 3;
-  const SituCaps caps{a.beta1, a.beta2, 1.f / a.beta1, 1.f / a.beta2};
-  // This warpgroup's 64 rows in X and H.
-  const uint32_t x_rows = xs + warpgroup * 64 * kRowBytes, h_rows = hs + warpgroup * 64 * kRowBytes;
-  // This thread's pieces of every chunk: rows piece_row + 32 i, piece piece_col; the swizzled
-  // offset is the same for all four (32 i keeps r % 8).
-  const int piece_row = threadIdx.x >> 3, piece_col = threadIdx.x & 7;
-  const uint32_t piece_offset = swizzled(piece_row, piece_col);
-
-  auto issue_chunk = [&](const Tile& tile, int c, int position) {
-    const uint32_t dst = ring + (position % kStages) * kMatrixBytes + piece_offset;
-    const int64_t e = tile.expert;
-    if (c < S::kChunksA) {
-      const int s = c / S::kKChunksA, kc = c - s * S::kKChunksA;
-      const int64_t at = (e * F + s * 64 + piece_row) * L + kc * 64 + piece_col * 8;
-      cp_async16_at(dst, a.gate_proj + at);
-      cp_async16_at(dst + 32 * kRowBytes, a.gate_proj + at + 32 * L);
-      cp_async16_at(dst + 64 * kRowBytes, a.up_proj + at);
-      cp_async16_at(dst + 96 * kRowBytes, a.up_proj + at + 32 * L);
-    } else {
-      const int cb = c - S::kChunksA;
-      const int s = cb / S::kKChunksB, kc = cb - s * S::kKChunksB;
-      const bf16* src = a.down_proj + (e * L + s * 128 + piece_row) * F + kc * 64 + piece_col * 8;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) cp_async16_at(dst + i * 32 * kRowBytes, src + i * 32 * F);
+  // full[i]: slot i's chunk landed (32 arrivals: the weight warp's lanes); empty[i]: the 8
+  // consumer warps are done with it; rows_full / rows_empty: the same for the tile's rows in xs.
+  const uint32_t full = shared_address(&barriers[0]), empty = shared_address(&barriers[kStages]);
+  const uint32_t rows_full = shared_address(&barriers[2 * kStages]), rows_empty = rows_full + 8;
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < kStages; ++i) {
+      mbarrier_init(full + 8 * i, 32);
+      mbarrier_init(empty + 8 * i, kConsumerThreads / 32);
     }
-  };
+    mbarrier_init(rows_full, 32);
+    mbarrier_init(rows_empty, kConsumerThreads / 32);
+  }
+  const int tiles = build_tile_schedule<kAllThreads>(a.group_ends, a.experts, tile_ends);  // ends in __syncthreads
+  // Role and warpgroup by a shuffle from lane 0: ptxas then knows they are warp-uniform, and does
+  // not serialize the wgmma instructions behind the branches on them (C7518 / C7520).
+  const int warp_id = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x >> 5), 0), lane = threadIdx.x & 31;
 
-  int t = blockIdx.x;
-  Tile tile = next_tile(t, tiles, tile_ends, a);
-  if (tile.rows == 0) return;
-  int t_next = t + gridDim.x;
-  Tile next = next_tile(t_next, tiles, tile_ends, a);
-  load_tile_rows<L>(xs, a.rows, tile);  // joins chunk 0's group
-  int base_position = 0;                // the current tile's chunk 0's position in the stream
+  if (warp_id == kWeightWarp) {
+    // Chunk p of the CTA's stream goes to slot p % kStages, once the consumers freed it.
+    // Lane l copies piece l % 8 of rows l / 8 + 4 i (i < 32), each to its row's swizzled place.
+    const int piece_row = lane >> 3, piece_col = lane & 7;
+    int position = 0;
+    for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+      const Tile tile = find_tile<TileSplit::kFull>(t, tile_ends, a.group_ends, a.experts);
+      if (tile.rows <= 0) continue;
+      const int64_t e = tile.expert;
+      for (int c = 0; c < S::kChunks; ++c, ++position) {
+        const int slot = position % kStages;
+        mbarrier_wait(empty + 8 * slot, ((position / kStages) & 1) ^ 1);
+        const uint32_t slot_address = ring + slot * kMatrixBytes;
+        auto dst = [&](int row) { return slot_address + swizzled(row, piece_col); };
+        if (c < S::kChunksA) {
+          const int s = c / S::kKChunksA, kc = c - s * S::kKChunksA;
+          const int64_t at = (e * F + s * 64 + piece_row) * L + kc * 64 + piece_col * 8;
 #pragma unroll
-  for (int c = 0; c < 2; ++c) {
-    if (c < S::kChunks) {
-      issue_chunk(tile, c, c);
-    } else if (next.rows > 0) {
-      issue_chunk(next, c - S::kChunks, c);
+          for (int i = 0; i < 16; ++i) cp_async16_at(dst(piece_row + 4 * i), a.gate_proj + at + i * 4 * L);
+#pragma unroll
+          for (int i = 0; i < 16; ++i) cp_async16_at(dst(piece_row + 64 + 4 * i), a.up_proj + at + i * 4 * L);
+        } else {
+          const int cb = c - S::kChunksA;
+          const int s = cb / S::kKChunksB, kc = cb - s * S::kKChunksB;
+          const bf16* src = a.down_proj + (e * L + s * 128 + piece_row) * F + kc * 64 + piece_col * 8;
+#pragma unroll
+          for (int i = 0; i < 32; ++i) cp_async16_at(dst(piece_row + 4 * i), src + i * 4 * F);
+        }
+        cp_async_arrive(full + 8 * slot);
+      }
     }
-    cp_async_commit();
+    cp_async_wait<0>();
+    return;
+  }
+  if (warp_id == kRowsWarp) {
+    // Tile k's rows into xs once the consumers are done with tile k - 1's stage A; rows up to the
+    // next multiple of 64, those past the tile zero-filled.
+    int k = 0;
+    for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+      const Tile tile = find_tile<TileSplit::kFull>(t, tile_ends, a.group_ends, a.experts);
+      if (tile.rows <= 0) continue;
+      mbarrier_wait(rows_empty, (k & 1) ^ 1);
+      constexpr int kPieces = L / 8;
+      const int padded_rows = (tile.rows + 63) & ~63;
+      for (int p = lane; p < padded_rows * kPieces; p += 32) {
+        const int r = p / kPieces, c = p - r * kPieces;
+        const bool valid = r < tile.rows;
+        const bf16* src = a.rows + static_cast<int64_t>(tile.first_row + (valid ? r : 0)) * L + c * 8;
+        const uint32_t dst = xs + (c >> 3) * kMatrixBytes + swizzled(r, c & 7);
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
+                     : "memory");
+      }
+      cp_async_arrive(rows_full);
+      ++k;
+    }
+    cp_async_wait<0>();
+    return;
   }
 
+  // The consumers.
+  const int warpgroup = warp_id >> 2, warp = warp_id & 3;
+  const int gq = lane >> 2, tq = lane & 3;
+  const SituCaps caps{a.beta1, a.beta2, 1.f / a.beta1, 1.f / a.beta2};
+  const uint32_t x_rows = xs + warpgroup * 64 * kRowBytes, h_rows = hs + warpgroup * 64 * kRowBytes;
+  // This warp is done with stream position q's slot: one arrival of the warp on its empty barrier.
+  auto release = [&](int q) {
+    __syncwarp();
+    mbarrier_arrive_lane0(empty + 8 * (q % kStages), lane);
+  };
   float acc[64];
 #pragma unroll
   for (int i = 0; i < 64; ++i) acc[i] = 0.f;
-  while (true) {
-    for (int c = 0; c < S::kChunks; ++c) {
-      // Chunk c (and, at a tile's chunk 0, its rows) landed; this thread's shared writes (cp.async,
-      // H) made visible to the async proxy (wgmma), then to every thread.
-      cp_async_wait<1>();
-      fence_proxy_async();
-      __syncthreads();
-      if (c == S::kChunksA && next.rows > 0) load_tile_rows<L>(xs, a.rows, next);
-      const int ahead = c + 2;
-      if (ahead < S::kChunks) {
-        issue_chunk(tile, ahead, base_position + ahead);
-      } else if (next.rows > 0) {
-        issue_chunk(next, ahead - S::kChunks, base_position + ahead);
-      }
-      cp_async_commit();  // possibly empty: keeps the wait counts uniform
-      const uint32_t slot = ring + ((base_position + c) % kStages) * kMatrixBytes;
+  int position = 0, k = 0;
+  for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const Tile tile = find_tile<TileSplit::kFull>(t, tile_ends, a.group_ends, a.experts);
+    if (tile.rows <= 0) continue;
+    // Whether this warpgroup has rows in the tile (uniform in it). Only the wgmma instructions go
+    // behind it, their fence, commit and waits run either way, and the shuffle shows ptxas the
+    // value is warp-uniform: otherwise it serializes every wgmma of the kernel (C7511, C7520).
+    const bool active = __shfl_sync(0xffffffffu, tile.rows > warpgroup * 64, 0);
+    mbarrier_wait(rows_full, k & 1);
+    int pending = -1;  // the stream position whose slot is still to be released
+    for (int c = 0; c < S::kChunks; ++c, ++position) {
+      const int slot = position % kStages;
+      mbarrier_wait(full + 8 * slot, (position / kStages) & 1);
+      fence_proxy_async();  // the chunk's generic-proxy writes (cp.async) before wgmma reads them
       const bool stage_a = c < S::kChunksA;
       int s, kc;
       if (stage_a) {
@@ -239,15 +292,30 @@ __global__ void __launch_bounds__(kThreads, 1) moe_experts_forward_wgmma_kernel(
       }
       const bool slice_end = kc == (stage_a ? S::kKChunksA : S::kKChunksB) - 1;
       const uint32_t a_rows = (stage_a ? x_rows : h_rows) + kc * kMatrixBytes;
+      const uint32_t slot_address = ring + slot * kMatrixBytes;
       wgmma_fence();
+      if (active) {
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk) wgmma_m64n128k16(acc, descriptor(a_rows + kk * 32), descriptor(slot + kk * 32));
+        for (int kk = 0; kk < 4; ++kk) {
+          wgmma_m64n128k16(acc, descriptor(a_rows + kk * 32), descriptor(slot_address + kk * 32));
+        }
+      }
       wgmma_commit();
       if (!slice_end) {
         wgmma_wait<1>();
+        if (pending >= 0) release(pending);
+        pending = position;
         continue;
       }
       wgmma_wait<0>();
+      if (pending >= 0) release(pending);
+      release(position);
+      pending = -1;
+      if (c == S::kChunksA - 1) {
+        // Stage A's last products are done: xs may take the next tile's rows.
+        __syncwarp();
+        mbarrier_arrive_lane0(rows_empty, lane);
+      }
       // acc[4 j + e]: n8 tile j, rows 16 warp + gq (e < 2) and + 8 (e >= 2), columns 8 j + 2 tq + (e & 1).
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
@@ -295,17 +363,15 @@ __global__ void __launch_bounds__(kThreads, 1) moe_experts_forward_wgmma_kernel(
       }
 #pragma unroll
       for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+      if (c == S::kChunksA - 1) {
+        // H complete: made visible to the async proxy, then to the warpgroup's other warps (each
+        // warp wrote its own 16 rows; stage B's products read all 64).
+        fence_proxy_async();
+        asm volatile("bar.sync %0, 128;\n" ::"r"(1 + warpgroup) : "memory");
+      }
     }
-    if (next.rows == 0) break;
-    tile = next;
-    base_position = (base_position + S::kChunks) % kStages;
-    t_next += gridDim.x;
-    next = next_tile(t_next, tiles, tile_ends, a);
-    // The next tile's rows went out with the group of chunk kChunksA + 2; with fewer than two
-    // chunks in stage B, the waits above have not covered that group yet.
-    if (S::kChunks - S::kChunksA < 2) cp_async_wait<0>();
+    ++k;
   }
-  cp_async_wait<0>();
 #endif
 }
 
@@ -346,7 +412,7 @@ bool moe_experts_forward_wgmma_supported(int64_t latent, int64_t ffn, int64_t ex
       cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
     return false;
   }
-  constexpr size_t kStatic = (kMaxExperts + kThreads / 32) * sizeof(int);
+  constexpr size_t kStatic = (kMaxExperts + kAllThreads / 32) * sizeof(int) + (2 * kStages + 2) * 8;
   return major == 9 && minor == 0 && info.shared + kStatic <= static_cast<size_t>(optin);
 }
 
@@ -388,7 +454,7 @@ cudaError_t moe_experts_forward_wgmma(const void* rows, const void* gate_proj, c
   a.beta2 = beta2;
   const int64_t max_tiles = total_rows / kTileRows + experts;
   const int grid = static_cast<int>(max_tiles < sms ? max_tiles : sms);
-  info.kernel<<<grid, kThreads, info.shared, stream>>>(a);
+  info.kernel<<<grid, kAllThreads, info.shared, stream>>>(a);
   return cudaGetLastError();
 }
 

@@ -20,7 +20,7 @@ __device__ int build_tile_schedule(const int32_t* __restrict__ group_ends, int e
                                    int* tile_ends) {
   __shared__ int warp_sums[kThreads / 32];
   constexpr unsigned kFullMask = 0xffffffffu;
-  constexpr int kPerThread = kMaxExperts / kThreads;
+  constexpr int kPerThread = (kMaxExperts + kThreads - 1) / kThreads;
   const int first = threadIdx.x * kPerThread;
   int counts[kPerThread];
   int local = 0;
