@@ -157,6 +157,15 @@ __device__ __forceinline__ void cp_async_arrive(uint32_t bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
 
+// The CTA's tile of round r: tiles are dealt in rounds of gridDim.x, snaking (CTA b takes the b-th
+// of even rounds and the b-th from the end of odd ones). An expert's tiles are a full one of 128
+// rows and a short last one, side by side: dealt straight, an even grid would give every full
+// tile to the even CTAs and every short one to the odd.
+__device__ __forceinline__ int snake_tile(int round) {
+  const int g = static_cast<int>(gridDim.x), b = static_cast<int>(blockIdx.x);
+  return (round & 1) == 0 ? round * g + b : (round + 1) * g - 1 - b;
+}
+
 // Roles: warps 0-7 the two consumer warpgroups (products and epilogues), warp 8 streams the
 // weight chunks, warp 9 the tiles' rows. Nothing waits on a CTA-wide barrier after the schedule
 // is built: every hand-over is an mbarrier, so a warpgroup's epilogue overlaps the other's
@@ -202,7 +211,9 @@ __global__ void __launch_bounds__(kAllThreads, 1) moe_experts_forward_wgmma_kern
     // Lane l copies piece l % 8 of rows l / 8 + 4 i (i < 32), each to its row's swizzled place.
     const int piece_row = lane >> 3, piece_col = lane & 7;
     int position = 0;
-    for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+    for (int round = 0; round * static_cast<int>(gridDim.x) < tiles; ++round) {
+      const int t = snake_tile(round);
+      if (t >= tiles) continue;
       const Tile tile = find_tile<TileSplit::kFull>(t, tile_ends, a.group_ends, a.experts);
       if (tile.rows <= 0) continue;
       const int64_t e = tile.expert;
@@ -235,7 +246,9 @@ __global__ void __launch_bounds__(kAllThreads, 1) moe_experts_forward_wgmma_kern
     // Tile k's rows into xs once the consumers are done with tile k - 1's stage A; rows up to the
     // next multiple of 64, those past the tile zero-filled.
     int k = 0;
-    for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+    for (int round = 0; round * static_cast<int>(gridDim.x) < tiles; ++round) {
+      const int t = snake_tile(round);
+      if (t >= tiles) continue;
       const Tile tile = find_tile<TileSplit::kFull>(t, tile_ends, a.group_ends, a.experts);
       if (tile.rows <= 0) continue;
       mbarrier_wait(rows_empty, (k & 1) ^ 1);
@@ -270,7 +283,9 @@ __global__ void __launch_bounds__(kAllThreads, 1) moe_experts_forward_wgmma_kern
 #pragma unroll
   for (int i = 0; i < 64; ++i) acc[i] = 0.f;
   int position = 0, k = 0;
-  for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+  for (int round = 0; round * static_cast<int>(gridDim.x) < tiles; ++round) {
+    const int t = snake_tile(round);
+    if (t >= tiles) continue;
     const Tile tile = find_tile<TileSplit::kFull>(t, tile_ends, a.group_ends, a.experts);
     if (tile.rows <= 0) continue;
     // Whether this warpgroup has rows in the tile (uniform in it). Only the wgmma instructions go
