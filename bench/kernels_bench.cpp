@@ -827,36 +827,47 @@ void moe_grouped_gemm_comparison(const KernelsBenchOptions& o, model::MoeImpl& l
   }
   if (kernels::moe_experts_dx_applies(ds.d_gate, gate_proj)) {
     // dX = dG W_gate + dU W_up in one kernel, against the two dense matmuls of the same shapes.
-    auto dx = [&](const at::Tensor& ends) {
-      kernels::moe_experts_dx(ds.d_gate, ds.d_up, gate_proj, layer.experts->up_proj, ends);
-    };
-    const double routed_ms = best([&] { dx(v.perm.group_ends); });
-    const double even_ms = best([&] { dx(even_ends); });
     const double dense_ms = best([&] {
       at::mm(ds.d_gate, gate_proj.select(0, 0));
       at::mm(ds.d_up, layer.experts->up_proj.select(0, 0));
     });
     const double flops = 2 * 2 * r * l * f;
-    std::printf("  %-40s %22s %22s %22s %7.2f\n", "dX: dG W_gate + dU W_up",
-                cell(routed_ms, flops).c_str(), cell(even_ms, flops).c_str(), cell(dense_ms, flops).c_str(),
-                dense_ms / routed_ms);
+    const bool wgmma = kernels::moe_experts_dx_wgmma_supported(mo.latent, mo.expert_ffn, mo.num_experts);
+    for (const auto kernel : {kernels::MoeExpertsKernel::kMmaSync, kernels::MoeExpertsKernel::kWgmma}) {
+      if (kernel == kernels::MoeExpertsKernel::kWgmma && !wgmma) continue;
+      auto dx = [&](const at::Tensor& ends) {
+        kernels::moe_experts_dx(ds.d_gate, ds.d_up, gate_proj, layer.experts->up_proj, ends, kernel);
+      };
+      const double routed_ms = best([&] { dx(v.perm.group_ends); });
+      const double even_ms = best([&] { dx(even_ends); });
+      std::printf("  %-40s %22s %22s %22s %7.2f\n",
+                  kernel == kernels::MoeExpertsKernel::kWgmma ? "dX: dG W_gate + dU W_up, wgmma" : "dX: dG W_gate + dU W_up, mma.sync",
+                  cell(routed_ms, flops).c_str(), cell(even_ms, flops).c_str(), cell(dense_ms, flops).c_str(),
+                  dense_ms / routed_ms);
+    }
   }
   if (kernels::moe_experts_weight_grads_applies(v.rows, gate_proj)) {
     // The three weight gradients in one kernel, against the three dense matmuls of the same shapes.
-    auto grads = [&](const at::Tensor& ends) {
-      kernels::moe_experts_weight_grads(v.rows, ds.d_gate, ds.d_up, d_out, ds.h, ends, true, true);
-    };
-    const double routed_ms = best([&] { grads(v.perm.group_ends); });
-    const double even_ms = best([&] { grads(even_ends); });
     const double dense_ms = best([&] {
       at::mm(ds.d_gate.t(), v.rows);
       at::mm(ds.d_up.t(), v.rows);
       at::mm(d_out.t(), ds.h);
     });
     const double flops = 3 * 2 * r * l * f;
-    std::printf("  %-40s %22s %22s %22s %7.2f\n", "weight grads: dG^T X, dU^T X, dY^T H",
-                cell(routed_ms, flops).c_str(), cell(even_ms, flops).c_str(), cell(dense_ms, flops).c_str(),
-                dense_ms / routed_ms);
+    const bool wgmma = kernels::moe_experts_weight_grads_wgmma_supported(mo.latent, mo.expert_ffn, mo.num_experts);
+    for (const auto kernel : {kernels::MoeExpertsKernel::kMmaSync, kernels::MoeExpertsKernel::kWgmma}) {
+      if (kernel == kernels::MoeExpertsKernel::kWgmma && !wgmma) continue;
+      auto grads = [&](const at::Tensor& ends) {
+        kernels::moe_experts_weight_grads(v.rows, ds.d_gate, ds.d_up, d_out, ds.h, ends, true, true, kernel);
+      };
+      const double routed_ms = best([&] { grads(v.perm.group_ends); });
+      const double even_ms = best([&] { grads(even_ends); });
+      std::printf("  %-40s %22s %22s %22s %7.2f\n",
+                  kernel == kernels::MoeExpertsKernel::kWgmma ? "weight grads: dG^T X, dU^T X, dY^T H, wgmma"
+                                                              : "weight grads: dG^T X, dU^T X, dY^T H, mma.sync",
+                  cell(routed_ms, flops).c_str(), cell(even_ms, flops).c_str(), cell(dense_ms, flops).c_str(),
+                  dense_ms / routed_ms);
+    }
     std::printf("  (dX: moe_experts_dx, weight grads: moe_experts_weight_grads, one kernel each, against the dense "
                 "matmuls of their products)\n");
   }

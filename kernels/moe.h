@@ -197,12 +197,16 @@ cudaError_t moe_experts_forward(const void* rows, const void* gate_proj, const v
 // of the fp32 sums. Supported (moe_experts_weight_grads_supported): sm_80 or newer, L a multiple
 // of 128, F a multiple of 64, 1 <= E <= 1024 (every CTA sorts the experts by rows in shared
 // memory and deals the jobs out largest first), E L F < 2^31, R < 2^31, 16-byte aligned pointers.
+// Two kernels (MoeExpertsKernel, as the forward's): kMmaSync, sm_80 and newer; kWgmma, sm_90
+// devices (kernels/moe_experts_sm90.h), the same jobs with the rows summed in chunks of 64 (equal
+// up to the order of the fp32 sums). kAuto takes kWgmma where it is supported.
 bool moe_experts_weight_grads_supported(int64_t latent, int64_t ffn, int64_t experts);
 cudaError_t moe_experts_weight_grads(const void* rows, const void* d_gate, const void* d_up,
                                      const void* dy, const void* h, const int32_t* group_ends,
                                      void* d_gate_proj, void* d_up_proj, void* d_down_proj,
                                      int64_t total_rows, int64_t experts, int64_t latent,
-                                     int64_t ffn, cudaStream_t stream);
+                                     int64_t ffn, cudaStream_t stream,
+                                     MoeExpertsKernel kernel = MoeExpertsKernel::kAuto);
 
 // ---- Routed experts' dX (moe_experts_backward.cu) -------------------------------------------------
 // The rows' gradient of the routed experts' first two GEMMs as one kernel, on tensor cores:
@@ -213,11 +217,15 @@ cudaError_t moe_experts_weight_grads(const void* rows, const void* d_gate, const
 // The same precondition on group_ends as moe_experts_forward (not checked). Supported
 // (moe_experts_dx_supported): sm_80 or newer, L a multiple of 128, F a multiple of 64,
 // 1 <= E <= 1024, E L F < 2^31, R < 2^31, 16-byte aligned pointers.
+// Two kernels (MoeExpertsKernel, as the forward's): kMmaSync, sm_80 and newer; kWgmma, sm_90
+// devices (kernels/moe_experts_sm90.h), the same sums in the same order. kAuto takes kWgmma where
+// it is supported.
 bool moe_experts_dx_supported(int64_t latent, int64_t ffn, int64_t experts);
 cudaError_t moe_experts_dx(const void* d_gate, const void* d_up, const void* gate_proj,
                            const void* up_proj, const int32_t* group_ends, void* dx,
                            int64_t total_rows, int64_t experts, int64_t latent, int64_t ffn,
-                           cudaStream_t stream);
+                           cudaStream_t stream,
+                           MoeExpertsKernel kernel = MoeExpertsKernel::kAuto);
 
 // Zeroes the rows of experts with no tokens in a stacked [groups, row_elements] tensor (weight
 // gradients of grouped GEMMs over an empty token range); counts int64 [groups].

@@ -405,7 +405,7 @@ bool moe_experts_dx_applies(const at::Tensor& d_gate, const at::Tensor& gate_pro
 
 at::Tensor moe_experts_dx(const at::Tensor& d_gate, const at::Tensor& d_up,
                           const at::Tensor& gate_proj, const at::Tensor& up_proj,
-                          const at::Tensor& group_ends) {
+                          const at::Tensor& group_ends, MoeExpertsKernel kernel) {
   constexpr const char* where = "kernels::moe_experts_dx";
   TORCH_CHECK(gate_proj.defined() && gate_proj.dim() == 3 && up_proj.defined() &&
                   up_proj.sizes() == gate_proj.sizes() && d_gate.defined() && d_gate.dim() == 2 &&
@@ -434,12 +434,15 @@ at::Tensor moe_experts_dx(const at::Tensor& d_gate, const at::Tensor& d_up,
   TORCH_CHECK(moe_experts_dx_supported(latent, ffn, experts), where,
               ": needs sm_80 or newer, L a multiple of 128, F a multiple of 64 and 1 to 1024 experts; "
               "got L = ", latent, ", F = ", ffn, ", ", experts, " experts");
+  TORCH_CHECK(kernel != MoeExpertsKernel::kWgmma || moe_experts_dx_wgmma_supported(latent, ffn, experts), where,
+              ": the wgmma kernel does not apply to L = ", latent, ", F = ", ffn, ", ", experts,
+              " experts on this device (it needs an sm_90 GPU; MoeExpertsKernel::kMmaSync runs elsewhere)");
   const at::Tensor dg = d_gate.contiguous(), du = d_up.contiguous(), wg = gate_proj.contiguous(),
                    wu = up_proj.contiguous(), ends = group_ends.contiguous();
   at::Tensor dx = at::empty({total, latent}, dg.options());
   const cudaError_t error = moe_experts_dx(dg.data_ptr(), du.data_ptr(), wg.data_ptr(), wu.data_ptr(),
                                            ends.data_ptr<int32_t>(), dx.data_ptr(), total, experts, latent,
-                                           ffn, at::cuda::getCurrentCUDAStream(device.index()).stream());
+                                           ffn, at::cuda::getCurrentCUDAStream(device.index()).stream(), kernel);
   TORCH_CHECK(error == cudaSuccess, where, ": CUDA error ", cudaGetErrorName(error), " (",
               cudaGetErrorString(error), ")");
   return dx;
@@ -459,7 +462,7 @@ bool moe_experts_weight_grads_applies(const at::Tensor& rows, const at::Tensor& 
 MoeExpertWeightGrads moe_experts_weight_grads(const at::Tensor& rows, const at::Tensor& d_gate,
                                               const at::Tensor& d_up, const at::Tensor& dy,
                                               const at::Tensor& h, const at::Tensor& group_ends,
-                                              bool want_gate_up, bool want_down) {
+                                              bool want_gate_up, bool want_down, MoeExpertsKernel kernel) {
   constexpr const char* where = "kernels::moe_experts_weight_grads";
   if (!want_gate_up && !want_down) return {};
   // The widths come from the operands of the parts wanted: rows and d_gate, else dy and h.
@@ -498,6 +501,9 @@ MoeExpertWeightGrads moe_experts_weight_grads(const at::Tensor& rows, const at::
   TORCH_CHECK(moe_experts_weight_grads_supported(latent, ffn, experts), where,
               ": needs sm_80 or newer, L a multiple of 128, F a multiple of 64 and 1 to 1024 experts; "
               "got L = ", latent, ", F = ", ffn, ", ", experts, " experts");
+  TORCH_CHECK(kernel != MoeExpertsKernel::kWgmma || moe_experts_weight_grads_wgmma_supported(latent, ffn, experts),
+              where, ": the wgmma kernel does not apply to L = ", latent, ", F = ", ffn, ", ", experts,
+              " experts on this device (it needs an sm_90 GPU; MoeExpertsKernel::kMmaSync runs elsewhere)");
   auto dense = [](const at::Tensor& t) { return t.defined() ? t.contiguous() : t; };
   const at::Tensor x = dense(rows), dg = dense(d_gate), du = dense(d_up), dyc = dense(dy),
                    hc = dense(h), ends = group_ends.contiguous();
@@ -514,7 +520,7 @@ MoeExpertWeightGrads moe_experts_weight_grads(const at::Tensor& rows, const at::
       pointer(dyc, want_down), pointer(hc, want_down), ends.data_ptr<int32_t>(),
       pointer(out.d_gate_proj, want_gate_up), pointer(out.d_up_proj, want_gate_up),
       pointer(out.d_down_proj, want_down), total, experts, latent, ffn,
-      at::cuda::getCurrentCUDAStream(device.index()).stream());
+      at::cuda::getCurrentCUDAStream(device.index()).stream(), kernel);
   TORCH_CHECK(error == cudaSuccess, where, ": CUDA error ", cudaGetErrorName(error), " (",
               cudaGetErrorString(error), ")");
   return out;

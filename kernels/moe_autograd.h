@@ -73,7 +73,8 @@ MoeExpertsFused moe_experts_fused_forward(const at::Tensor& rows, const at::Tens
 bool moe_experts_dx_applies(const at::Tensor& d_gate, const at::Tensor& gate_proj);
 at::Tensor moe_experts_dx(const at::Tensor& d_gate, const at::Tensor& d_up,
                           const at::Tensor& gate_proj, const at::Tensor& up_proj,
-                          const at::Tensor& group_ends);
+                          const at::Tensor& group_ends,
+                          MoeExpertsKernel kernel = MoeExpertsKernel::kAuto);
 
 // The routed experts' three weight gradients as one kernel (moe_experts_weight_grads, kernels/
 // moe.h): dW_gate = dG^T X, dW_up = dU^T X per expert ([E, F, L]) when want_gate_up, dW_down =
@@ -91,7 +92,8 @@ bool moe_experts_weight_grads_applies(const at::Tensor& rows, const at::Tensor& 
 MoeExpertWeightGrads moe_experts_weight_grads(const at::Tensor& rows, const at::Tensor& d_gate,
                                               const at::Tensor& d_up, const at::Tensor& dy,
                                               const at::Tensor& h, const at::Tensor& group_ends,
-                                              bool want_gate_up, bool want_down);
+                                              bool want_gate_up, bool want_down,
+                                              MoeExpertsKernel kernel = MoeExpertsKernel::kAuto);
 
 // model::permute with autograd: rows[r] = tokens[permutation.token[r]]; tokens [m, width] CUDA
 // (2- or 4-byte elements). Backward: each token's gradient is the sum of its k copies' (fp32, no

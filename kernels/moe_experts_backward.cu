@@ -33,6 +33,7 @@
 
 #include "kernels/mma.cuh"
 #include "kernels/moe.h"
+#include "kernels/moe_experts_sm90.h"
 #include "kernels/moe_tiles.cuh"
 
 namespace odyssey::kernels {
@@ -139,38 +140,6 @@ __device__ void seek(Feed& f, const GradArgs& a, const int* order, int rounds, i
   }
 }
 
-// order[0 .. experts) = the experts by rows, most first (ties: lower index first), sorted in
-// shared memory by every CTA (a bitonic sort of 1024 keys; `keys`: 8 KB of scratch).
-__device__ void sort_experts(const int32_t* __restrict__ group_ends, int experts, uint64_t* keys,
-                             int* order) {
-  for (int i = threadIdx.x; i < kMaxExperts; i += kThreads) {
-    uint64_t key = 0;  // past the experts: last
-    if (i < experts) {
-      const uint32_t rows = static_cast<uint32_t>(group_ends[i] - (i > 0 ? group_ends[i - 1] : 0));
-      key = (uint64_t{rows} << 32) | (0xffffffffu - static_cast<uint32_t>(i));
-    }
-    keys[i] = key;
-  }
-  __syncthreads();
-  for (int size = 2; size <= kMaxExperts; size <<= 1) {
-    for (int stride = size >> 1; stride > 0; stride >>= 1) {
-      for (int i = threadIdx.x; i < kMaxExperts; i += kThreads) {
-        const int partner = i ^ stride;
-        if (partner > i) {
-          const uint64_t x = keys[i], y = keys[partner];
-          // Descending where (i & size) == 0, ascending elsewhere: descending in the end.
-          if (((i & size) == 0) == (x < y)) keys[i] = y, keys[partner] = x;
-        }
-      }
-      __syncthreads();
-    }
-  }
-  for (int i = threadIdx.x; i < experts; i += kThreads) {
-    order[i] = static_cast<int>(0xffffffffu - static_cast<uint32_t>(keys[i]));
-  }
-  __syncthreads();
-}
-
 __device__ __forceinline__ void zero(float (&acc)[4][4][4]) {
 #pragma unroll
   for (int mi = 0; mi < 4; ++mi) {
@@ -224,7 +193,7 @@ __global__ void __launch_bounds__(kThreads, 2) moe_experts_weight_grads_kernel(G
   const int rho = threadIdx.x >> 4, col = (threadIdx.x & 15) * 8;
 
   __shared__ int order[kMaxExperts];
-  sort_experts(a.group_ends, a.experts, reinterpret_cast<uint64_t*>(ring), order);  // ring: not yet in use
+  sort_experts<kThreads>(a.group_ends, a.experts, reinterpret_cast<uint64_t*>(ring), order);  // ring: not yet in use
   const int rounds = (a.jobs + gridDim.x - 1) / gridDim.x;
   Feed feed;
   feed.k = -1;
@@ -502,7 +471,12 @@ cudaError_t moe_experts_weight_grads(const void* rows, const void* d_gate, const
                                      const void* dy, const void* h, const int32_t* group_ends,
                                      void* d_gate_proj, void* d_up_proj, void* d_down_proj,
                                      int64_t total_rows, int64_t experts, int64_t latent,
-                                     int64_t ffn, cudaStream_t stream) {
+                                     int64_t ffn, cudaStream_t stream, MoeExpertsKernel kernel) {
+  const bool wgmma = moe_experts_weight_grads_wgmma_supported(latent, ffn, experts);
+  if (kernel == MoeExpertsKernel::kWgmma || (kernel == MoeExpertsKernel::kAuto && wgmma)) {
+    return moe_experts_weight_grads_wgmma(rows, d_gate, d_up, dy, h, group_ends, d_gate_proj, d_up_proj,
+                                          d_down_proj, total_rows, experts, latent, ffn, stream);
+  }
   const bool gate_up = d_gate_proj != nullptr, down = d_down_proj != nullptr;
   if (!moe_experts_weight_grads_supported(latent, ffn, experts) || total_rows < 0 ||
       total_rows >= (int64_t{1} << 31) || (d_up_proj != nullptr) != gate_up ||
@@ -557,7 +531,12 @@ bool moe_experts_dx_supported(int64_t latent, int64_t ffn, int64_t experts) {
 cudaError_t moe_experts_dx(const void* d_gate, const void* d_up, const void* gate_proj,
                            const void* up_proj, const int32_t* group_ends, void* dx,
                            int64_t total_rows, int64_t experts, int64_t latent, int64_t ffn,
-                           cudaStream_t stream) {
+                           cudaStream_t stream, MoeExpertsKernel kernel) {
+  const bool wgmma = moe_experts_dx_wgmma_supported(latent, ffn, experts);
+  if (kernel == MoeExpertsKernel::kWgmma || (kernel == MoeExpertsKernel::kAuto && wgmma)) {
+    return moe_experts_dx_wgmma(d_gate, d_up, gate_proj, up_proj, group_ends, dx, total_rows, experts, latent,
+                                ffn, stream);
+  }
   if (!moe_experts_dx_supported(latent, ffn, experts) || total_rows < 0 ||
       total_rows >= (int64_t{1} << 31) || group_ends == nullptr) {
     return cudaErrorInvalidValue;

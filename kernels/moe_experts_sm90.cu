@@ -62,6 +62,13 @@ __device__ __forceinline__ uint64_t descriptor(uint32_t address) {
   return static_cast<uint64_t>((address & 0x3FFFF) >> 4) | (uint64_t{1} << 16) |
          (uint64_t{1024 >> 4} << 32) | (uint64_t{1} << 62);
 }
+// The same for an MN-major operand with the 128-byte swizzle: rows of 64 elements along n (or m),
+// one row per k, 8 k-rows a 1024-byte block; `atoms` bytes between the blocks of 64 n (the
+// leading byte offset), 1024 bytes between groups of 8 k (the stride byte offset).
+__device__ __forceinline__ uint64_t descriptor_mn(uint32_t address, uint32_t atoms) {
+  return static_cast<uint64_t>((address & 0x3FFFF) >> 4) | (static_cast<uint64_t>(atoms >> 4) << 16) |
+         (uint64_t{1024 >> 4} << 32) | (uint64_t{1} << 62);
+}
 
 __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
@@ -74,7 +81,10 @@ __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
 }
 
-// d (64 x 128 fp32, the m64n128 accumulator layout) += A (64 x 16 at a) B^T (128 x 16 at b).
+// d (64 x 128 fp32, the m64n128 accumulator layout) += A (64 x 16 at a) B (16 x 128 at b); A is
+// K-major (kTransA = 0: stored 64 rows of m, 16 of k each) or M-major (kTransA = 1), B K-major
+// (kTransB = 0: stored 128 rows of n, 16 of k each) or N-major (kTransB = 1).
+template <int kTransB = 0, int kTransA = 0>
 __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t a, uint64_t b) {
   asm volatile(
       "{\n"
@@ -83,7 +93,7 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t a, uin
       "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
       "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
       "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-      "%64, %65, 1, 1, 1, 0, 0;\n"
+      "%64, %65, 1, 1, 1, %67, %66;\n"
       "}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
@@ -93,7 +103,7 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t a, uin
         "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
         "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
         "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "l"(a), "l"(b));
+      : "l"(a), "l"(b), "n"(kTransB), "n"(kTransA));
 }
 
 struct Args {
@@ -390,6 +400,368 @@ __global__ void __launch_bounds__(kAllThreads, 1) moe_experts_forward_wgmma_kern
 #endif
 }
 
+// ---- dX = dG W_gate + dU W_up (moe_experts_dx's contract) ----------------------------------------
+// Jobs: (tile of at most 128 rows of one expert, TileSplit::kFull) x (slice of 128 columns of L),
+// dealt snaking; K = 2F ([dG | dU] against [W_gate; W_up]) streams in chunks of 64. A stage is the
+// chunk's A (128 rows x 64 of dG or dU, K-major, as the forward's X) and B (64 rows of W_gate[e] or
+// W_up[e] x the slice's 128 columns: N-major, two blocks of 64 columns 8 KB apart, each row of 64
+// columns swizzled as a K-major row is). Warps 0-7 are the two consumer warpgroups (rows 0-63,
+// 64-127), warp 8 loads A, warp 9 loads B; kDxStages stages, mbarriers as in the forward. The
+// fp32 sums over the 2F products are rounded once to bf16 and stored as 16-byte pieces of rows.
+// Two CTAs an SM (3 stages of 32 KB each): one's epilogue and pipeline refill overlap the
+// other's products; 6 stages and one CTA took 0.224 ms where this takes 0.169 (the small config's
+// dX at 8K tokens, scripts/moe_weight_grads_driver.cu).
+constexpr int kDxStages = 3;
+constexpr int kDxStageBytes = 2 * kMatrixBytes;  // A then B
+constexpr size_t kDxSharedBytes = size_t{kDxStages} * kDxStageBytes + 1024;
+
+struct DxArgs {
+  const bf16* d_gate;
+  const bf16* d_up;  // [R, F]
+  const bf16* gate_proj;
+  const bf16* up_proj;  // [E, F, L]
+  const int32_t* group_ends;
+  bf16* dx;  // [R, L]
+  int experts, latent, ffn, slices;
+};
+
+__global__ void __launch_bounds__(kAllThreads, 2) moe_experts_dx_wgmma_kernel(DxArgs a) {
+#if defined(ODYSSEY_NO_WGMMA)
+  __trap();
+#else
+  extern __shared__ unsigned char shared_bytes[];
+  __shared__ int tile_ends[kMaxExperts];
+  __shared__ __align__(8) uint64_t barriers[2 * kDxStages];
+  const uint32_t stages = (shared_address(shared_bytes) + 1023u) & ~1023u;
+  const uint32_t full = shared_address(&barriers[0]), empty = shared_address(&barriers[kDxStages]);
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < kDxStages; ++i) {
+      mbarrier_init(full + 8 * i, 64);  // the two loading warps' lanes
+      mbarrier_init(empty + 8 * i, kConsumerThreads / 32);
+    }
+  }
+  const int tiles = build_tile_schedule<kAllThreads>(a.group_ends, a.experts, tile_ends);  // ends in __syncthreads
+  const int jobs = tiles * a.slices, chunks = 2 * a.ffn / 64;
+  const int warp_id = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x >> 5), 0), lane = threadIdx.x & 31;
+  // The job of round r: its tile, and the slice's first column.
+  auto job_of = [&](int j, Tile& tile, int& n0) {
+    const int t = j / a.slices;
+    tile = find_tile<TileSplit::kFull>(t, tile_ends, a.group_ends, a.experts);
+    n0 = (j - t * a.slices) * 128;
+  };
+
+  if (warp_id == kWeightWarp || warp_id == kRowsWarp) {
+    const bool loads_a = warp_id == kWeightWarp;  // warp 8: A (dG / dU rows); warp 9: B (weights)
+    int position = 0;
+    for (int round = 0; round * static_cast<int>(gridDim.x) < jobs; ++round) {
+      const int j = snake_tile(round);
+      if (j >= jobs) continue;
+      Tile tile;
+      int n0;
+      job_of(j, tile, n0);
+      if (tile.rows <= 0) continue;
+      for (int c = 0; c < chunks; ++c, ++position) {
+        const int slot = position % kDxStages;
+        mbarrier_wait(empty + 8 * slot, ((position / kDxStages) & 1) ^ 1);
+        const uint32_t stage = stages + slot * kDxStageBytes;
+        const int k = c * 64;
+        const bool gate = k < a.ffn;  // F % 64 == 0: a chunk is all dG or all dU
+        const int kf = gate ? k : k - a.ffn;
+        if (loads_a) {
+          // Lane l: piece l % 8 of rows l / 8 + 4 i; rows past the tile zero-filled.
+          const bf16* rows = (gate ? a.d_gate : a.d_up) + kf + (lane & 7) * 8;
+#pragma unroll 8
+          for (int i = 0; i < 32; ++i) {
+            const int r = (lane >> 3) + 4 * i;
+            const bool valid = r < tile.rows;
+            const bf16* src = rows + static_cast<int64_t>(tile.first_row + (valid ? r : 0)) * a.ffn;
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(stage + swizzled(r, lane & 7)),
+                         "l"(src), "r"(valid ? 16 : 0)
+                         : "memory");
+          }
+        } else {
+          // Lane l: piece l % 16 (block (l % 16) / 8 of 64 columns) of weight rows l / 16 + 2 i.
+          const int p = lane & 15;
+          const bf16* w = (gate ? a.gate_proj : a.up_proj) +
+                          (static_cast<int64_t>(tile.expert) * a.ffn + kf) * a.latent + n0 + p * 8;
+          const uint32_t b = stage + kMatrixBytes + (p >> 3) * (kMatrixBytes / 2);
+#pragma unroll 8
+          for (int i = 0; i < 32; ++i) {
+            const int kr = (lane >> 4) + 2 * i;
+            cp_async16_at(b + swizzled(kr, p & 7), w + static_cast<int64_t>(kr) * a.latent);
+          }
+        }
+        cp_async_arrive(full + 8 * slot);
+      }
+    }
+    cp_async_wait<0>();
+    return;
+  }
+
+  const int warpgroup = warp_id >> 2, warp = warp_id & 3;
+  const int gq = lane >> 2, tq = lane & 3;
+  auto release = [&](int q) {
+    __syncwarp();
+    mbarrier_arrive_lane0(empty + 8 * (q % kDxStages), lane);
+  };
+  float acc[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+  int position = 0;
+  for (int round = 0; round * static_cast<int>(gridDim.x) < jobs; ++round) {
+    const int j = snake_tile(round);
+    if (j >= jobs) continue;
+    Tile tile;
+    int n0;
+    job_of(j, tile, n0);
+    if (tile.rows <= 0) continue;
+    const bool active = __shfl_sync(0xffffffffu, tile.rows > warpgroup * 64, 0);  // see the forward
+    int pending = -1;
+    for (int c = 0; c < chunks; ++c, ++position) {
+      const int slot = position % kDxStages;
+      mbarrier_wait(full + 8 * slot, (position / kDxStages) & 1);
+      fence_proxy_async();
+      const uint32_t stage = stages + slot * kDxStageBytes;
+      wgmma_fence();
+      if (active) {
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+          wgmma_m64n128k16<1>(acc, descriptor(stage + warpgroup * 64 * kRowBytes + kk * 32),
+                              descriptor_mn(stage + kMatrixBytes + kk * 16 * kRowBytes, kMatrixBytes / 2));
+        }
+      }
+      wgmma_commit();
+      if (c < chunks - 1) {
+        wgmma_wait<1>();
+        if (pending >= 0) release(pending);
+        pending = position;
+        continue;
+      }
+      wgmma_wait<0>();
+      if (pending >= 0) release(pending);
+      release(position);
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = warpgroup * 64 + warp * 16 + gq + half * 8;
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        uint32_t four[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int nt = 4 * q + i;
+          four[i] = pack_bf16(acc[4 * nt + 2 * half], acc[4 * nt + 2 * half + 1]);
+        }
+        quad_transpose(four, tq);
+        if (r < tile.rows) {
+          bf16* out = a.dx + static_cast<int64_t>(tile.first_row + r) * a.latent + n0 + q * 32 + tq * 8;
+          *reinterpret_cast<uint4*>(out) = make_uint4(four[0], four[1], four[2], four[3]);
+        }
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+  }
+#endif
+}
+
+// ---- Weight gradients: dW_gate = dG^T X, dW_up = dU^T X, dW_down = dY^T H ----------------------
+// moe_experts_weight_grads' contract, with the mma.sync kernel's jobs (moe_experts_backward.cu):
+// 128 x 128 tiles of the outputs, a fixed number per expert, the experts sorted by rows (most
+// first) and the jobs dealt snaking. out[m][n] = sum_r A[r][m] B[r][n] over the expert's rows:
+// both operands are row-major over the rows, i.e. M-major A and N-major B for wgmma. A job's rows
+// stream in chunks of 64 (k); a stage is A (64 rows x the tile's 128 m: two blocks of 64 columns
+// 8 KB apart, each row of 64 swizzled as in dX's B) then B (the same for the 128 n), 32 KB.
+// Warp 8 loads A, warp 9 B (rows past the expert's end, and B columns past F in a half-filled
+// dW_down tile, zero-filled); warpgroup g takes m 64 g .. 64 g + 63 against all 128 n. A last
+// chunk issues only the k16 steps that hold rows. Experts without rows get zeros. Two CTAs an SM,
+// as dX's: a job is ~3 chunks, so its epilogue is a large share of its time; with one CTA of 6
+// stages the kernel took 0.369 ms (slower than the mma.sync one's 0.359), with two 0.279.
+constexpr int kGradStages = 3;
+constexpr int kGradStageBytes = 2 * kMatrixBytes;  // A then B
+constexpr size_t kGradSharedBytes = size_t{kGradStages} * kGradStageBytes + 1024;
+
+struct GradArgs {
+  const bf16* rows;  // X [R, L]
+  const bf16* d_gate;
+  const bf16* d_up;  // dG, dU [R, F]
+  const bf16* dy;    // [R, L]
+  const bf16* h;     // [R, F]
+  const int32_t* group_ends;
+  bf16* d_gate_proj;
+  bf16* d_up_proj;    // [E, F, L] (both or neither)
+  bf16* d_down_proj;  // [E, L, F] (or nullptr)
+  int experts, latent, ffn;
+  int gate_up_jobs, down_jobs;  // per expert (0 for a part not wanted)
+  int jobs;                     // all experts'
+};
+
+struct GradJob {
+  int expert;
+  int first_row, rows;  // the expert's rows
+  bool down;            // dW_down's tile, else gate / up's
+  int m0, n0;
+};
+
+__device__ __forceinline__ GradJob grad_job(int j, const GradArgs& a, const int* order) {
+  const int per_expert = a.gate_up_jobs + a.down_jobs;
+  const int i = j / per_expert;
+  int s = j - i * per_expert;
+  const int e = order[i];
+  GradJob job;
+  job.expert = e;
+  job.first_row = e > 0 ? a.group_ends[e - 1] : 0;
+  job.rows = a.group_ends[e] - job.first_row;
+  job.down = s >= a.gate_up_jobs;
+  if (job.down) s -= a.gate_up_jobs;
+  const int n_tiles = job.down ? (a.ffn + 127) / 128 : a.latent / 128;
+  job.m0 = (s / n_tiles) * 128;
+  job.n0 = (s - (s / n_tiles) * n_tiles) * 128;
+  return job;
+}
+
+__global__ void __launch_bounds__(kAllThreads, 2) moe_experts_weight_grads_wgmma_kernel(GradArgs a) {
+#if defined(ODYSSEY_NO_WGMMA)
+  __trap();
+#else
+  extern __shared__ unsigned char shared_bytes[];
+  __shared__ int order[kMaxExperts];
+  __shared__ __align__(8) uint64_t barriers[2 * kGradStages];
+  const uint32_t stages = (shared_address(shared_bytes) + 1023u) & ~1023u;
+  const uint32_t full = shared_address(&barriers[0]), empty = shared_address(&barriers[kGradStages]);
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < kGradStages; ++i) {
+      mbarrier_init(full + 8 * i, 64);  // the two loading warps' lanes
+      mbarrier_init(empty + 8 * i, kConsumerThreads / 32);
+    }
+  }
+  // The ring is scratch for the sort (8 KB) until the sort's last barrier.
+  unsigned char* ring = shared_bytes + (stages - shared_address(shared_bytes));
+  sort_experts<kAllThreads>(a.group_ends, a.experts, reinterpret_cast<uint64_t*>(ring), order);
+  const int warp_id = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x >> 5), 0), lane = threadIdx.x & 31;
+
+  if (warp_id == kWeightWarp || warp_id == kRowsWarp) {
+    const bool loads_a = warp_id == kWeightWarp;  // warp 8: A; warp 9: B
+    const int p = lane & 15;                      // this lane's 16-byte piece of a row of 128 columns
+    int position = 0;
+    for (int round = 0; round * static_cast<int>(gridDim.x) < a.jobs; ++round) {
+      const int j = snake_tile(round);
+      if (j >= a.jobs) continue;
+      const GradJob job = grad_job(j, a, order);
+      const int chunks = (job.rows + 63) / 64;
+      if (chunks == 0) continue;
+      // This lane's column (m or n) of its operand at row 0, the row stride, and whether the column
+      // is inside the output (false past F in a half-filled dW_down tile).
+      const bf16* column;
+      int stride;
+      bool column_valid = true;
+      const int c0 = (loads_a ? job.m0 : job.n0) + p * 8;
+      if (job.down) {
+        if (loads_a) {
+          column = a.dy + c0, stride = a.latent;
+        } else {
+          column_valid = c0 < a.ffn;
+          column = a.h + (column_valid ? c0 : 0), stride = a.ffn;
+        }
+      } else if (loads_a) {
+        column = c0 < a.ffn ? a.d_gate + c0 : a.d_up + (c0 - a.ffn), stride = a.ffn;
+      } else {
+        column = a.rows + c0, stride = a.latent;
+      }
+      const uint32_t piece_base = (p >> 3) * (kMatrixBytes / 2);
+      for (int c = 0; c < chunks; ++c, ++position) {
+        const int slot = position % kGradStages;
+        mbarrier_wait(empty + 8 * slot, ((position / kGradStages) & 1) ^ 1);
+        const uint32_t dst = stages + slot * kGradStageBytes + (loads_a ? 0 : kMatrixBytes) + piece_base;
+#pragma unroll 8
+        for (int i = 0; i < 32; ++i) {
+          const int kr = (lane >> 4) + 2 * i, r = c * 64 + kr;
+          const bool valid = column_valid && r < job.rows;
+          const bf16* src = column + static_cast<int64_t>(job.first_row + (valid ? r : 0)) * stride;
+          asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst + swizzled(kr, p & 7)),
+                       "l"(src), "r"(valid ? 16 : 0)
+                       : "memory");
+        }
+        cp_async_arrive(full + 8 * slot);
+      }
+    }
+    cp_async_wait<0>();
+    return;
+  }
+
+  const int warpgroup = warp_id >> 2, warp = warp_id & 3;
+  const int gq = lane >> 2, tq = lane & 3;
+  auto release = [&](int q) {
+    __syncwarp();
+    mbarrier_arrive_lane0(empty + 8 * (q % kGradStages), lane);
+  };
+  float acc[64];
+  int position = 0;
+  for (int round = 0; round * static_cast<int>(gridDim.x) < a.jobs; ++round) {
+    const int j = snake_tile(round);
+    if (j >= a.jobs) continue;
+    const GradJob job = grad_job(j, a, order);
+    const int rows = __shfl_sync(0xffffffffu, job.rows, 0);  // warp-uniform for ptxas (see the forward)
+    const int chunks = (rows + 63) / 64;
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+    int pending = -1;
+    for (int c = 0; c < chunks; ++c, ++position) {
+      const int slot = position % kGradStages;
+      mbarrier_wait(full + 8 * slot, (position / kGradStages) & 1);
+      fence_proxy_async();
+      const uint32_t stage = stages + slot * kGradStageBytes;
+      const int steps = min(4, (rows - c * 64 + 15) / 16);  // k16 steps holding rows
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        if (kk < steps) {
+          wgmma_m64n128k16<1, 1>(acc, descriptor_mn(stage + warpgroup * (kMatrixBytes / 2) + kk * 16 * kRowBytes, kMatrixBytes / 2),
+                                 descriptor_mn(stage + kMatrixBytes + kk * 16 * kRowBytes, kMatrixBytes / 2));
+        }
+      }
+      wgmma_commit();
+      if (c < chunks - 1) {
+        wgmma_wait<1>();
+        if (pending >= 0) release(pending);
+        pending = position;
+        continue;
+      }
+      wgmma_wait<0>();
+      if (pending >= 0) release(pending);
+      release(position);
+    }
+    // Row m of the tile is a row of dW_gate / dW_up (m < F / m >= F) or of dW_down; its columns past
+    // F (a half-filled dW_down tile) are not stored.
+    const int width = job.down ? a.ffn : a.latent;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int m = job.m0 + warpgroup * 64 + warp * 16 + gq + half * 8;
+      bf16* out;
+      if (job.down) {
+        out = a.d_down_proj + (static_cast<int64_t>(job.expert) * a.latent + m) * a.ffn;
+      } else if (m < a.ffn) {
+        out = a.d_gate_proj + (static_cast<int64_t>(job.expert) * a.ffn + m) * a.latent;
+      } else {
+        out = a.d_up_proj + (static_cast<int64_t>(job.expert) * a.ffn + m - a.ffn) * a.latent;
+      }
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        uint32_t four[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int nt = 4 * q + i;
+          four[i] = pack_bf16(acc[4 * nt + 2 * half], acc[4 * nt + 2 * half + 1]);
+        }
+        quad_transpose(four, tq);
+        const int n = job.n0 + q * 32 + tq * 8;
+        if (n < width) *reinterpret_cast<uint4*>(out + n) = make_uint4(four[0], four[1], four[2], four[3]);
+      }
+    }
+  }
+#endif
+}
+
 struct KernelInfo {
   void (*kernel)(Args) = nullptr;
   size_t shared = 0;
@@ -470,6 +842,126 @@ cudaError_t moe_experts_forward_wgmma(const void* rows, const void* gate_proj, c
   const int64_t max_tiles = total_rows / kTileRows + experts;
   const int grid = static_cast<int>(max_tiles < sms ? max_tiles : sms);
   info.kernel<<<grid, kAllThreads, info.shared, stream>>>(a);
+  return cudaGetLastError();
+}
+
+bool moe_experts_dx_wgmma_supported(int64_t latent, int64_t ffn, int64_t experts) {
+  if (latent < 128 || latent % 128 != 0 || ffn < 64 || ffn % 64 != 0 || experts < 1 || experts > kMaxExperts ||
+      experts * ffn * latent >= (int64_t{1} << 40)) {
+    return false;
+  }
+  int device = 0, optin = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return false;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
+    return false;
+  }
+  constexpr size_t kStatic = (kMaxExperts + kAllThreads / 32) * sizeof(int) + 2 * kDxStages * 8;
+  return major == 9 && minor == 0 && kDxSharedBytes + kStatic <= static_cast<size_t>(optin);
+}
+
+cudaError_t moe_experts_dx_wgmma(const void* d_gate, const void* d_up, const void* gate_proj,
+                                 const void* up_proj, const int32_t* group_ends, void* dx,
+                                 int64_t total_rows, int64_t experts, int64_t latent, int64_t ffn,
+                                 cudaStream_t stream) {
+  if (!moe_experts_dx_wgmma_supported(latent, ffn, experts) || total_rows < 0 ||
+      total_rows >= (int64_t{1} << 31) || group_ends == nullptr || gate_proj == nullptr || up_proj == nullptr) {
+    return cudaErrorInvalidValue;
+  }
+  for (const void* p : {d_gate, d_up, gate_proj, up_proj, static_cast<const void*>(dx)}) {
+    if (p != nullptr && !aligned16(p)) return cudaErrorInvalidValue;
+  }
+  if (total_rows == 0) return cudaSuccess;
+  if (d_gate == nullptr || d_up == nullptr || dx == nullptr) return cudaErrorInvalidValue;
+  int device = 0, sms = 0;
+  cudaError_t error = cudaGetDevice(&device);
+  if (error == cudaSuccess) error = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (error == cudaSuccess) {
+    error = cudaFuncSetAttribute(moe_experts_dx_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 static_cast<int>(kDxSharedBytes));
+  }
+  if (error != cudaSuccess) return error;
+  DxArgs a;
+  a.d_gate = static_cast<const bf16*>(d_gate);
+  a.d_up = static_cast<const bf16*>(d_up);
+  a.gate_proj = static_cast<const bf16*>(gate_proj);
+  a.up_proj = static_cast<const bf16*>(up_proj);
+  a.group_ends = group_ends;
+  a.dx = static_cast<bf16*>(dx);
+  a.experts = static_cast<int>(experts);
+  a.latent = static_cast<int>(latent);
+  a.ffn = static_cast<int>(ffn);
+  a.slices = static_cast<int>(latent / 128);
+  const int64_t max_jobs = (total_rows / kTileRows + experts) * a.slices;
+  const int grid = static_cast<int>(max_jobs < 2 * sms ? max_jobs : 2 * sms);
+  moe_experts_dx_wgmma_kernel<<<grid, kAllThreads, kDxSharedBytes, stream>>>(a);
+  return cudaGetLastError();
+}
+
+bool moe_experts_weight_grads_wgmma_supported(int64_t latent, int64_t ffn, int64_t experts) {
+  if (latent < 128 || latent % 128 != 0 || ffn < 64 || ffn % 64 != 0 || experts < 1 || experts > kMaxExperts) {
+    return false;
+  }
+  const int64_t per_expert = (2 * ffn / 128) * (latent / 128) + (latent / 128) * ((ffn + 127) / 128);
+  if (experts * per_expert >= (int64_t{1} << 31) || experts * ffn * latent >= (int64_t{1} << 40)) return false;
+  int device = 0, optin = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return false;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
+    return false;
+  }
+  constexpr size_t kStatic = kMaxExperts * sizeof(int) + 2 * kGradStages * 8;
+  return major == 9 && minor == 0 && kGradSharedBytes + kStatic <= static_cast<size_t>(optin);
+}
+
+cudaError_t moe_experts_weight_grads_wgmma(const void* rows, const void* d_gate, const void* d_up,
+                                           const void* dy, const void* h, const int32_t* group_ends,
+                                           void* d_gate_proj, void* d_up_proj, void* d_down_proj,
+                                           int64_t total_rows, int64_t experts, int64_t latent,
+                                           int64_t ffn, cudaStream_t stream) {
+  const bool gate_up = d_gate_proj != nullptr, down = d_down_proj != nullptr;
+  if (!moe_experts_weight_grads_wgmma_supported(latent, ffn, experts) || total_rows < 0 ||
+      total_rows >= (int64_t{1} << 31) || (d_up_proj != nullptr) != gate_up || group_ends == nullptr) {
+    return cudaErrorInvalidValue;
+  }
+  const bool rows_read = total_rows > 0;
+  if (gate_up && rows_read && (rows == nullptr || d_gate == nullptr || d_up == nullptr)) {
+    return cudaErrorInvalidValue;
+  }
+  if (down && rows_read && (dy == nullptr || h == nullptr)) return cudaErrorInvalidValue;
+  for (const void* p : {rows, d_gate, d_up, dy, h, static_cast<const void*>(d_gate_proj),
+                        static_cast<const void*>(d_up_proj), static_cast<const void*>(d_down_proj)}) {
+    if (p != nullptr && !aligned16(p)) return cudaErrorInvalidValue;
+  }
+  if (!gate_up && !down) return cudaSuccess;
+  int device = 0, sms = 0;
+  cudaError_t error = cudaGetDevice(&device);
+  if (error == cudaSuccess) error = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (error == cudaSuccess) {
+    error = cudaFuncSetAttribute(moe_experts_weight_grads_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 static_cast<int>(kGradSharedBytes));
+  }
+  if (error != cudaSuccess) return error;
+  GradArgs a;
+  a.rows = static_cast<const bf16*>(rows);
+  a.d_gate = static_cast<const bf16*>(d_gate);
+  a.d_up = static_cast<const bf16*>(d_up);
+  a.dy = static_cast<const bf16*>(dy);
+  a.h = static_cast<const bf16*>(h);
+  a.group_ends = group_ends;
+  a.d_gate_proj = static_cast<bf16*>(d_gate_proj);
+  a.d_up_proj = static_cast<bf16*>(d_up_proj);
+  a.d_down_proj = static_cast<bf16*>(d_down_proj);
+  a.experts = static_cast<int>(experts);
+  a.latent = static_cast<int>(latent);
+  a.ffn = static_cast<int>(ffn);
+  a.gate_up_jobs = gate_up ? static_cast<int>((2 * ffn / 128) * (latent / 128)) : 0;
+  a.down_jobs = down ? static_cast<int>((latent / 128) * ((ffn + 127) / 128)) : 0;
+  a.jobs = static_cast<int>(experts) * (a.gate_up_jobs + a.down_jobs);
+  const int grid = a.jobs < 2 * sms ? a.jobs : 2 * sms;
+  moe_experts_weight_grads_wgmma_kernel<<<grid, kAllThreads, kGradSharedBytes, stream>>>(a);
   return cudaGetLastError();
 }
 

@@ -21,4 +21,23 @@ cudaError_t moe_experts_forward_wgmma(const void* rows, const void* gate_proj, c
                                       int64_t latent, int64_t ffn, float beta1, float beta2,
                                       cudaStream_t stream);
 
+// dX = dG W_gate + dU W_up of the routed experts (moe_experts_dx's contract, kernels/moe.h) on
+// wgmma: one fp32 sum over the 2F products a row, rounded once. Supported: an sm_90 device, L a
+// multiple of 128, F of 64, 1 <= E <= 1024.
+bool moe_experts_dx_wgmma_supported(int64_t latent, int64_t ffn, int64_t experts);
+cudaError_t moe_experts_dx_wgmma(const void* d_gate, const void* d_up, const void* gate_proj,
+                                 const void* up_proj, const int32_t* group_ends, void* dx,
+                                 int64_t total_rows, int64_t experts, int64_t latent, int64_t ffn,
+                                 cudaStream_t stream);
+
+// The routed experts' three weight gradients (moe_experts_weight_grads' contract, kernels/moe.h)
+// on wgmma: the same jobs as the mma.sync kernel, sums over each expert's rows in 64-row chunks.
+// Supported: an sm_90 device, L a multiple of 128, F of 64, 1 <= E <= 1024.
+bool moe_experts_weight_grads_wgmma_supported(int64_t latent, int64_t ffn, int64_t experts);
+cudaError_t moe_experts_weight_grads_wgmma(const void* rows, const void* d_gate, const void* d_up,
+                                           const void* dy, const void* h, const int32_t* group_ends,
+                                           void* d_gate_proj, void* d_up_proj, void* d_down_proj,
+                                           int64_t total_rows, int64_t experts, int64_t latent,
+                                           int64_t ffn, cudaStream_t stream);
+
 }  // namespace odyssey::kernels

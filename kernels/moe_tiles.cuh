@@ -1,7 +1,8 @@
 // Tiles of rows of one expert, for kernels over rows grouped by expert (moe_experts.cu's forward,
-// moe_experts_backward.cu's dX): an expert with c rows gets ceil(c / 128) tiles of
-// ceil(c / tiles) rows. The schedule (an inclusive prefix sum of tiles over experts) is built by
-// every CTA in shared memory from group_ends, so nothing is read back to the host. Internal
+// the dX kernels): an expert with c rows gets ceil(c / 128) tiles (TileSplit says how they share
+// the rows). The schedule (an inclusive prefix sum of tiles over experts) is built by every CTA in
+// shared memory from group_ends, so nothing is read back to the host. Also the experts sorted by
+// rows, most first (the weight-gradient kernels deal their jobs in that order). Internal
 // (anonymous namespace: each .cu gets its own copy).
 #pragma once
 
@@ -90,6 +91,39 @@ __device__ Tile find_tile(int t, const int* tile_ends, const int32_t* __restrict
   const int per_tile = kSplit == TileSplit::kFull ? kTileRows : (rows + tiles - 1) / tiles;
   const int start = j * per_tile;
   return Tile{lo, begin + start, min(per_tile, rows - start)};
+}
+
+// order[0 .. experts) = the experts by rows, most first (ties: lower index first), sorted in
+// shared memory by every CTA (a bitonic sort of 1024 keys; `keys`: 8 KB of scratch).
+template <int kThreads>
+__device__ void sort_experts(const int32_t* __restrict__ group_ends, int experts, uint64_t* keys,
+                             int* order) {
+  for (int i = threadIdx.x; i < kMaxExperts; i += kThreads) {
+    uint64_t key = 0;  // past the experts: last
+    if (i < experts) {
+      const uint32_t rows = static_cast<uint32_t>(group_ends[i] - (i > 0 ? group_ends[i - 1] : 0));
+      key = (uint64_t{rows} << 32) | (0xffffffffu - static_cast<uint32_t>(i));
+    }
+    keys[i] = key;
+  }
+  __syncthreads();
+  for (int size = 2; size <= kMaxExperts; size <<= 1) {
+    for (int stride = size >> 1; stride > 0; stride >>= 1) {
+      for (int i = threadIdx.x; i < kMaxExperts; i += kThreads) {
+        const int partner = i ^ stride;
+        if (partner > i) {
+          const uint64_t x = keys[i], y = keys[partner];
+          // Descending where (i & size) == 0, ascending elsewhere: descending in the end.
+          if (((i & size) == 0) == (x < y)) keys[i] = y, keys[partner] = x;
+        }
+      }
+      __syncthreads();
+    }
+  }
+  for (int i = threadIdx.x; i < experts; i += kThreads) {
+    order[i] = static_cast<int>(0xffffffffu - static_cast<uint32_t>(keys[i]));
+  }
+  __syncthreads();
 }
 
 }  // namespace

@@ -793,6 +793,26 @@ TEST_F(MoeKernel, ExpertWeightGradsMatchTheFp64ReferenceAndTheGroupedGemms) {
                    moe_expert_weight_grad(a, b, g), 1e-2);
       EXPECT_EQ(max_abs(got.narrow(0, 13, 3).to(at::kFloat)), 0.0) << name << tag;
     }
+    // Both kernels where the wgmma one runs (sm_90): the mma.sync one against fp64 too, the two
+    // against each other (the same sums in 64- and 32-row chunks).
+    if (moe_experts_weight_grads_wgmma_supported(latent, ffn, n)) {
+      const MoeExpertWeightGrads wgmma =
+          moe_experts_weight_grads(x, dg, du, dy, h, perm.group_ends, true, true, MoeExpertsKernel::kWgmma);
+      const MoeExpertWeightGrads mma_sync =
+          moe_experts_weight_grads(x, dg, du, dy, h, perm.group_ends, true, true, MoeExpertsKernel::kMmaSync);
+      EXPECT_TRUE(at::equal(wgmma.d_gate_proj, all.d_gate_proj) && at::equal(wgmma.d_up_proj, all.d_up_proj) &&
+                  at::equal(wgmma.d_down_proj, all.d_down_proj))
+          << "kAuto takes the wgmma kernel on sm_90" << tag;
+      const std::vector<std::tuple<const char*, at::Tensor, at::Tensor, at::Tensor, at::Tensor>> pairs = {
+          {"dW_gate", mma_sync.d_gate_proj, wgmma.d_gate_proj, dg, x},
+          {"dW_up", mma_sync.d_up_proj, wgmma.d_up_proj, du, x},
+          {"dW_down", mma_sync.d_down_proj, wgmma.d_down_proj, dy, h}};
+      for (const auto& [name, other, mine, a, b] : pairs) {
+        expect_close(std::string("weight grads mma.sync kernel ") + name + tag, other,
+                     weight_grad_reference(a, b, perm.tokens_per_expert), 1e-2);
+        expect_close(std::string("weight grads wgmma vs mma.sync ") + name + tag, mine, other, 1e-2);
+      }
+    }
     const MoeExpertWeightGrads gate_up = moe_experts_weight_grads(x, dg, du, at::Tensor(), at::Tensor(),
                                                                   perm.group_ends, true, false);
     const MoeExpertWeightGrads down = moe_experts_weight_grads(x, at::Tensor(), at::Tensor(), dy, h,
@@ -843,6 +863,14 @@ TEST_F(MoeKernel, ExpertDxMatchesTheFp64ReferenceAndTheTwoGemms) {
     chain.add_(moe_expert_rows_times(du, up, g));
     expect_close("dx kernel vs the two GEMMs added in place" + tag, got, chain, 1e-2);
     EXPECT_TRUE(at::equal(got, moe_experts_dx(dg, du, gate, up, perm.group_ends))) << "two runs differ" << tag;
+    // Both kernels where the wgmma one runs (sm_90): the same sums in the same order.
+    if (moe_experts_dx_wgmma_supported(latent, ffn, n)) {
+      const at::Tensor wgmma = moe_experts_dx(dg, du, gate, up, perm.group_ends, MoeExpertsKernel::kWgmma);
+      const at::Tensor mma_sync = moe_experts_dx(dg, du, gate, up, perm.group_ends, MoeExpertsKernel::kMmaSync);
+      expect_close("dx wgmma kernel" + tag, wgmma, at::cat(parts, 0), 1e-2);
+      expect_close("dx wgmma vs mma.sync" + tag, wgmma, mma_sync, 1e-2);
+      EXPECT_TRUE(at::equal(got, wgmma)) << "kAuto takes the wgmma kernel on sm_90" << tag;
+    }
   }
 }
 
