@@ -324,22 +324,14 @@ ForwardKernelInfo forward_kernel(int64_t latent, int64_t ffn) {
   return info;
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
 }  // namespace
 
 bool moe_experts_fused_supported(int64_t latent, int64_t ffn, int64_t experts) {
   if (experts < 1 || experts > kMaxExperts) return false;
   const ForwardKernelInfo info = forward_kernel(latent, ffn);
   if (info.kernel == nullptr) return false;
-  int device = 0, optin = 0, major = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return false;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
-    return false;
-  }
   constexpr size_t kStatic = (kMaxExperts + kThreads / 32) * sizeof(int);
-  return major >= 8 && info.shared + kStatic <= static_cast<size_t>(optin);
+  return device_fits(info.shared + kStatic, DeviceNeed::kSm80OrNewer);
 }
 
 cudaError_t moe_experts_forward(const void* rows, const void* gate_proj, const void* up_proj,
@@ -362,13 +354,8 @@ cudaError_t moe_experts_forward(const void* rows, const void* gate_proj, const v
   }
   if (total_rows == 0) return cudaSuccess;
   const ForwardKernelInfo info = forward_kernel(latent, ffn);
-  int device = 0, sms = 0;
-  cudaError_t error = cudaGetDevice(&device);
-  if (error == cudaSuccess) error = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  if (error == cudaSuccess) {
-    error = cudaFuncSetAttribute(info.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 static_cast<int>(info.shared));
-  }
+  int sms = 0;
+  const cudaError_t error = prepare_launch(info.kernel, info.shared, sms);
   if (error != cudaSuccess) return error;
   ForwardArgs a;
   a.rows = static_cast<const bf16*>(rows);

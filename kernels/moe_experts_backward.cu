@@ -54,28 +54,6 @@ constexpr int kStagingElements = kTile * kStride;   // the output tile, for whol
 constexpr size_t kSharedBytes =
     (size_t{kStages} * kStageElements + kStagingElements) * sizeof(bf16);  // 104 KB: two CTAs an SM
 
-struct GradArgs {
-  const bf16* rows;  // X [R, L]
-  const bf16* d_gate;
-  const bf16* d_up;  // dG, dU [R, F]
-  const bf16* dy;    // [R, L]
-  const bf16* h;     // [R, F]
-  const int32_t* group_ends;
-  bf16* d_gate_proj;
-  bf16* d_up_proj;    // [E, F, L] (both or neither)
-  bf16* d_down_proj;  // [E, L, F] (or nullptr)
-  int experts, latent, ffn;
-  int gate_up_jobs, down_jobs;  // per expert (0 for a part not wanted)
-  int jobs;                     // all experts'
-};
-
-struct Job {
-  int expert;
-  int first_row, rows;  // the expert's rows
-  bool down;            // dW_down's tile, else gate / up's
-  int m0, n0;
-};
-
 // The CTA's k-th job, in the order of `order` (experts by rows, most first): rounds of gridDim.x
 // jobs, CTA b taking the b-th of even rounds and the b-th from the end of odd ones (a snake, so
 // that no CTA takes the largest job of every round); -1 past the last job.
@@ -83,23 +61,6 @@ __device__ int job_at(int k, int jobs) {
   const int b = (k & 1) ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
   const int j = k * gridDim.x + b;
   return j < jobs ? j : -1;
-}
-
-__device__ Job decode_job(int j, const GradArgs& a, const int* order) {
-  const int per_expert = a.gate_up_jobs + a.down_jobs;
-  const int i = j / per_expert;
-  int s = j - i * per_expert;
-  const int e = order[i];
-  Job job;
-  job.expert = e;
-  job.first_row = e > 0 ? a.group_ends[e - 1] : 0;
-  job.rows = a.group_ends[e] - job.first_row;
-  job.down = s >= a.gate_up_jobs;
-  if (job.down) s -= a.gate_up_jobs;
-  const int n_tiles = job.down ? (a.ffn + kTile - 1) / kTile : a.latent / kTile;
-  job.m0 = (s / n_tiles) * kTile;
-  job.n0 = (s - (s / n_tiles) * n_tiles) * kTile;
-  return job;
 }
 
 // The loading side of the chunk stream, per thread: its four 16-byte pieces of a chunk are rows
@@ -115,7 +76,7 @@ struct Feed {
 };
 
 __device__ void start_job(Feed& f, const GradArgs& a, const int* order, int j, int col) {
-  const Job job = decode_job(j, a, order);
+  const GradJob job = grad_job(j, a, order);
   f.chunk = 0;
   f.chunks = (job.rows + kChunk - 1) / kChunk;
   f.first_row = job.first_row;
@@ -225,7 +186,7 @@ __global__ void __launch_bounds__(kThreads, 2) moe_experts_weight_grads_kernel(G
   for (int k = 0; k < rounds; ++k) {
     const int j = job_at(k, a.jobs);
     if (j < 0) continue;
-    const Job job = decode_job(j, a, order);
+    const GradJob job = grad_job(j, a, order);
     const bool live = !job.down || job.n0 + wq * 32 < a.ffn;  // warp-uniform
     const int chunks = (job.rows + kChunk - 1) / kChunk;
     zero(acc);
@@ -302,16 +263,6 @@ constexpr int kDxStageElements = kDxAElements + kDxBElements;
 constexpr size_t kDxSharedBytes =
     (size_t{kStages} * kDxStageElements + kStagingElements) * sizeof(bf16);  // 110.6 KB
 
-struct DxArgs {
-  const bf16* d_gate;
-  const bf16* d_up;  // [R, F]
-  const bf16* gate_proj;
-  const bf16* up_proj;  // [E, F, L]
-  const int32_t* group_ends;
-  bf16* dx;  // [R, L]
-  int experts, latent, ffn;
-  int slices;  // L / 128
-};
 
 struct DxFeed {
   int j = 0;  // the job whose chunk is issued next (>= jobs: the stream has ended)
@@ -426,36 +377,11 @@ __global__ void __launch_bounds__(kThreads, 2) moe_experts_dx_kernel(DxArgs a) {
   cp_async_wait<0>();
 }
 
-bool aligned16(const void* p) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
 // The widths and expert counts both kernels take: L a multiple of 128, F of 64, 1 to 1024 experts
 // (the schedules in shared memory), E L F < 2^31 (int offsets into the weights).
 bool widths_supported(int64_t latent, int64_t ffn, int64_t experts) {
   return latent >= kTile && latent % kTile == 0 && ffn >= 64 && ffn % 64 == 0 && experts >= 1 &&
          experts <= kMaxExperts && experts * latent * ffn < (int64_t{1} << 31);
-}
-
-// Whether the current device is sm_80 or newer and gives a block `shared` bytes of shared memory.
-bool device_fits(size_t shared) {
-  int device = 0, major = 0, optin = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return false;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
-    return false;
-  }
-  return major >= 8 && shared <= static_cast<size_t>(optin);
-}
-
-// The current device's SM count, with `kernel`'s dynamic shared memory raised to `shared` bytes.
-template <typename Kernel>
-cudaError_t prepare_launch(Kernel kernel, size_t shared, int& sms) {
-  int device = 0;
-  cudaError_t error = cudaGetDevice(&device);
-  if (error == cudaSuccess) error = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  if (error == cudaSuccess) {
-    error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared));
-  }
-  return error;
 }
 
 }  // namespace
@@ -464,7 +390,7 @@ bool moe_experts_weight_grads_supported(int64_t latent, int64_t ffn, int64_t exp
   if (!widths_supported(latent, ffn, experts)) return false;
   const int64_t per_expert = (2 * ffn / kTile) * (latent / kTile) + (latent / kTile) * ((ffn + kTile - 1) / kTile);
   if (experts * per_expert >= (int64_t{1} << 31)) return false;
-  return device_fits(kSharedBytes + kMaxExperts * sizeof(int));  // + the sorted experts
+  return device_fits(kSharedBytes + kMaxExperts * sizeof(int), DeviceNeed::kSm80OrNewer);  // + the sorted experts
 }
 
 cudaError_t moe_experts_weight_grads(const void* rows, const void* d_gate, const void* d_up,
@@ -477,40 +403,13 @@ cudaError_t moe_experts_weight_grads(const void* rows, const void* d_gate, const
     return moe_experts_weight_grads_wgmma(rows, d_gate, d_up, dy, h, group_ends, d_gate_proj, d_up_proj,
                                           d_down_proj, total_rows, experts, latent, ffn, stream);
   }
-  const bool gate_up = d_gate_proj != nullptr, down = d_down_proj != nullptr;
-  if (!moe_experts_weight_grads_supported(latent, ffn, experts) || total_rows < 0 ||
-      total_rows >= (int64_t{1} << 31) || (d_up_proj != nullptr) != gate_up ||
-      group_ends == nullptr) {
+  if (!moe_experts_weight_grads_supported(latent, ffn, experts) ||
+      !grad_arguments_valid(rows, d_gate, d_up, dy, h, group_ends, d_gate_proj, d_up_proj, d_down_proj, total_rows)) {
     return cudaErrorInvalidValue;
   }
-  // Without rows (an empty batch: LibTorch's empty tensors have null data) the inputs are never
-  // read and every gradient is zero.
-  const bool rows_read = total_rows > 0;
-  if (gate_up && rows_read && (rows == nullptr || d_gate == nullptr || d_up == nullptr)) {
-    return cudaErrorInvalidValue;
-  }
-  if (down && rows_read && (dy == nullptr || h == nullptr)) return cudaErrorInvalidValue;
-  for (const void* p : {rows, d_gate, d_up, dy, h, static_cast<const void*>(d_gate_proj),
-                        static_cast<const void*>(d_up_proj), static_cast<const void*>(d_down_proj)}) {
-    if (!aligned16(p)) return cudaErrorInvalidValue;
-  }
-  if (!gate_up && !down) return cudaSuccess;
-  GradArgs a;
-  a.rows = static_cast<const bf16*>(rows);
-  a.d_gate = static_cast<const bf16*>(d_gate);
-  a.d_up = static_cast<const bf16*>(d_up);
-  a.dy = static_cast<const bf16*>(dy);
-  a.h = static_cast<const bf16*>(h);
-  a.group_ends = group_ends;
-  a.d_gate_proj = static_cast<bf16*>(d_gate_proj);
-  a.d_up_proj = static_cast<bf16*>(d_up_proj);
-  a.d_down_proj = static_cast<bf16*>(d_down_proj);
-  a.experts = static_cast<int>(experts);
-  a.latent = static_cast<int>(latent);
-  a.ffn = static_cast<int>(ffn);
-  a.gate_up_jobs = gate_up ? static_cast<int>((2 * ffn / kTile) * (latent / kTile)) : 0;
-  a.down_jobs = down ? static_cast<int>((latent / kTile) * ((ffn + kTile - 1) / kTile)) : 0;
-  a.jobs = static_cast<int>(experts) * (a.gate_up_jobs + a.down_jobs);
+  if (d_gate_proj == nullptr && d_down_proj == nullptr) return cudaSuccess;
+  const GradArgs a = grad_args(rows, d_gate, d_up, dy, h, group_ends, d_gate_proj, d_up_proj, d_down_proj, experts,
+                               latent, ffn);
   int sms = 0;
   const cudaError_t error = prepare_launch(moe_experts_weight_grads_kernel, kSharedBytes, sms);
   if (error != cudaSuccess) return error;
@@ -524,8 +423,8 @@ cudaError_t moe_experts_weight_grads(const void* rows, const void* d_gate, const
 namespace odyssey::kernels {
 
 bool moe_experts_dx_supported(int64_t latent, int64_t ffn, int64_t experts) {
-  return widths_supported(latent, ffn, experts) &&
-         device_fits(kDxSharedBytes + (kMaxExperts + kThreads / 32) * sizeof(int));  // + the tile schedule
+  constexpr size_t kSchedule = (kMaxExperts + kThreads / 32) * sizeof(int);  // the tile schedule
+  return widths_supported(latent, ffn, experts) && device_fits(kDxSharedBytes + kSchedule, DeviceNeed::kSm80OrNewer);
 }
 
 cudaError_t moe_experts_dx(const void* d_gate, const void* d_up, const void* gate_proj,
@@ -537,27 +436,12 @@ cudaError_t moe_experts_dx(const void* d_gate, const void* d_up, const void* gat
     return moe_experts_dx_wgmma(d_gate, d_up, gate_proj, up_proj, group_ends, dx, total_rows, experts, latent,
                                 ffn, stream);
   }
-  if (!moe_experts_dx_supported(latent, ffn, experts) || total_rows < 0 ||
-      total_rows >= (int64_t{1} << 31) || group_ends == nullptr) {
+  if (!moe_experts_dx_supported(latent, ffn, experts) ||
+      !dx_arguments_valid(d_gate, d_up, gate_proj, up_proj, group_ends, dx, total_rows)) {
     return cudaErrorInvalidValue;
   }
-  if (gate_proj == nullptr || up_proj == nullptr) return cudaErrorInvalidValue;
-  for (const void* p : {d_gate, d_up, gate_proj, up_proj, static_cast<const void*>(dx)}) {
-    if (!aligned16(p)) return cudaErrorInvalidValue;
-  }
   if (total_rows == 0) return cudaSuccess;  // an empty batch: nothing to read or write
-  if (d_gate == nullptr || d_up == nullptr || dx == nullptr) return cudaErrorInvalidValue;
-  DxArgs a;
-  a.d_gate = static_cast<const bf16*>(d_gate);
-  a.d_up = static_cast<const bf16*>(d_up);
-  a.gate_proj = static_cast<const bf16*>(gate_proj);
-  a.up_proj = static_cast<const bf16*>(up_proj);
-  a.group_ends = group_ends;
-  a.dx = static_cast<bf16*>(dx);
-  a.experts = static_cast<int>(experts);
-  a.latent = static_cast<int>(latent);
-  a.ffn = static_cast<int>(ffn);
-  a.slices = static_cast<int>(latent / kTile);
+  const DxArgs a = dx_args(d_gate, d_up, gate_proj, up_proj, group_ends, dx, experts, latent, ffn);
   int sms = 0;
   const cudaError_t error = prepare_launch(moe_experts_dx_kernel, kDxSharedBytes, sms);
   if (error != cudaSuccess) return error;

@@ -176,6 +176,19 @@ __device__ __forceinline__ int snake_tile(int round) {
   return (round & 1) == 0 ? round * g + b : (round + 1) * g - 1 - b;
 }
 
+// Piece q (columns 32 q + 8 tq .. + 7) of row gq + 8 half of a warp's 16 rows of an m64n128
+// accumulator, rounded to bf16: the quad's lanes exchange their pairs so that each stores 16 bytes.
+__device__ __forceinline__ uint4 accumulator_piece(const float (&acc)[64], int half, int q, int tq) {
+  uint32_t four[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int nt = 4 * q + i;
+    four[i] = pack_bf16(acc[4 * nt + 2 * half], acc[4 * nt + 2 * half + 1]);
+  }
+  quad_transpose(four, tq);
+  return make_uint4(four[0], four[1], four[2], four[3]);
+}
+
 // Roles: warps 0-7 the two consumer warpgroups (products and epilogues), warp 8 streams the
 // weight chunks, warp 9 the tiles' rows. Nothing waits on a CTA-wide barrier after the schedule
 // is built: every hand-over is an mbarrier, so a warpgroup's epilogue overlaps the other's
@@ -372,16 +385,10 @@ __global__ void __launch_bounds__(kAllThreads, 1) moe_experts_forward_wgmma_kern
         } else {
 #pragma unroll
           for (int q = 0; q < 4; ++q) {
-            uint32_t four[4];
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-              const int j = 4 * q + i;
-              four[i] = pack_bf16(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
-            }
-            quad_transpose(four, tq);
+            const uint4 piece = accumulator_piece(acc, half, q, tq);
             if (r < tile.rows) {
               bf16* out = a.y + static_cast<int64_t>(tile.first_row + r) * L + s * 128 + q * 32 + tq * 8;
-              *reinterpret_cast<uint4*>(out) = make_uint4(four[0], four[1], four[2], four[3]);
+              *reinterpret_cast<uint4*>(out) = piece;
             }
           }
         }
@@ -400,6 +407,50 @@ __global__ void __launch_bounds__(kAllThreads, 1) moe_experts_forward_wgmma_kern
 #endif
 }
 
+// ---- The backward kernels' ring (dX, weight gradients) --------------------------------------------
+// kRing slots of kStageBytes at `stages`, `full` / `empty` mbarriers 8 bytes apart: full counts the
+// two loading warps' lanes (cp.async arrivals), empty the consumer warps.
+template <int kRing>
+__device__ __forceinline__ void init_ring(uint32_t full, uint32_t empty) {
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < kRing; ++i) {
+      mbarrier_init(full + 8 * i, 64);  // the two loading warps' lanes
+      mbarrier_init(empty + 8 * i, kConsumerThreads / 32);
+    }
+  }
+}
+
+// A consumer warp's side of one job's `chunks` chunks, from stream position `position` on:
+// `issue(stage, c)` issues chunk c's wgmma between the fence and the commit; a chunk's products
+// stay in flight while the next chunk is awaited (wgmma.wait_group 1), and its slot is released
+// once they are done (the last chunk's at once: the epilogue follows).
+template <int kRing, int kStageBytes, typename Issue>
+__device__ __forceinline__ void consume_chunks(uint32_t stages, uint32_t full, uint32_t empty, int chunks,
+                                               int& position, int lane, Issue&& issue) {
+  auto release = [&](int q) {
+    __syncwarp();
+    mbarrier_arrive_lane0(empty + 8 * (q % kRing), lane);
+  };
+  int pending = -1;
+  for (int c = 0; c < chunks; ++c, ++position) {
+    const int slot = position % kRing;
+    mbarrier_wait(full + 8 * slot, (position / kRing) & 1);
+    fence_proxy_async();
+    wgmma_fence();
+    issue(stages + slot * kStageBytes, c);
+    wgmma_commit();
+    if (c < chunks - 1) {
+      wgmma_wait<1>();
+      if (pending >= 0) release(pending);
+      pending = position;
+      continue;
+    }
+    wgmma_wait<0>();
+    if (pending >= 0) release(pending);
+    release(position);
+  }
+}
+
 // ---- dX = dG W_gate + dU W_up (moe_experts_dx's contract) ----------------------------------------
 // Jobs: (tile of at most 128 rows of one expert, TileSplit::kFull) x (slice of 128 columns of L),
 // dealt snaking; K = 2F ([dG | dU] against [W_gate; W_up]) streams in chunks of 64. A stage is the
@@ -415,15 +466,6 @@ constexpr int kDxStages = 3;
 constexpr int kDxStageBytes = 2 * kMatrixBytes;  // A then B
 constexpr size_t kDxSharedBytes = size_t{kDxStages} * kDxStageBytes + 1024;
 
-struct DxArgs {
-  const bf16* d_gate;
-  const bf16* d_up;  // [R, F]
-  const bf16* gate_proj;
-  const bf16* up_proj;  // [E, F, L]
-  const int32_t* group_ends;
-  bf16* dx;  // [R, L]
-  int experts, latent, ffn, slices;
-};
 
 __global__ void __launch_bounds__(kAllThreads, 2) moe_experts_dx_wgmma_kernel(DxArgs a) {
 #if defined(ODYSSEY_NO_WGMMA)
@@ -434,12 +476,7 @@ __global__ void __launch_bounds__(kAllThreads, 2) moe_experts_dx_wgmma_kernel(Dx
   __shared__ __align__(8) uint64_t barriers[2 * kDxStages];
   const uint32_t stages = (shared_address(shared_bytes) + 1023u) & ~1023u;
   const uint32_t full = shared_address(&barriers[0]), empty = shared_address(&barriers[kDxStages]);
-  if (threadIdx.x == 0) {
-    for (int i = 0; i < kDxStages; ++i) {
-      mbarrier_init(full + 8 * i, 64);  // the two loading warps' lanes
-      mbarrier_init(empty + 8 * i, kConsumerThreads / 32);
-    }
-  }
+  init_ring<kDxStages>(full, empty);
   const int tiles = build_tile_schedule<kAllThreads>(a.group_ends, a.experts, tile_ends);  // ends in __syncthreads
   const int jobs = tiles * a.slices, chunks = 2 * a.ffn / 64;
   const int warp_id = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x >> 5), 0), lane = threadIdx.x & 31;
@@ -500,10 +537,6 @@ __global__ void __launch_bounds__(kAllThreads, 2) moe_experts_dx_wgmma_kernel(Dx
 
   const int warpgroup = warp_id >> 2, warp = warp_id & 3;
   const int gq = lane >> 2, tq = lane & 3;
-  auto release = [&](int q) {
-    __syncwarp();
-    mbarrier_arrive_lane0(empty + 8 * (q % kDxStages), lane);
-  };
   float acc[64];
 #pragma unroll
   for (int i = 0; i < 64; ++i) acc[i] = 0.f;
@@ -516,13 +549,7 @@ __global__ void __launch_bounds__(kAllThreads, 2) moe_experts_dx_wgmma_kernel(Dx
     job_of(j, tile, n0);
     if (tile.rows <= 0) continue;
     const bool active = __shfl_sync(0xffffffffu, tile.rows > warpgroup * 64, 0);  // see the forward
-    int pending = -1;
-    for (int c = 0; c < chunks; ++c, ++position) {
-      const int slot = position % kDxStages;
-      mbarrier_wait(full + 8 * slot, (position / kDxStages) & 1);
-      fence_proxy_async();
-      const uint32_t stage = stages + slot * kDxStageBytes;
-      wgmma_fence();
+    auto issue = [&](uint32_t stage, int) {
       if (active) {
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
@@ -530,32 +557,17 @@ __global__ void __launch_bounds__(kAllThreads, 2) moe_experts_dx_wgmma_kernel(Dx
                               descriptor_mn(stage + kMatrixBytes + kk * 16 * kRowBytes, kMatrixBytes / 2));
         }
       }
-      wgmma_commit();
-      if (c < chunks - 1) {
-        wgmma_wait<1>();
-        if (pending >= 0) release(pending);
-        pending = position;
-        continue;
-      }
-      wgmma_wait<0>();
-      if (pending >= 0) release(pending);
-      release(position);
-    }
+    };
+    consume_chunks<kDxStages, kDxStageBytes>(stages, full, empty, chunks, position, lane, issue);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int r = warpgroup * 64 + warp * 16 + gq + half * 8;
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
-        uint32_t four[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int nt = 4 * q + i;
-          four[i] = pack_bf16(acc[4 * nt + 2 * half], acc[4 * nt + 2 * half + 1]);
-        }
-        quad_transpose(four, tq);
+        const uint4 piece = accumulator_piece(acc, half, q, tq);
         if (r < tile.rows) {
           bf16* out = a.dx + static_cast<int64_t>(tile.first_row + r) * a.latent + n0 + q * 32 + tq * 8;
-          *reinterpret_cast<uint4*>(out) = make_uint4(four[0], four[1], four[2], four[3]);
+          *reinterpret_cast<uint4*>(out) = piece;
         }
       }
     }
@@ -581,45 +593,6 @@ constexpr int kGradStages = 3;
 constexpr int kGradStageBytes = 2 * kMatrixBytes;  // A then B
 constexpr size_t kGradSharedBytes = size_t{kGradStages} * kGradStageBytes + 1024;
 
-struct GradArgs {
-  const bf16* rows;  // X [R, L]
-  const bf16* d_gate;
-  const bf16* d_up;  // dG, dU [R, F]
-  const bf16* dy;    // [R, L]
-  const bf16* h;     // [R, F]
-  const int32_t* group_ends;
-  bf16* d_gate_proj;
-  bf16* d_up_proj;    // [E, F, L] (both or neither)
-  bf16* d_down_proj;  // [E, L, F] (or nullptr)
-  int experts, latent, ffn;
-  int gate_up_jobs, down_jobs;  // per expert (0 for a part not wanted)
-  int jobs;                     // all experts'
-};
-
-struct GradJob {
-  int expert;
-  int first_row, rows;  // the expert's rows
-  bool down;            // dW_down's tile, else gate / up's
-  int m0, n0;
-};
-
-__device__ __forceinline__ GradJob grad_job(int j, const GradArgs& a, const int* order) {
-  const int per_expert = a.gate_up_jobs + a.down_jobs;
-  const int i = j / per_expert;
-  int s = j - i * per_expert;
-  const int e = order[i];
-  GradJob job;
-  job.expert = e;
-  job.first_row = e > 0 ? a.group_ends[e - 1] : 0;
-  job.rows = a.group_ends[e] - job.first_row;
-  job.down = s >= a.gate_up_jobs;
-  if (job.down) s -= a.gate_up_jobs;
-  const int n_tiles = job.down ? (a.ffn + 127) / 128 : a.latent / 128;
-  job.m0 = (s / n_tiles) * 128;
-  job.n0 = (s - (s / n_tiles) * n_tiles) * 128;
-  return job;
-}
-
 __global__ void __launch_bounds__(kAllThreads, 2) moe_experts_weight_grads_wgmma_kernel(GradArgs a) {
 #if defined(ODYSSEY_NO_WGMMA)
   __trap();
@@ -629,12 +602,7 @@ __global__ void __launch_bounds__(kAllThreads, 2) moe_experts_weight_grads_wgmma
   __shared__ __align__(8) uint64_t barriers[2 * kGradStages];
   const uint32_t stages = (shared_address(shared_bytes) + 1023u) & ~1023u;
   const uint32_t full = shared_address(&barriers[0]), empty = shared_address(&barriers[kGradStages]);
-  if (threadIdx.x == 0) {
-    for (int i = 0; i < kGradStages; ++i) {
-      mbarrier_init(full + 8 * i, 64);  // the two loading warps' lanes
-      mbarrier_init(empty + 8 * i, kConsumerThreads / 32);
-    }
-  }
+  init_ring<kGradStages>(full, empty);
   // The ring is scratch for the sort (8 KB) until the sort's last barrier.
   unsigned char* ring = shared_bytes + (stages - shared_address(shared_bytes));
   sort_experts<kAllThreads>(a.group_ends, a.experts, reinterpret_cast<uint64_t*>(ring), order);
@@ -691,10 +659,6 @@ __global__ void __launch_bounds__(kAllThreads, 2) moe_experts_weight_grads_wgmma
 
   const int warpgroup = warp_id >> 2, warp = warp_id & 3;
   const int gq = lane >> 2, tq = lane & 3;
-  auto release = [&](int q) {
-    __syncwarp();
-    mbarrier_arrive_lane0(empty + 8 * (q % kGradStages), lane);
-  };
   float acc[64];
   int position = 0;
   for (int round = 0; round * static_cast<int>(gridDim.x) < a.jobs; ++round) {
@@ -705,32 +669,18 @@ __global__ void __launch_bounds__(kAllThreads, 2) moe_experts_weight_grads_wgmma
     const int chunks = (rows + 63) / 64;
 #pragma unroll
     for (int i = 0; i < 64; ++i) acc[i] = 0.f;
-    int pending = -1;
-    for (int c = 0; c < chunks; ++c, ++position) {
-      const int slot = position % kGradStages;
-      mbarrier_wait(full + 8 * slot, (position / kGradStages) & 1);
-      fence_proxy_async();
-      const uint32_t stage = stages + slot * kGradStageBytes;
+    auto issue = [&](uint32_t stage, int c) {
       const int steps = min(4, (rows - c * 64 + 15) / 16);  // k16 steps holding rows
-      wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
         if (kk < steps) {
-          wgmma_m64n128k16<1, 1>(acc, descriptor_mn(stage + warpgroup * (kMatrixBytes / 2) + kk * 16 * kRowBytes, kMatrixBytes / 2),
-                                 descriptor_mn(stage + kMatrixBytes + kk * 16 * kRowBytes, kMatrixBytes / 2));
+          const uint32_t a_rows = stage + warpgroup * (kMatrixBytes / 2) + kk * 16 * kRowBytes;
+          const uint32_t b_rows = stage + kMatrixBytes + kk * 16 * kRowBytes;
+          wgmma_m64n128k16<1, 1>(acc, descriptor_mn(a_rows, kMatrixBytes / 2), descriptor_mn(b_rows, kMatrixBytes / 2));
         }
       }
-      wgmma_commit();
-      if (c < chunks - 1) {
-        wgmma_wait<1>();
-        if (pending >= 0) release(pending);
-        pending = position;
-        continue;
-      }
-      wgmma_wait<0>();
-      if (pending >= 0) release(pending);
-      release(position);
-    }
+    };
+    consume_chunks<kGradStages, kGradStageBytes>(stages, full, empty, chunks, position, lane, issue);
     // Row m of the tile is a row of dW_gate / dW_up (m < F / m >= F) or of dW_down; its columns past
     // F (a half-filled dW_down tile) are not stored.
     const int width = job.down ? a.ffn : a.latent;
@@ -747,15 +697,9 @@ __global__ void __launch_bounds__(kAllThreads, 2) moe_experts_weight_grads_wgmma
       }
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
-        uint32_t four[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int nt = 4 * q + i;
-          four[i] = pack_bf16(acc[4 * nt + 2 * half], acc[4 * nt + 2 * half + 1]);
-        }
-        quad_transpose(four, tq);
+        const uint4 piece = accumulator_piece(acc, half, q, tq);
         const int n = job.n0 + q * 32 + tq * 8;
-        if (n < width) *reinterpret_cast<uint4*>(out + n) = make_uint4(four[0], four[1], four[2], four[3]);
+        if (n < width) *reinterpret_cast<uint4*>(out + n) = piece;
       }
     }
   }
@@ -784,23 +728,14 @@ KernelInfo find_kernel(int64_t latent, int64_t ffn) {
   return info;
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
 }  // namespace
 
 bool moe_experts_forward_wgmma_supported(int64_t latent, int64_t ffn, int64_t experts) {
   if (experts < 1 || experts > kMaxExperts) return false;
   const KernelInfo info = find_kernel(latent, ffn);
   if (info.kernel == nullptr) return false;
-  int device = 0, optin = 0, major = 0, minor = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return false;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
-    return false;
-  }
   constexpr size_t kStatic = (kMaxExperts + kAllThreads / 32) * sizeof(int) + (2 * kStages + 2) * 8;
-  return major == 9 && minor == 0 && info.shared + kStatic <= static_cast<size_t>(optin);
+  return device_fits(info.shared + kStatic, DeviceNeed::kSm90);
 }
 
 cudaError_t moe_experts_forward_wgmma(const void* rows, const void* gate_proj, const void* up_proj,
@@ -819,13 +754,8 @@ cudaError_t moe_experts_forward_wgmma(const void* rows, const void* gate_proj, c
   if (gate != nullptr && (!aligned16(gate) || !aligned16(up))) return cudaErrorInvalidValue;
   if (total_rows == 0) return cudaSuccess;
   const KernelInfo info = find_kernel(latent, ffn);
-  int device = 0, sms = 0;
-  cudaError_t error = cudaGetDevice(&device);
-  if (error == cudaSuccess) error = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  if (error == cudaSuccess) {
-    error = cudaFuncSetAttribute(info.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 static_cast<int>(info.shared));
-  }
+  int sms = 0;
+  const cudaError_t error = prepare_launch(info.kernel, info.shared, sms);
   if (error != cudaSuccess) return error;
   Args a;
   a.rows = static_cast<const bf16*>(rows);
@@ -850,49 +780,23 @@ bool moe_experts_dx_wgmma_supported(int64_t latent, int64_t ffn, int64_t experts
       experts * ffn * latent >= (int64_t{1} << 40)) {
     return false;
   }
-  int device = 0, optin = 0, major = 0, minor = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return false;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
-    return false;
-  }
   constexpr size_t kStatic = (kMaxExperts + kAllThreads / 32) * sizeof(int) + 2 * kDxStages * 8;
-  return major == 9 && minor == 0 && kDxSharedBytes + kStatic <= static_cast<size_t>(optin);
+  return device_fits(kDxSharedBytes + kStatic, DeviceNeed::kSm90);
 }
 
 cudaError_t moe_experts_dx_wgmma(const void* d_gate, const void* d_up, const void* gate_proj,
                                  const void* up_proj, const int32_t* group_ends, void* dx,
                                  int64_t total_rows, int64_t experts, int64_t latent, int64_t ffn,
                                  cudaStream_t stream) {
-  if (!moe_experts_dx_wgmma_supported(latent, ffn, experts) || total_rows < 0 ||
-      total_rows >= (int64_t{1} << 31) || group_ends == nullptr || gate_proj == nullptr || up_proj == nullptr) {
+  if (!moe_experts_dx_wgmma_supported(latent, ffn, experts) ||
+      !dx_arguments_valid(d_gate, d_up, gate_proj, up_proj, group_ends, dx, total_rows)) {
     return cudaErrorInvalidValue;
   }
-  for (const void* p : {d_gate, d_up, gate_proj, up_proj, static_cast<const void*>(dx)}) {
-    if (p != nullptr && !aligned16(p)) return cudaErrorInvalidValue;
-  }
-  if (total_rows == 0) return cudaSuccess;
-  if (d_gate == nullptr || d_up == nullptr || dx == nullptr) return cudaErrorInvalidValue;
-  int device = 0, sms = 0;
-  cudaError_t error = cudaGetDevice(&device);
-  if (error == cudaSuccess) error = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  if (error == cudaSuccess) {
-    error = cudaFuncSetAttribute(moe_experts_dx_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 static_cast<int>(kDxSharedBytes));
-  }
+  if (total_rows == 0) return cudaSuccess;  // an empty batch: nothing to read or write
+  int sms = 0;
+  const cudaError_t error = prepare_launch(moe_experts_dx_wgmma_kernel, kDxSharedBytes, sms);
   if (error != cudaSuccess) return error;
-  DxArgs a;
-  a.d_gate = static_cast<const bf16*>(d_gate);
-  a.d_up = static_cast<const bf16*>(d_up);
-  a.gate_proj = static_cast<const bf16*>(gate_proj);
-  a.up_proj = static_cast<const bf16*>(up_proj);
-  a.group_ends = group_ends;
-  a.dx = static_cast<bf16*>(dx);
-  a.experts = static_cast<int>(experts);
-  a.latent = static_cast<int>(latent);
-  a.ffn = static_cast<int>(ffn);
-  a.slices = static_cast<int>(latent / 128);
+  const DxArgs a = dx_args(d_gate, d_up, gate_proj, up_proj, group_ends, dx, experts, latent, ffn);
   const int64_t max_jobs = (total_rows / kTileRows + experts) * a.slices;
   const int grid = static_cast<int>(max_jobs < 2 * sms ? max_jobs : 2 * sms);
   moe_experts_dx_wgmma_kernel<<<grid, kAllThreads, kDxSharedBytes, stream>>>(a);
@@ -905,15 +809,8 @@ bool moe_experts_weight_grads_wgmma_supported(int64_t latent, int64_t ffn, int64
   }
   const int64_t per_expert = (2 * ffn / 128) * (latent / 128) + (latent / 128) * ((ffn + 127) / 128);
   if (experts * per_expert >= (int64_t{1} << 31) || experts * ffn * latent >= (int64_t{1} << 40)) return false;
-  int device = 0, optin = 0, major = 0, minor = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return false;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
-    return false;
-  }
   constexpr size_t kStatic = kMaxExperts * sizeof(int) + 2 * kGradStages * 8;
-  return major == 9 && minor == 0 && kGradSharedBytes + kStatic <= static_cast<size_t>(optin);
+  return device_fits(kGradSharedBytes + kStatic, DeviceNeed::kSm90);
 }
 
 cudaError_t moe_experts_weight_grads_wgmma(const void* rows, const void* d_gate, const void* d_up,
@@ -921,45 +818,16 @@ cudaError_t moe_experts_weight_grads_wgmma(const void* rows, const void* d_gate,
                                            void* d_gate_proj, void* d_up_proj, void* d_down_proj,
                                            int64_t total_rows, int64_t experts, int64_t latent,
                                            int64_t ffn, cudaStream_t stream) {
-  const bool gate_up = d_gate_proj != nullptr, down = d_down_proj != nullptr;
-  if (!moe_experts_weight_grads_wgmma_supported(latent, ffn, experts) || total_rows < 0 ||
-      total_rows >= (int64_t{1} << 31) || (d_up_proj != nullptr) != gate_up || group_ends == nullptr) {
+  if (!moe_experts_weight_grads_wgmma_supported(latent, ffn, experts) ||
+      !grad_arguments_valid(rows, d_gate, d_up, dy, h, group_ends, d_gate_proj, d_up_proj, d_down_proj, total_rows)) {
     return cudaErrorInvalidValue;
   }
-  const bool rows_read = total_rows > 0;
-  if (gate_up && rows_read && (rows == nullptr || d_gate == nullptr || d_up == nullptr)) {
-    return cudaErrorInvalidValue;
-  }
-  if (down && rows_read && (dy == nullptr || h == nullptr)) return cudaErrorInvalidValue;
-  for (const void* p : {rows, d_gate, d_up, dy, h, static_cast<const void*>(d_gate_proj),
-                        static_cast<const void*>(d_up_proj), static_cast<const void*>(d_down_proj)}) {
-    if (p != nullptr && !aligned16(p)) return cudaErrorInvalidValue;
-  }
-  if (!gate_up && !down) return cudaSuccess;
-  int device = 0, sms = 0;
-  cudaError_t error = cudaGetDevice(&device);
-  if (error == cudaSuccess) error = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  if (error == cudaSuccess) {
-    error = cudaFuncSetAttribute(moe_experts_weight_grads_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 static_cast<int>(kGradSharedBytes));
-  }
+  if (d_gate_proj == nullptr && d_down_proj == nullptr) return cudaSuccess;
+  int sms = 0;
+  const cudaError_t error = prepare_launch(moe_experts_weight_grads_wgmma_kernel, kGradSharedBytes, sms);
   if (error != cudaSuccess) return error;
-  GradArgs a;
-  a.rows = static_cast<const bf16*>(rows);
-  a.d_gate = static_cast<const bf16*>(d_gate);
-  a.d_up = static_cast<const bf16*>(d_up);
-  a.dy = static_cast<const bf16*>(dy);
-  a.h = static_cast<const bf16*>(h);
-  a.group_ends = group_ends;
-  a.d_gate_proj = static_cast<bf16*>(d_gate_proj);
-  a.d_up_proj = static_cast<bf16*>(d_up_proj);
-  a.d_down_proj = static_cast<bf16*>(d_down_proj);
-  a.experts = static_cast<int>(experts);
-  a.latent = static_cast<int>(latent);
-  a.ffn = static_cast<int>(ffn);
-  a.gate_up_jobs = gate_up ? static_cast<int>((2 * ffn / 128) * (latent / 128)) : 0;
-  a.down_jobs = down ? static_cast<int>((latent / 128) * ((ffn + 127) / 128)) : 0;
-  a.jobs = static_cast<int>(experts) * (a.gate_up_jobs + a.down_jobs);
+  const GradArgs a = grad_args(rows, d_gate, d_up, dy, h, group_ends, d_gate_proj, d_up_proj, d_down_proj, experts,
+                               latent, ffn);
   const int grid = a.jobs < 2 * sms ? a.jobs : 2 * sms;
   moe_experts_weight_grads_wgmma_kernel<<<grid, kAllThreads, kGradSharedBytes, stream>>>(a);
   return cudaGetLastError();

@@ -2,9 +2,12 @@
 // the dX kernels): an expert with c rows gets ceil(c / 128) tiles (TileSplit says how they share
 // the rows). The schedule (an inclusive prefix sum of tiles over experts) is built by every CTA in
 // shared memory from group_ends, so nothing is read back to the host. Also the experts sorted by
-// rows, most first (the weight-gradient kernels deal their jobs in that order). Internal
-// (anonymous namespace: each .cu gets its own copy).
+// rows, most first (the weight-gradient kernels deal their jobs in that order), those kernels'
+// jobs, and the launchers' host helpers. Internal (anonymous namespace: each .cu gets its own copy).
 #pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
 
 #include <cstdint>
 
@@ -124,6 +127,173 @@ __device__ void sort_experts(const int32_t* __restrict__ group_ends, int experts
     order[i] = static_cast<int>(0xffffffffu - static_cast<uint32_t>(keys[i]));
   }
   __syncthreads();
+}
+
+// ---- The weight-gradient kernels' jobs (moe_experts_backward.cu's mma.sync kernel and
+// moe_experts_sm90.cu's wgmma one): 128 x 128 tiles of the outputs, a fixed number per expert,
+// experts in the order of `order` (sort_experts).
+struct GradArgs {
+  const __nv_bfloat16* rows;  // X [R, L]
+  const __nv_bfloat16* d_gate;
+  const __nv_bfloat16* d_up;  // dG, dU [R, F]
+  const __nv_bfloat16* dy;    // [R, L]
+  const __nv_bfloat16* h;     // [R, F]
+  const int32_t* group_ends;
+  __nv_bfloat16* d_gate_proj;
+  __nv_bfloat16* d_up_proj;    // [E, F, L] (both or neither)
+  __nv_bfloat16* d_down_proj;  // [E, L, F] (or nullptr)
+  int experts, latent, ffn;
+  int gate_up_jobs, down_jobs;  // per expert (0 for a part not wanted)
+  int jobs;                     // all experts'
+};
+
+struct GradJob {
+  int expert;
+  int first_row, rows;  // the expert's rows
+  bool down;            // dW_down's tile, else gate / up's
+  int m0, n0;
+};
+
+// Job j: the (j / per_expert)-th expert of `order`; gate / up tiles first (m over the 2F columns of
+// [dG | dU], n over L), then down's (m over L, n over F, the last tile half filled when F % 128 == 64).
+__device__ __forceinline__ GradJob grad_job(int j, const GradArgs& a, const int* order) {
+  const int per_expert = a.gate_up_jobs + a.down_jobs;
+  const int i = j / per_expert;
+  int s = j - i * per_expert;
+  const int e = order[i];
+  GradJob job;
+  job.expert = e;
+  job.first_row = e > 0 ? a.group_ends[e - 1] : 0;
+  job.rows = a.group_ends[e] - job.first_row;
+  job.down = s >= a.gate_up_jobs;
+  if (job.down) s -= a.gate_up_jobs;
+  const int n_tiles = job.down ? (a.ffn + kTileRows - 1) / kTileRows : a.latent / kTileRows;
+  job.m0 = (s / n_tiles) * kTileRows;
+  job.n0 = (s - (s / n_tiles) * n_tiles) * kTileRows;
+  return job;
+}
+
+// The weight-gradient launchers' checks of their pointers and row count (moe_experts_weight_grads'
+// contract, kernels/moe.h): d_gate_proj and d_up_proj both or neither; with rows, the inputs of
+// the parts wanted given; every pointer 16-byte aligned.
+inline bool grad_arguments_valid(const void* rows, const void* d_gate, const void* d_up, const void* dy,
+                                 const void* h, const int32_t* group_ends, const void* d_gate_proj,
+                                 const void* d_up_proj, const void* d_down_proj, int64_t total_rows) {
+  const bool gate_up = d_gate_proj != nullptr, down = d_down_proj != nullptr, rows_read = total_rows > 0;
+  if (total_rows < 0 || total_rows >= (int64_t{1} << 31) || (d_up_proj != nullptr) != gate_up ||
+      group_ends == nullptr) {
+    return false;
+  }
+  // Without rows (an empty batch: LibTorch's empty tensors have null data) the inputs are never
+  // read and every gradient is zero.
+  if (gate_up && rows_read && (rows == nullptr || d_gate == nullptr || d_up == nullptr)) return false;
+  if (down && rows_read && (dy == nullptr || h == nullptr)) return false;
+  for (const void* p : {rows, d_gate, d_up, dy, h, d_gate_proj, d_up_proj, d_down_proj}) {
+    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
+  }
+  return true;
+}
+
+// Fills a GradArgs from a launcher's arguments (gate / up wanted when d_gate_proj is given, down
+// when d_down_proj is).
+inline GradArgs grad_args(const void* rows, const void* d_gate, const void* d_up, const void* dy, const void* h,
+                          const int32_t* group_ends, void* d_gate_proj, void* d_up_proj, void* d_down_proj,
+                          int64_t experts, int64_t latent, int64_t ffn) {
+  GradArgs a;
+  a.rows = static_cast<const __nv_bfloat16*>(rows);
+  a.d_gate = static_cast<const __nv_bfloat16*>(d_gate);
+  a.d_up = static_cast<const __nv_bfloat16*>(d_up);
+  a.dy = static_cast<const __nv_bfloat16*>(dy);
+  a.h = static_cast<const __nv_bfloat16*>(h);
+  a.group_ends = group_ends;
+  a.d_gate_proj = static_cast<__nv_bfloat16*>(d_gate_proj);
+  a.d_up_proj = static_cast<__nv_bfloat16*>(d_up_proj);
+  a.d_down_proj = static_cast<__nv_bfloat16*>(d_down_proj);
+  a.experts = static_cast<int>(experts);
+  a.latent = static_cast<int>(latent);
+  a.ffn = static_cast<int>(ffn);
+  a.gate_up_jobs = d_gate_proj != nullptr ? static_cast<int>((2 * ffn / kTileRows) * (latent / kTileRows)) : 0;
+  a.down_jobs =
+      d_down_proj != nullptr ? static_cast<int>((latent / kTileRows) * ((ffn + kTileRows - 1) / kTileRows)) : 0;
+  a.jobs = static_cast<int>(experts) * (a.gate_up_jobs + a.down_jobs);
+  return a;
+}
+
+// ---- The dX kernels' arguments (moe_experts_backward.cu's mma.sync kernel, moe_experts_sm90.cu's
+// wgmma one): dx[r] = d_gate[r] W_gate[e] + d_up[r] W_up[e]; jobs (tile of rows) x (slice of 128
+// columns of L).
+struct DxArgs {
+  const __nv_bfloat16* d_gate;
+  const __nv_bfloat16* d_up;  // [R, F]
+  const __nv_bfloat16* gate_proj;
+  const __nv_bfloat16* up_proj;  // [E, F, L]
+  const int32_t* group_ends;
+  __nv_bfloat16* dx;  // [R, L]
+  int experts, latent, ffn;
+  int slices;  // L / 128
+};
+
+// moe_experts_dx's checks of its pointers and row count (kernels/moe.h): the weights and
+// group_ends given, every pointer 16-byte aligned, and with rows the rows' pointers given.
+inline bool dx_arguments_valid(const void* d_gate, const void* d_up, const void* gate_proj, const void* up_proj,
+                               const int32_t* group_ends, const void* dx, int64_t total_rows) {
+  if (total_rows < 0 || total_rows >= (int64_t{1} << 31) || group_ends == nullptr || gate_proj == nullptr ||
+      up_proj == nullptr) {
+    return false;
+  }
+  for (const void* p : {d_gate, d_up, gate_proj, up_proj, dx}) {
+    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
+  }
+  // An empty batch reads and writes nothing (LibTorch's empty tensors have null data).
+  return total_rows == 0 || (d_gate != nullptr && d_up != nullptr && dx != nullptr);
+}
+
+inline DxArgs dx_args(const void* d_gate, const void* d_up, const void* gate_proj, const void* up_proj,
+                      const int32_t* group_ends, void* dx, int64_t experts, int64_t latent, int64_t ffn) {
+  DxArgs a;
+  a.d_gate = static_cast<const __nv_bfloat16*>(d_gate);
+  a.d_up = static_cast<const __nv_bfloat16*>(d_up);
+  a.gate_proj = static_cast<const __nv_bfloat16*>(gate_proj);
+  a.up_proj = static_cast<const __nv_bfloat16*>(up_proj);
+  a.group_ends = group_ends;
+  a.dx = static_cast<__nv_bfloat16*>(dx);
+  a.experts = static_cast<int>(experts);
+  a.latent = static_cast<int>(latent);
+  a.ffn = static_cast<int>(ffn);
+  a.slices = static_cast<int>(latent / kTileRows);
+  return a;
+}
+
+// ---- Launch helpers (host) -----------------------------------------------------------------------
+inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }  // nullptr: yes
+
+// Which devices a kernel runs on: sm_80 and newer (mma.sync), or sm_90 alone (wgmma, built for
+// sm_90a: not sm_100 and later, whose arch-specific sets differ).
+enum class DeviceNeed { kSm80OrNewer, kSm90 };
+
+// Whether the current device is one `need` allows and gives a block `shared` bytes of shared memory.
+inline bool device_fits(size_t shared, DeviceNeed need) {
+  int device = 0, major = 0, minor = 0, optin = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return false;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
+    return false;
+  }
+  const bool arch = need == DeviceNeed::kSm90 ? (major == 9 && minor == 0) : major >= 8;
+  return arch && shared <= static_cast<size_t>(optin);
+}
+
+// The current device's SM count, with `kernel`'s dynamic shared memory raised to `shared` bytes.
+template <typename Kernel>
+cudaError_t prepare_launch(Kernel kernel, size_t shared, int& sms) {
+  int device = 0;
+  cudaError_t error = cudaGetDevice(&device);
+  if (error == cudaSuccess) error = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (error == cudaSuccess) {
+    error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared));
+  }
+  return error;
 }
 
 }  // namespace
