@@ -38,20 +38,24 @@ tail -40 "$OUT/bench_kernels.log"
 
 # The MoE experts' standalone drivers: both kernels (mma.sync and wgmma) of the fused forward, dX and
 # the weight gradients, each compared element by element (last lines `weight_grads_check: ok`,
-# `dx_check: ok`) and timed at the small config's shapes with uniform, even and skewed routing.
+# `dx_check: ok`) and timed at the small config's shapes with uniform, even and skewed routing; and
+# the prototype of dH with the SiTU-GLU backward fused (scripts/moe_dh_situ_driver.cu,
+# `dh_situ_check: ok`).
 NVCC="${CUDACXX:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}"
 drivers() {
-  "$NVCC" -O3 -std=c++17 -arch=sm_90a --expt-relaxed-constexpr -I. scripts/moe_weight_grads_driver.cu \
-    kernels/moe_experts_sm90.cu -o "$BUILD/moe_backward_driver" &&
-    "$NVCC" -O3 -std=c++17 -arch=sm_90a --expt-relaxed-constexpr -I. scripts/moe_experts_driver.cu \
-      kernels/moe_experts_sm90.cu -o "$BUILD/moe_forward_driver" &&
-    "$BUILD/moe_backward_driver" && "$BUILD/moe_backward_driver" 700 2 16 640 320 &&
-    "$BUILD/moe_backward_driver" 300 3 1000 128 128 && "$BUILD/moe_forward_driver"
+  local flags="-O3 -std=c++17 -arch=sm_90a --expt-relaxed-constexpr -I." rc=0
+  "$NVCC" $flags scripts/moe_weight_grads_driver.cu kernels/moe_experts_sm90.cu -o "$BUILD/moe_backward_driver" &&
+    "$NVCC" $flags scripts/moe_experts_driver.cu kernels/moe_experts_sm90.cu -o "$BUILD/moe_forward_driver" &&
+    "$NVCC" $flags scripts/moe_dh_situ_driver.cu kernels/moe.cu -o "$BUILD/moe_dh_situ_driver" || return 1
+  for args in "" "700 2 16 640 320" "300 3 1000 128 128"; do "$BUILD/moe_backward_driver" $args || rc=1; done
+  "$BUILD/moe_forward_driver" || rc=1
+  for args in "" "700 2 16 640 320" "300 3 1000 128 128"; do "$BUILD/moe_dh_situ_driver" $args || rc=1; done
+  return $rc
 }
 export NVCC BUILD
 export -f drivers
 step moe_drivers 240 bash -c drivers
-grep -E "check:|FAILED|best" "$OUT/moe_drivers.log" | tail -40
+grep -E "check:|FAILED|best|differ" "$OUT/moe_drivers.log" | tail -60
 
 if [ "${SKIP_LONG:-0}" != 1 ]; then
   step learner_64k 120 "$BUILD/cli/odyssey" bench learner --long 65536 --device cuda --chunk-tokens 16384

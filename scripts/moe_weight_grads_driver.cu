@@ -152,6 +152,7 @@ int main(int argc, char** argv) {
     }
   }
   std::printf("weight_grads_check: %s\n", all_ok ? "ok" : "FAILED");
+  const bool grads_ok = all_ok;
   // dX = dG W_gate + dU W_up (moe_experts_dx) on the same rows, with random weights.
   const HostDevice gate_proj = random_bf16(experts * F * L, 0.05f, rng), up_proj = random_bf16(experts * F * L, 0.05f, rng);
   void* dx = nullptr;
@@ -226,5 +227,5 @@ int main(int argc, char** argv) {
     }
   }
   std::printf("dx_check: %s\n", all_ok ? "ok" : "FAILED");
-  return 0;
+  return grads_ok && all_ok ? 0 : 1;
 }
