@@ -45,10 +45,12 @@ tail -40 "$OUT/bench_kernels.log"
 NVCC="${CUDACXX:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}"
 drivers() {
   local flags="-O3 -std=c++17 -arch=sm_90a --expt-relaxed-constexpr -I." rc=0
-  "$NVCC" $flags scripts/moe_weight_grads_driver.cu kernels/moe_experts_sm90.cu -o "$BUILD/moe_backward_driver" &&
-    "$NVCC" $flags scripts/moe_experts_driver.cu kernels/moe_experts_sm90.cu -o "$BUILD/moe_forward_driver" &&
-    "$NVCC" $flags scripts/moe_dh_situ_driver.cu kernels/moe.cu -o "$BUILD/moe_dh_situ_driver" &&
-    "$NVCC" $flags scripts/router_scores_driver.cu -lcublas -o "$BUILD/router_scores_driver" || return 1
+  "$NVCC" $flags scripts/moe_weight_grads_driver.cu kernels/moe_experts_sm90.cu -o "$BUILD/moe_backward_driver" &
+  "$NVCC" $flags scripts/moe_experts_driver.cu kernels/moe_experts_sm90.cu -o "$BUILD/moe_forward_driver" &
+  "$NVCC" $flags scripts/moe_dh_situ_driver.cu kernels/moe.cu -o "$BUILD/moe_dh_situ_driver" &
+  "$NVCC" $flags scripts/router_scores_driver.cu -lcublas -o "$BUILD/router_scores_driver" &
+  for job in $(jobs -p); do wait "$job" || rc=1; done
+  [ $rc = 0 ] || return 1
   for args in "" "700 2 16 640 320" "300 3 1000 128 128"; do "$BUILD/moe_backward_driver" $args || rc=1; done
   "$BUILD/moe_forward_driver" || rc=1
   for args in "" "700 2 16 640 320" "300 3 1000 128 128"; do "$BUILD/moe_dh_situ_driver" $args || rc=1; done
@@ -57,7 +59,7 @@ drivers() {
 }
 export NVCC BUILD
 export -f drivers
-step moe_drivers 240 bash -c drivers
+step moe_drivers 360 bash -c drivers
 grep -E "check:|FAILED|best|differ" "$OUT/moe_drivers.log" | tail -60
 
 if [ "${SKIP_LONG:-0}" != 1 ]; then
