@@ -81,7 +81,10 @@ std::string WeightSubscriber::version_dir(uint32_t version) const { return weigh
 
 std::optional<uint32_t> WeightSubscriber::latest(bool force) {
   const auto now = std::chrono::steady_clock::now();
-  if (force || now - last_poll_ >= poll_interval_) {
+  // The first call always reads: steady_clock counts from an arbitrary point (often the boot), so
+  // a default last poll could look recent on a machine up for less than one interval.
+  if (force || !polled_ || now - last_poll_ >= poll_interval_) {
+    polled_ = true;
     last_poll_ = now;
     if (auto v = read_latest(dir_)) latest_ = v;
   }

@@ -62,6 +62,7 @@ class WeightSubscriber {
  private:
   std::string dir_;
   std::chrono::milliseconds poll_interval_;
+  bool polled_ = false;  // whether LATEST was read yet (last_poll_ is meaningless before)
   std::chrono::steady_clock::time_point last_poll_{};
   std::optional<uint32_t> latest_;
 };
