@@ -260,7 +260,10 @@ int main(int argc, char** argv) {
               "unwritten %ld; %s\n",
               worst, worst_current, most, static_cast<long>(unwritten),
               cudaGetErrorName(error != cudaSuccess ? error : sync));
-  const bool ok = error == cudaSuccess && sync == cudaSuccess && unwritten == 0 && worst < 1e-5 && most < 1e-5;
+  // Both paths are fp32 GEMMs of exact products, so they differ by the order of the fp32 sums: ~1e-7
+  // of sigma' sum |terms| each against fp64, a few 1e-6 in s between them. A layout or indexing
+  // error is orders of magnitude above these bounds.
+  const bool ok = error == cudaSuccess && sync == cudaSuccess && unwritten == 0 && worst < 1e-5 && most < 5e-5;
   std::printf("router_scores_check: %s\n", ok ? "ok" : "FAILED");
   cublasDestroy(handle);
   return ok ? 0 : 1;
