@@ -1,6 +1,7 @@
 // The routed experts' fused forward on Hopper's warpgroup tensor-core instructions (wgmma); the
 // contract is moe_experts_forward's (kernels/moe.h), this file's own entry points are in
-// kernels/moe_experts_sm90.h. Built for sm_90a only (wgmma is an arch-specific feature); the
+// kernels/moe_experts_sm90.h. The backward's dX and weight gradients on wgmma follow the forward
+// (from "The backward kernels' ring" on), with the design notes above each. Built for sm_90a only (wgmma is an arch-specific feature); the
 // mma.sync kernel in moe_experts.cu is the path everywhere else and this kernel's parity reference.
 //
 // A CTA of two warpgroups takes a tile of at most 128 rows of one expert (TileSplit::kFull: 128

@@ -1,6 +1,11 @@
-// The routed experts' fused forward on Hopper's wgmma (kernels/moe_experts_sm90.cu, built for
-// sm_90a only). The contract is moe_experts_forward's (kernels/moe.h): the same arguments, outputs
-// and preconditions; moe_experts_forward calls this where it is supported unless told otherwise.
+// The routed experts' kernels on Hopper's wgmma (kernels/moe_experts_sm90.cu, built for sm_90a
+// only): the fused forward, dX and the three weight gradients. Each has the contract of its
+// mma.sync counterpart in kernels/moe.h (moe_experts_forward, moe_experts_dx,
+// moe_experts_weight_grads: the same arguments, outputs and preconditions), which calls it where
+// it is supported unless told otherwise (MoeExpertsKernel). dX and the weight gradients equal the
+// mma.sync kernels' bit for bit in every run of scripts/moe_weight_grads_driver.cu.
+//
+// The forward:
 // Results: G and U are the same products as the mma.sync kernel's, summed in another order (equal
 // to within fp32 rounding before their bf16 rounding), H and y follow from them.
 // Supported: an sm_90 device (H100 / H200), L in {128, 256, 384, 512} and F a multiple of 64 with
