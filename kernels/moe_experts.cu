@@ -344,13 +344,9 @@ cudaError_t moe_experts_forward(const void* rows, const void* gate_proj, const v
     return moe_experts_forward_wgmma(rows, gate_proj, up_proj, down_proj, group_ends, y, gate, up,
                                      total_rows, experts, latent, ffn, beta1, beta2, stream);
   }
-  if (!moe_experts_fused_supported(latent, ffn, experts) || total_rows < 0 ||
-      total_rows >= (int64_t{1} << 31) || (gate == nullptr) != (up == nullptr) ||
-      !(beta1 > 0.f) || !(beta2 > 0.f)) {
+  if (!moe_experts_fused_supported(latent, ffn, experts) ||
+      !forward_arguments_valid(rows, gate_proj, up_proj, down_proj, y, gate, up, total_rows, beta1, beta2)) {
     return cudaErrorInvalidValue;
-  }
-  for (const void* p : {rows, gate_proj, up_proj, down_proj, static_cast<const void*>(y)}) {
-    if (!aligned16(p)) return cudaErrorInvalidValue;
   }
   if (total_rows == 0) return cudaSuccess;
   const ForwardKernelInfo info = forward_kernel(latent, ffn);

@@ -744,15 +744,10 @@ cudaError_t moe_experts_forward_wgmma(const void* rows, const void* gate_proj, c
                                       void* gate, void* up, int64_t total_rows, int64_t experts,
                                       int64_t latent, int64_t ffn, float beta1, float beta2,
                                       cudaStream_t stream) {
-  if (!moe_experts_forward_wgmma_supported(latent, ffn, experts) || total_rows < 0 ||
-      total_rows >= (int64_t{1} << 31) || (gate == nullptr) != (up == nullptr) || !(beta1 > 0.f) ||
-      !(beta2 > 0.f)) {
+  if (!moe_experts_forward_wgmma_supported(latent, ffn, experts) ||
+      !forward_arguments_valid(rows, gate_proj, up_proj, down_proj, y, gate, up, total_rows, beta1, beta2)) {
     return cudaErrorInvalidValue;
   }
-  for (const void* p : {rows, gate_proj, up_proj, down_proj, static_cast<const void*>(y)}) {
-    if (!aligned16(p)) return cudaErrorInvalidValue;
-  }
-  if (gate != nullptr && (!aligned16(gate) || !aligned16(up))) return cudaErrorInvalidValue;
   if (total_rows == 0) return cudaSuccess;
   const KernelInfo info = find_kernel(latent, ffn);
   int sms = 0;

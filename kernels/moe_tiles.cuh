@@ -129,6 +129,24 @@ __device__ void sort_experts(const int32_t* __restrict__ group_ends, int experts
   __syncthreads();
 }
 
+inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }  // nullptr: yes
+
+// ---- The fused forward launchers' checks (moe_experts.cu's mma.sync kernel, moe_experts_sm90.cu's
+// wgmma one; moe_experts_forward's contract, kernels/moe.h): G and U both or neither, positive
+// caps, every pointer 16-byte aligned (the kernels store G, U and y as 16-byte pieces).
+inline bool forward_arguments_valid(const void* rows, const void* gate_proj, const void* up_proj,
+                                    const void* down_proj, const void* y, const void* gate, const void* up,
+                                    int64_t total_rows, float beta1, float beta2) {
+  if (total_rows < 0 || total_rows >= (int64_t{1} << 31) || (gate == nullptr) != (up == nullptr) ||
+      !(beta1 > 0.f) || !(beta2 > 0.f)) {
+    return false;
+  }
+  for (const void* p : {rows, gate_proj, up_proj, down_proj, y, gate, up}) {
+    if (!aligned16(p)) return false;
+  }
+  return true;
+}
+
 // ---- The weight-gradient kernels' jobs (moe_experts_backward.cu's mma.sync kernel and
 // moe_experts_sm90.cu's wgmma one): 128 x 128 tiles of the outputs, a fixed number per expert,
 // experts in the order of `order` (sort_experts).
@@ -189,7 +207,7 @@ inline bool grad_arguments_valid(const void* rows, const void* d_gate, const voi
   if (gate_up && rows_read && (rows == nullptr || d_gate == nullptr || d_up == nullptr)) return false;
   if (down && rows_read && (dy == nullptr || h == nullptr)) return false;
   for (const void* p : {rows, d_gate, d_up, dy, h, d_gate_proj, d_up_proj, d_down_proj}) {
-    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
+    if (!aligned16(p)) return false;
   }
   return true;
 }
@@ -242,7 +260,7 @@ inline bool dx_arguments_valid(const void* d_gate, const void* d_up, const void*
     return false;
   }
   for (const void* p : {d_gate, d_up, gate_proj, up_proj, dx}) {
-    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
+    if (!aligned16(p)) return false;
   }
   // An empty batch reads and writes nothing (LibTorch's empty tensors have null data).
   return total_rows == 0 || (d_gate != nullptr && d_up != nullptr && dx != nullptr);
@@ -265,8 +283,6 @@ inline DxArgs dx_args(const void* d_gate, const void* d_up, const void* gate_pro
 }
 
 // ---- Launch helpers (host) -----------------------------------------------------------------------
-inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }  // nullptr: yes
-
 // Which devices a kernel runs on: sm_80 and newer (mma.sync), or sm_90 alone (wgmma, built for
 // sm_90a: not sm_100 and later, whose arch-specific sets differ).
 enum class DeviceNeed { kSm80OrNewer, kSm90 };

@@ -21,7 +21,11 @@
 // rounds each dH piece to bf16 (as the grouped GEMM's output is), then per element the accurate
 // situ_terms / situ_d_gate / situ_d_up / situ_h on the tile's G and U, 16-byte loads and stores.
 // Two CTAs an SM as dX, so one CTA's epilogue (~80 instructions an element) runs beside the
-// other's products.
+// other's products. The kernel body repeats moe_experts_dx_wgmma_kernel's but for its loaders and
+// epilogue: when it lands, the two become one kernel templated on the problem (where A and B come
+// from, what a finished tile becomes). That was tried in the eleventh session and left for then,
+// since it changes dX's machine code (register allocation and predicates; scripts/sass_stats.py
+// --dump), which then needs a GPU run the session did not have.
 #include "kernels/moe.h"
 #include "kernels/moe_experts_sm90.cu"
 #include "kernels/situ.cuh"
