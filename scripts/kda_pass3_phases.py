@@ -101,7 +101,7 @@ def main():
         f.write(driver)
     binary = os.path.abspath(args.build) if args.build else os.path.join(work, "driver")
     nvcc = os.environ.get("NVCC", "nvcc")
-    command = [nvcc, "-O3", "-std=c++17", "-arch=sm_90", "-DKDA_PHASE_PROFILE", f"-I{work}", f"-I{ROOT}",
+    command = [nvcc, "-O3", "-std=c++17", "-arch=sm_90", "--expt-relaxed-constexpr", "-DKDA_PHASE_PROFILE", f"-I{work}", f"-I{ROOT}",
                driver_path, os.path.join(ROOT, "kernels", "kda.cu"), "-o", binary]
     print(" ".join(command), flush=True)
     subprocess.run(command, check=True)
