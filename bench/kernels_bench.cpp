@@ -14,6 +14,7 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/core/GradMode.h>
 #include <cuda_runtime.h>
+#include <nvtx3/nvToolsExt.h>
 #include <torch/autograd.h>
 #include <torch/cuda.h>
 
@@ -28,6 +29,16 @@
 
 namespace odyssey::bench {
 namespace {
+
+// An NVTX range for the profilers' timelines (nsys: `--capture-range=nvtx --nvtx-capture=NAME`, or
+// the `nvtx_kern_sum` report's kernels per range); free when no profiler is attached.
+class NvtxRange {
+ public:
+  explicit NvtxRange(const char* name) { nvtxRangePushA(name); }
+  ~NvtxRange() { nvtxRangePop(); }
+  NvtxRange(const NvtxRange&) = delete;
+  NvtxRange& operator=(const NvtxRange&) = delete;
+};
 
 namespace kda = odyssey::model::kda;
 namespace model = odyssey::model;
@@ -981,6 +992,7 @@ void bench_moe(const KernelsBenchOptions& o, KernelsBenchResult& r) {
   // One training step's layer work: forward recorded, backward of <y, dy>; every gradient
   // (x and the parameters) reset to none first so nothing accumulates.
   auto step = [&](bool kernels, bool backward) {
+    const NvtxRange range(!kernels ? "moe reference step" : backward ? "moe train step" : "moe forward");
     const c10::AutoGradMode grad(backward);
     const at::Tensor input = backward ? x.detach().requires_grad_(true) : x;
     for (auto& p : layer->parameters()) p.mutable_grad() = at::Tensor();
