@@ -5,6 +5,8 @@
 #include <climits>
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
+#include <type_traits>
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -503,27 +505,89 @@ __global__ void unpermute_backward_kernel(const T* __restrict__ copies,
 
 // ---- SiTU-GLU ------------------------------------------------------------------------------------------
 
+// h for results of type T (situ.cuh): bf16 on the special-function unit, as the fused experts'
+// epilogue computes it (so a forward, fused or not, and the backward's recomputation give the same
+// bits); fp32 from the accurate terms.
+template <typename T>
+__device__ __forceinline__ float situ_h_for(float g, float u, const SituCaps& caps) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return situ_h_fast(g, u, caps);
+  } else {
+    return situ_h(situ_terms(g, u, caps.beta1, caps.beta2));
+  }
+}
+
 template <typename T>
 __global__ void situ_forward_kernel(const T* __restrict__ gate, const T* __restrict__ up,
-                                    T* __restrict__ h, int64_t count, float beta1, float beta2) {
-  for_each_index(count, [&](int64_t i) {
-    store_f32(h, i, situ_h(situ_terms(load_f32(gate, i), load_f32(up, i), beta1, beta2)));
-  });
+                                    T* __restrict__ h, int64_t count, SituCaps caps) {
+  for_each_index(count, [&](int64_t i) { store_f32(h, i, situ_h_for<T>(load_f32(gate, i), load_f32(up, i), caps)); });
 }
 
 // h (may be nullptr): the forward's output recomputed in the same pass, for a caller that did not
-// keep it.
+// keep it (situ_h_for: situ_glu_forward's bits). The gradients from the accurate terms.
 template <typename T>
 __global__ void situ_backward_kernel(const T* __restrict__ gate, const T* __restrict__ up,
                                      const T* __restrict__ dh, T* __restrict__ d_gate,
                                      T* __restrict__ d_up, T* __restrict__ h, int64_t count,
-                                     float beta1, float beta2) {
+                                     SituCaps caps) {
   for_each_index(count, [&](int64_t i) {
-    const float d = load_f32(dh, i);
-    const SituTerms s = situ_terms(load_f32(gate, i), load_f32(up, i), beta1, beta2);
+    const float d = load_f32(dh, i), g = load_f32(gate, i), u = load_f32(up, i);
+    const SituTerms s = situ_terms(g, u, caps.beta1, caps.beta2);
     store_f32(d_gate, i, situ_d_gate(s, d));
     store_f32(d_up, i, situ_d_up(s, d));
-    if (h != nullptr) store_f32(h, i, situ_h(s));
+    if (h != nullptr) store_f32(h, i, situ_h_for<T>(g, u, caps));
+  });
+}
+
+// bf16 in pieces of 8 elements (16-byte loads and stores; the launchers take these where the count
+// is a multiple of 8 and every pointer 16-byte aligned): each element's value is the scalar
+// kernel's, the same terms and one rounding.
+struct Bf16x8 {
+  __nv_bfloat162 pair[4];
+};
+static_assert(sizeof(Bf16x8) == 16, "16-byte pieces");
+
+__global__ void situ_forward_x8_kernel(const uint4* __restrict__ gate, const uint4* __restrict__ up,
+                                       uint4* __restrict__ h, int64_t pieces, SituCaps caps) {
+  for_each_index(pieces, [&](int64_t i) {
+    const uint4 g_raw = gate[i], u_raw = up[i];
+    const Bf16x8& g = reinterpret_cast<const Bf16x8&>(g_raw);
+    const Bf16x8& u = reinterpret_cast<const Bf16x8&>(u_raw);
+    Bf16x8 out;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 gf = __bfloat1622float2(g.pair[j]), uf = __bfloat1622float2(u.pair[j]);
+      out.pair[j] = __floats2bfloat162_rn(situ_h_fast(gf.x, uf.x, caps), situ_h_fast(gf.y, uf.y, caps));
+    }
+    h[i] = reinterpret_cast<const uint4&>(out);
+  });
+}
+
+__global__ void situ_backward_x8_kernel(const uint4* __restrict__ gate, const uint4* __restrict__ up,
+                                        const uint4* __restrict__ dh, uint4* __restrict__ d_gate,
+                                        uint4* __restrict__ d_up, uint4* __restrict__ h, int64_t pieces,
+                                        SituCaps caps) {
+  for_each_index(pieces, [&](int64_t i) {
+    const uint4 g_raw = gate[i], u_raw = up[i], d_raw = dh[i];
+    const Bf16x8& g = reinterpret_cast<const Bf16x8&>(g_raw);
+    const Bf16x8& u = reinterpret_cast<const Bf16x8&>(u_raw);
+    const Bf16x8& d = reinterpret_cast<const Bf16x8&>(d_raw);
+    Bf16x8 dg, du, hh;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 gf = __bfloat1622float2(g.pair[j]), uf = __bfloat1622float2(u.pair[j]);
+      const float2 df = __bfloat1622float2(d.pair[j]);
+      const SituTerms a = situ_terms(gf.x, uf.x, caps.beta1, caps.beta2);
+      const SituTerms b = situ_terms(gf.y, uf.y, caps.beta1, caps.beta2);
+      dg.pair[j] = __floats2bfloat162_rn(situ_d_gate(a, df.x), situ_d_gate(b, df.y));
+      du.pair[j] = __floats2bfloat162_rn(situ_d_up(a, df.x), situ_d_up(b, df.y));
+      if (h != nullptr) {
+        hh.pair[j] = __floats2bfloat162_rn(situ_h_fast(gf.x, uf.x, caps), situ_h_fast(gf.y, uf.y, caps));
+      }
+    }
+    d_gate[i] = reinterpret_cast<const uint4&>(dg);
+    d_up[i] = reinterpret_cast<const uint4&>(du);
+    if (h != nullptr) h[i] = reinterpret_cast<const uint4&>(hh);
   });
 }
 
@@ -554,6 +618,15 @@ bool situ_arguments_valid(MoeDtype dtype, int64_t count, float beta1, float beta
 }
 constexpr int kSituThreads = 256;
 int64_t situ_blocks(int64_t count) { return blocks_for(count, kSituThreads, 132 * 32); }
+SituCaps situ_caps(float beta1, float beta2) { return {beta1, beta2, 1.f / beta1, 1.f / beta2}; }
+// bf16 with a count of whole 16-byte pieces and every pointer (nullptr allowed) 16-byte aligned.
+bool situ_in_pieces(MoeDtype dtype, int64_t count, std::initializer_list<const void*> pointers) {
+  if (dtype != MoeDtype::kBFloat16 || count % 8 != 0) return false;
+  for (const void* p : pointers) {
+    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
+  }
+  return true;
+}
 
 }  // namespace
 
@@ -716,11 +789,16 @@ cudaError_t situ_glu_forward(MoeDtype dtype, const void* gate, const void* up, v
                              int64_t count, float beta1, float beta2, cudaStream_t stream) {
   if (!situ_arguments_valid(dtype, count, beta1, beta2)) return cudaErrorInvalidValue;
   if (count == 0) return cudaSuccess;
+  const SituCaps caps = situ_caps(beta1, beta2);
+  if (situ_in_pieces(dtype, count, {gate, up, h})) {
+    situ_forward_x8_kernel<<<situ_blocks(count / 8), kSituThreads, 0, stream>>>(
+        static_cast<const uint4*>(gate), static_cast<const uint4*>(up), static_cast<uint4*>(h), count / 8, caps);
+    return cudaGetLastError();
+  }
   with_element_type(dtype, [&](auto zero) {
     using T = decltype(zero);
     situ_forward_kernel<T><<<situ_blocks(count), kSituThreads, 0, stream>>>(
-        static_cast<const T*>(gate), static_cast<const T*>(up), static_cast<T*>(h), count, beta1,
-        beta2);
+        static_cast<const T*>(gate), static_cast<const T*>(up), static_cast<T*>(h), count, caps);
   });
   return cudaGetLastError();
 }
@@ -731,11 +809,18 @@ cudaError_t situ_glu_backward_with_h(MoeDtype dtype, const void* gate, const voi
                                      cudaStream_t stream) {
   if (!situ_arguments_valid(dtype, count, beta1, beta2)) return cudaErrorInvalidValue;
   if (count == 0) return cudaSuccess;
+  const SituCaps caps = situ_caps(beta1, beta2);
+  if (situ_in_pieces(dtype, count, {gate, up, dh, d_gate, d_up, h})) {
+    situ_backward_x8_kernel<<<situ_blocks(count / 8), kSituThreads, 0, stream>>>(
+        static_cast<const uint4*>(gate), static_cast<const uint4*>(up), static_cast<const uint4*>(dh),
+        static_cast<uint4*>(d_gate), static_cast<uint4*>(d_up), static_cast<uint4*>(h), count / 8, caps);
+    return cudaGetLastError();
+  }
   with_element_type(dtype, [&](auto zero) {
     using T = decltype(zero);
     situ_backward_kernel<T><<<situ_blocks(count), kSituThreads, 0, stream>>>(
         static_cast<const T*>(gate), static_cast<const T*>(up), static_cast<const T*>(dh),
-        static_cast<T*>(d_gate), static_cast<T*>(d_up), static_cast<T*>(h), count, beta1, beta2);
+        static_cast<T*>(d_gate), static_cast<T*>(d_up), static_cast<T*>(h), count, caps);
   });
   return cudaGetLastError();
 }

@@ -130,7 +130,11 @@ cudaError_t moe_unpermute_backward(MoeDtype dtype, const void* copies, const flo
 // Forward: gate, up, h: T [count]. Backward: from dh T [count], writes
 //   dg = dh * c2 * ((1 - tanh^2(g / beta1)) sigma(g) + c1 sigma(g) (1 - sigma(g)))
 //   du = dh * c1 sigma(g) (1 - tanh^2(u / beta2))       (c1, c2 the capped gate and up)
-// each rounded once to T. Any count >= 0.
+// each rounded once to T. Any count >= 0; no alignment needed (bf16 counts of whole 8-element
+// pieces with 16-byte aligned pointers go 16 bytes at a time, to the same values). The gradients,
+// and h in fp32, from the accurate tanhf / expf; h in bf16 on the special-function unit as the fused
+// experts compute it (situ.cuh, situ_h_fast: relative error below 2^-11), so every bf16 h of the
+// MoE kernels, fused, standalone or recomputed in the backward, is the same for the same g and u.
 cudaError_t situ_glu_forward(MoeDtype dtype, const void* gate, const void* up, void* h,
                              int64_t count, float beta1, float beta2, cudaStream_t stream);
 cudaError_t situ_glu_backward(MoeDtype dtype, const void* gate, const void* up, const void* dh,
@@ -153,11 +157,11 @@ cudaError_t situ_glu_backward_with_h(MoeDtype dtype, const void* gate, const voi
 //                                           gate, up when they are not nullptr (the backward's)
 //   H = situ_glu(G, U)                      from the rounded G and U on the special-function
 //                                           unit (situ.cuh, situ_h_fast: tanh.approx, relative
-//                                           error below 2^-11), rounded to bf16, never stored
+//                                           error below 2^-11), rounded to bf16, never stored:
+//                                           situ_glu_forward's bf16 H, bit for bit
 //   Y = H W_down[e]^T                       fp32 sums, rounded once to bf16
 // So G and U equal the grouped GEMMs' bit for bit, and Y the unfused chain (grouped GEMMs with bf16
-// results, situ_glu_forward, grouped GEMM) up to H's last bf16 bit for some elements and the order
-// of the fp32 sums (2.3e-3 relative in the tests). All bf16:
+// results, situ_glu_forward, grouped GEMM) up to the order of the fp32 sums. All bf16:
 //   rows [R, L]   gate_proj, up_proj [E, F, L]   down_proj [E, L, F]   group_ends int32 [E]
 //   y [R, L]      gate, up [R, F] (both or neither)
 // Nothing is read back to the host (the tile schedule is built on the device from group_ends), so

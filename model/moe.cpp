@@ -244,7 +244,8 @@ MoeOutput MoeImpl::forward(const torch::Tensor& x) {
           kernels::situ_glu_supported(gate, up)
               ? kernels::situ_glu_autograd(gate, up, options_.situ_beta1, options_.situ_beta2)
               : situ_glu(gate, up, options_.situ_beta1, options_.situ_beta2);
-      y = y + at::matmul(h, shared.down_proj.permute({1, 0, 2}).reshape({options_.hidden, inner}).t());
+      // y + h W_down^T as one GEMM with the add in its epilogue (one rounding to bf16, no separate pass).
+      y = at::addmm(y, h, shared.down_proj.permute({1, 0, 2}).reshape({options_.hidden, inner}).t());
     }
     out.y = y.reshape(x.sizes());
     return out;

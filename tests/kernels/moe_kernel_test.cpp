@@ -9,6 +9,7 @@
 // parameter gradient. Every comparison prints its max error. Skipped without a CUDA device.
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <string>
 #include <tuple>
@@ -503,6 +504,32 @@ TEST_F(MoeKernel, SituGluBackwardWithHEqualsTheTwoPassesExactly) {
   EXPECT_THROW(situ_glu_backward_with_h(at::zeros({4, 8}, cuda()), at::zeros({4, 9}, cuda()),
                                         at::zeros({4, 8}, cuda()), 4.0, 25.0),
                c10::Error);
+}
+
+TEST_F(MoeKernel, SituGluInSixteenBytePiecesEqualsTheElementPassBitForBit) {
+  // bf16 with a count of whole 8-element pieces and 16-byte aligned pointers takes the kernels that
+  // move 16 bytes at a time; the same values one element into a buffer (2-byte aligned) take the
+  // element-by-element kernels. Every element must come out the same, forward and backward.
+  at::manual_seed(14);
+  const int64_t n = 1031 * 8;
+  auto aligned_and_shifted = [&](const at::Tensor& values) {
+    at::Tensor shifted = at::zeros({n + 1}, values.options()).narrow(0, 1, n);
+    shifted.copy_(values);
+    EXPECT_NE(reinterpret_cast<uintptr_t>(shifted.data_ptr()) % 16, 0u);
+    return std::make_pair(values, shifted);
+  };
+  const auto [gate, gate_shifted] = aligned_and_shifted((at::randn({n}, cuda()) * 6.0).to(at::kBFloat16));
+  const auto [up, up_shifted] = aligned_and_shifted((at::randn({n}, cuda()) * 15.0).to(at::kBFloat16));
+  const auto [dh, dh_shifted] = aligned_and_shifted(at::randn({n}, cuda()).to(at::kBFloat16));
+  ASSERT_EQ(reinterpret_cast<uintptr_t>(gate.data_ptr()) % 16, 0u);
+  EXPECT_TRUE(at::equal(situ_glu(gate, up, 4.0, 25.0), situ_glu(gate_shifted, up_shifted, 4.0, 25.0))) << "h";
+  const SituGluBackwardWithH pieces = situ_glu_backward_with_h(gate, up, dh, 4.0, 25.0);
+  const SituGluBackwardWithH elements = situ_glu_backward_with_h(gate_shifted, up_shifted, dh_shifted, 4.0, 25.0);
+  EXPECT_TRUE(at::equal(pieces.h, elements.h)) << "recomputed h";
+  EXPECT_TRUE(at::equal(pieces.d_gate, elements.d_gate)) << "d gate";
+  EXPECT_TRUE(at::equal(pieces.d_up, elements.d_up)) << "d up";
+  EXPECT_TRUE(at::equal(pieces.h, situ_glu(gate, up, 4.0, 25.0))) << "the backward's h is the forward's";
+  std::printf("  situ_glu in 16-byte pieces: h, d gate, d up equal to the element-by-element kernels\n");
 }
 
 // ---- expert GEMMs ------------------------------------------------------------------------------------------
