@@ -97,19 +97,6 @@ __device__ __forceinline__ void zero(float (&acc)[4][4][4]) {
   }
 }
 
-struct ForwardArgs {
-  const bf16* rows;
-  const bf16* gate_proj;
-  const bf16* up_proj;
-  const bf16* down_proj;
-  const int32_t* group_ends;
-  bf16* y;
-  bf16* gate;  // or nullptr
-  bf16* up;    // or nullptr
-  int experts;
-  float beta1, beta2;
-};
-
 // This CTA's next tile with rows from tile index t on (stride gridDim.x); rows = 0 when none.
 __device__ Tile next_tile(int& t, int tiles, const int* tile_ends, const ForwardArgs& a) {
   for (; t < tiles; t += gridDim.x) {
@@ -353,18 +340,8 @@ cudaError_t moe_experts_forward(const void* rows, const void* gate_proj, const v
   int sms = 0;
   const cudaError_t error = prepare_launch(info.kernel, info.shared, sms);
   if (error != cudaSuccess) return error;
-  ForwardArgs a;
-  a.rows = static_cast<const bf16*>(rows);
-  a.gate_proj = static_cast<const bf16*>(gate_proj);
-  a.up_proj = static_cast<const bf16*>(up_proj);
-  a.down_proj = static_cast<const bf16*>(down_proj);
-  a.group_ends = group_ends;
-  a.y = static_cast<bf16*>(y);
-  a.gate = static_cast<bf16*>(gate);
-  a.up = static_cast<bf16*>(up);
-  a.experts = static_cast<int>(experts);
-  a.beta1 = beta1;
-  a.beta2 = beta2;
+  const ForwardArgs a =
+      forward_args(rows, gate_proj, up_proj, down_proj, group_ends, y, gate, up, experts, beta1, beta2);
   // At most one tile per 128 rows plus one partial tile per expert.
   const int64_t max_tiles = total_rows / kTileRows + experts;
   const int grid = static_cast<int>(max_tiles < sms ? max_tiles : sms);

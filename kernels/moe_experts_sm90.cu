@@ -107,19 +107,6 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t a, uin
       : "l"(a), "l"(b), "n"(kTransB), "n"(kTransA));
 }
 
-struct Args {
-  const bf16* rows;
-  const bf16* gate_proj;
-  const bf16* up_proj;
-  const bf16* down_proj;
-  const int32_t* group_ends;
-  bf16* y;
-  bf16* gate;  // or nullptr
-  bf16* up;    // or nullptr
-  int experts;
-  float beta1, beta2;
-};
-
 template <int L, int F>
 struct Shape {
   static_assert(L % 128 == 0 && F % 64 == 0, "L a multiple of 128, F of 64");
@@ -199,7 +186,7 @@ constexpr int kWeightWarp = 8, kRowsWarp = 9;
 constexpr int kAllThreads = 320;
 
 template <int L, int F>
-__global__ void __launch_bounds__(kAllThreads, 1) moe_experts_forward_wgmma_kernel(Args a) {
+__global__ void __launch_bounds__(kAllThreads, 1) moe_experts_forward_wgmma_kernel(ForwardArgs a) {
 #if defined(ODYSSEY_NO_WGMMA)
   __trap();
 #else
@@ -708,7 +695,7 @@ __global__ void __launch_bounds__(kAllThreads, 2) moe_experts_weight_grads_wgmma
 }
 
 struct KernelInfo {
-  void (*kernel)(Args) = nullptr;
+  void (*kernel)(ForwardArgs) = nullptr;
   size_t shared = 0;
 };
 template <int L, int... Fs>
@@ -753,18 +740,8 @@ cudaError_t moe_experts_forward_wgmma(const void* rows, const void* gate_proj, c
   int sms = 0;
   const cudaError_t error = prepare_launch(info.kernel, info.shared, sms);
   if (error != cudaSuccess) return error;
-  Args a;
-  a.rows = static_cast<const bf16*>(rows);
-  a.gate_proj = static_cast<const bf16*>(gate_proj);
-  a.up_proj = static_cast<const bf16*>(up_proj);
-  a.down_proj = static_cast<const bf16*>(down_proj);
-  a.group_ends = group_ends;
-  a.y = static_cast<bf16*>(y);
-  a.gate = static_cast<bf16*>(gate);
-  a.up = static_cast<bf16*>(up);
-  a.experts = static_cast<int>(experts);
-  a.beta1 = beta1;
-  a.beta2 = beta2;
+  const ForwardArgs a =
+      forward_args(rows, gate_proj, up_proj, down_proj, group_ends, y, gate, up, experts, beta1, beta2);
   const int64_t max_tiles = total_rows / kTileRows + experts;
   const int grid = static_cast<int>(max_tiles < sms ? max_tiles : sms);
   info.kernel<<<grid, kAllThreads, info.shared, stream>>>(a);

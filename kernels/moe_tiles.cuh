@@ -147,6 +147,39 @@ inline bool forward_arguments_valid(const void* rows, const void* gate_proj, con
   return true;
 }
 
+// The fused forward's arguments, as both kernels take them (moe.h, moe_experts_forward).
+struct ForwardArgs {
+  const __nv_bfloat16* rows;
+  const __nv_bfloat16* gate_proj;
+  const __nv_bfloat16* up_proj;
+  const __nv_bfloat16* down_proj;
+  const int32_t* group_ends;
+  __nv_bfloat16* y;
+  __nv_bfloat16* gate;  // or nullptr
+  __nv_bfloat16* up;    // or nullptr
+  int experts;
+  float beta1, beta2;
+};
+
+inline ForwardArgs forward_args(const void* rows, const void* gate_proj, const void* up_proj, const void* down_proj,
+                                const int32_t* group_ends, void* y, void* gate, void* up, int64_t experts,
+                                float beta1, float beta2) {
+  using bf16 = __nv_bfloat16;
+  ForwardArgs a;
+  a.rows = static_cast<const bf16*>(rows);
+  a.gate_proj = static_cast<const bf16*>(gate_proj);
+  a.up_proj = static_cast<const bf16*>(up_proj);
+  a.down_proj = static_cast<const bf16*>(down_proj);
+  a.group_ends = group_ends;
+  a.y = static_cast<bf16*>(y);
+  a.gate = static_cast<bf16*>(gate);
+  a.up = static_cast<bf16*>(up);
+  a.experts = static_cast<int>(experts);
+  a.beta1 = beta1;
+  a.beta2 = beta2;
+  return a;
+}
+
 // ---- The weight-gradient kernels' jobs (moe_experts_backward.cu's mma.sync kernel and
 // moe_experts_sm90.cu's wgmma one): 128 x 128 tiles of the outputs, a fixed number per expert,
 // experts in the order of `order` (sort_experts).
