@@ -719,10 +719,20 @@ std::vector<Stage> moe_backward_stages(const KernelsBenchOptions& o, model::MoeI
     // What the layer runs (kernels::router_weights_autograd): p as one Function of x and W_r.
     const at::Tensor t = leaf(v.tokens);
     const at::Tensor weight = layer.router->weight.detach().requires_grad_(true);
-    const at::Tensor p = kernels::router_weights_autograd(t, weight, v.scores, v.topk.ids);
-    s.push_back({"router backward through p: d p -> the logits' gradient in bf16 parts (one kernel), d x and "
-                 "d W_r (split bf16 GEMMs)",
+    const at::Tensor p = kernels::router_weights_autograd(t, weight, v.scores, v.topk.ids, &v.perm);
+    s.push_back({"router backward through p, sparse: the k selected logits' gradients, d x and d W_r from them",
                  time_backward(o, {p}, {t, weight}, {random_like(p)}), 2 * 2 * m * d * e, 0});
+    // Its three steps alone (what RouterWeightsFunction's backward runs).
+    const at::Tensor dp = random_like(p);
+    const at::Tensor d_logits = kernels::moe_router_logit_gradient(v.scores, v.topk.ids, dp);
+    s.push_back({"- the selected logits' gradient through p and the sigmoid (moe_router_logit_gradient)",
+                 best([&] { kernels::moe_router_logit_gradient(v.scores, v.topk.ids, dp); }), 0, rows * 24, false});
+    s.push_back({"- d x: W_r's rows of the selection, fp32 sums (moe_router_dx)",
+                 best([&] { kernels::moe_router_dx(d_logits, v.topk.ids, weight); }), 0, rows * 12 + m * d * 2,
+                 false});
+    s.push_back({"- d W_r: each expert's rows of x in permuted order, fp32 sums (moe_router_dw)",
+                 best([&] { kernels::moe_router_dw(d_logits, v.tokens, v.perm, weight.scalar_type()); }), 0,
+                 rows * d * 2, false});
     // The autograd chain it replaced: p on the tape, then the sigmoid and RouterLogitsFunction.
     const at::Tensor scores = leaf(v.scores);
     const at::Tensor chosen = scores.gather(/*dim=*/1, v.topk.ids);

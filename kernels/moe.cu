@@ -2,6 +2,7 @@
 #include "kernels/moe.h"
 #include "kernels/situ.cuh"
 
+#include <algorithm>
 #include <climits>
 #include <cmath>
 #include <cstdint>
@@ -200,31 +201,19 @@ __global__ void router_topk_kernel(const float* __restrict__ scores, const float
   }
 }
 
-// One warp per token row: zero the row's three parts, then each lane j < top_k writes its
-// expert's d_logit (after __syncwarp, which orders the warp's stores).
+// One warp per token row: lane j < top_k takes selected expert j's score and d_p, the row's sum of
+// scores and sum of d_p p come from two xor reductions, and lane j writes d_logits[row, j].
 __global__ void router_logit_gradient_kernel(const float* __restrict__ scores,
                                              const int64_t* __restrict__ ids,
-                                             const float* __restrict__ d_p, __nv_bfloat16* hi,
-                                             __nv_bfloat16* mid, __nv_bfloat16* lo, int64_t m, int n,
+                                             const float* __restrict__ d_p,
+                                             float* __restrict__ d_logits, int64_t m, int n,
                                              int top_k) {
   const int lane = threadIdx.x & 31;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   if (row >= m) return;  // whole warps exit together
-  const int64_t base = row * n;
-  if ((n & 1) == 0) {  // bf16 pairs (rows start 4-byte aligned)
-    uint32_t* h2 = reinterpret_cast<uint32_t*>(hi + base);
-    uint32_t* m2 = reinterpret_cast<uint32_t*>(mid + base);
-    uint32_t* l2 = reinterpret_cast<uint32_t*>(lo + base);
-    for (int c = lane; c < n / 2; c += 32) h2[c] = 0u, m2[c] = 0u, l2[c] = 0u;
-  } else {
-    const __nv_bfloat16 zero = __float2bfloat16(0.0f);
-    for (int c = lane; c < n; c += 32) hi[base + c] = zero, mid[base + c] = zero, lo[base + c] = zero;
-  }
-  int64_t expert = 0;
   float s = 0.0f, dp = 0.0f;
   if (lane < top_k) {
-    expert = ids[row * top_k + lane];
-    s = scores[base + expert];
+    s = scores[row * n + ids[row * top_k + lane]];
     dp = d_p[row * top_k + lane];
   }
   float total = s;
@@ -233,15 +222,181 @@ __global__ void router_logit_gradient_kernel(const float* __restrict__ scores,
   float dot = lane < top_k ? dp * (s / total) : 0.0f;
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
-  __syncwarp();
-  if (lane < top_k) {
-    const float x = (dp - dot) / total * (s * (1.0f - s));
-    const __nv_bfloat16 h = __float2bfloat16_rn(x);
-    const float rest = x - __bfloat162float(h);
-    const __nv_bfloat16 md = __float2bfloat16_rn(rest);
-    hi[base + expert] = h;
-    mid[base + expert] = md;
-    lo[base + expert] = __float2bfloat16_rn(rest - __bfloat162float(md));
+  if (lane < top_k) d_logits[row * top_k + lane] = (dp - dot) / total * (s * (1.0f - s));
+}
+
+__global__ void split_bf16_kernel(const float* __restrict__ x, int64_t count, int parts,
+                                  __nv_bfloat16* __restrict__ out0, __nv_bfloat16* __restrict__ out1,
+                                  __nv_bfloat16* __restrict__ out2) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    float rest = x[i];
+    const __nv_bfloat16 a = __float2bfloat16_rn(rest);
+    out0[i] = a;
+    if (parts < 2) continue;
+    rest -= __bfloat162float(a);  // exact: x minus its nearest bf16
+    const __nv_bfloat16 b = __float2bfloat16_rn(rest);
+    out1[i] = b;
+    if (parts < 3) continue;
+    out2[i] = __float2bfloat16_rn(rest - __bfloat162float(b));
+  }
+}
+
+__device__ __forceinline__ float weight_as_float(float w) { return w; }
+__device__ __forceinline__ float weight_as_float(__nv_bfloat16 w) { return __bfloat162float(w); }
+
+// Router dx: CTA (blockIdx.x, blockIdx.y) owns columns [32 x, 32 x + 32) and tokens
+// [y tokens_per_cta, ...). W_r's 32 columns of all n experts go to shared memory as fp32 (row e:
+// 32 floats, 128 bytes). Then each warp takes 4 tokens at a time, 8 lanes a token and 4 columns a
+// lane: lane q of a token's 8 holds the token's slots q, q + 8, ... (expert and d_logit, loaded
+// with the next step's so that two round trips to L2 overlap) and hands each out by a shuffle
+// inside the 8; every lane adds slot j's W_r row piece (one 16-byte shared load) in slot order.
+constexpr int kRouterDxColumns = 32;
+constexpr int kRouterDxWarps = 16;
+constexpr int kRouterDxTokensPerWarp = 4;  // 8 lanes a token
+template <typename TW>
+__global__ void __launch_bounds__(kRouterDxWarps * 32)
+    router_dx_kernel(const float* __restrict__ d_logits, const int64_t* __restrict__ ids,
+                     const TW* __restrict__ weight, __nv_bfloat16* __restrict__ dx, int64_t m,
+                     int n, int d, int top_k, int64_t tokens_per_cta) {
+  extern __shared__ float4 w_cols4[];  // [n][8]: 32 columns as 8 float4
+  float* w_cols = reinterpret_cast<float*>(w_cols4);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int c0 = blockIdx.x * kRouterDxColumns;
+#pragma unroll 8
+  for (int e = warp; e < n; e += kRouterDxWarps) {
+    w_cols[e * kRouterDxColumns + lane] = weight_as_float(__ldg(weight + static_cast<int64_t>(e) * d + c0 + lane));
+  }
+  __syncthreads();
+  const int64_t t_begin = blockIdx.y * tokens_per_cta;
+  const int64_t t_end = t_begin + tokens_per_cta < m ? t_begin + tokens_per_cta : m;
+  const int sub = lane >> 3, q = lane & 7, group = lane & ~7;
+  constexpr int kStep = kRouterDxWarps * kRouterDxTokensPerWarp;
+  // Slots q, q + 8, q + 16, q + 24 of token t (zeros past top_k or m).
+  auto load = [&](int64_t t, int (&expert)[4], float (&value)[4]) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int j = q + 8 * r;
+      const bool live = j < top_k && t < t_end;
+      expert[r] = live ? static_cast<int>(__ldg(ids + t * top_k + j)) : 0;
+      value[r] = live ? __ldg(d_logits + t * top_k + j) : 0.0f;
+    }
+  };
+  int64_t t = t_begin + warp * kRouterDxTokensPerWarp + sub;
+  int expert[4], next_expert[4];
+  float value[4], next_value[4];
+  load(t, expert, value);
+  for (; t - sub < t_end; t += kStep) {
+    load(t + kStep, next_expert, next_value);
+    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      if (8 * r >= top_k) break;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        if (8 * r + i >= top_k) break;
+        const int e = __shfl_sync(0xffffffffu, expert[r], group + i);
+        const float v = __shfl_sync(0xffffffffu, value[r], group + i);
+        const float4 w = w_cols4[e * (kRouterDxColumns / 4) + q];
+        acc.x = fmaf(v, w.x, acc.x);
+        acc.y = fmaf(v, w.y, acc.y);
+        acc.z = fmaf(v, w.z, acc.z);
+        acc.w = fmaf(v, w.w, acc.w);
+      }
+    }
+    if (t < t_end) {
+      __nv_bfloat162 lo = __floats2bfloat162_rn(acc.x, acc.y), hi = __floats2bfloat162_rn(acc.z, acc.w);
+      uint2 packed;
+      packed.x = *reinterpret_cast<uint32_t*>(&lo);
+      packed.y = *reinterpret_cast<uint32_t*>(&hi);
+      *reinterpret_cast<uint2*>(dx + t * d + c0 + 4 * q) = packed;
+    }
+#pragma unroll
+    for (int r = 0; r < 4; ++r) expert[r] = next_expert[r], value[r] = next_value[r];
+  }
+}
+
+// Router dW, part (blockIdx.x = expert e, blockIdx.y = split s): rows [lo + len s / S,
+// lo + len (s + 1) / S) of e in the permuted order, 128 at a time: each thread stages one row's
+// token and d_logit in shared memory, then every thread adds those rows' 8 columns (one 16-byte
+// load of x each) in row order. The part's sums go to partial[s][e][:], every column written
+// (zeros for an empty part).
+constexpr int kRouterDwThreads = 128;
+__global__ void __launch_bounds__(kRouterDwThreads)
+    router_dw_part_kernel(const float* __restrict__ d_logits, const __nv_bfloat16* __restrict__ x,
+                          const int64_t* __restrict__ source, const int64_t* __restrict__ offsets,
+                          float* __restrict__ partial, int n, int d, int top_k) {
+  __shared__ int64_t row_token[kRouterDwThreads];
+  __shared__ float row_value[kRouterDwThreads];
+  const int e = blockIdx.x, split = blockIdx.y;
+  const int64_t lo = offsets[e], len = offsets[e + 1] - lo;
+  const int64_t r_begin = lo + len * split / kMoeRouterDwSplits;
+  const int64_t r_end = lo + len * (split + 1) / kMoeRouterDwSplits;
+  float* out = partial + (static_cast<int64_t>(split) * n + e) * d;
+  for (int block0 = 0; block0 < d; block0 += kRouterDwThreads * 8) {  // uniform: barriers inside
+    const int col = block0 + threadIdx.x * 8;
+    const bool active = col < d;
+    float acc[8] = {};
+    for (int64_t r0 = r_begin; r0 < r_end; r0 += kRouterDwThreads) {
+      const int rows = r_end - r0 < kRouterDwThreads ? static_cast<int>(r_end - r0) : kRouterDwThreads;
+      __syncthreads();  // the previous batch's rows are read
+      if (threadIdx.x < rows) {
+        const int64_t c = source[r0 + threadIdx.x];
+        row_token[threadIdx.x] = c / top_k;
+        row_value[threadIdx.x] = d_logits[c];
+      }
+      __syncthreads();
+      int i = 0;
+      if (!active) i = rows;
+      for (; i + 4 <= rows; i += 4) {
+        uint4 raw[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) raw[u] = __ldg(reinterpret_cast<const uint4*>(x + row_token[i + u] * d + col));
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const float v = row_value[i + u];
+          const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw[u]);
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            const float2 f = __bfloat1622float2(h[q]);
+            acc[2 * q] = fmaf(v, f.x, acc[2 * q]);
+            acc[2 * q + 1] = fmaf(v, f.y, acc[2 * q + 1]);
+          }
+        }
+      }
+      for (; i < rows; ++i) {
+        const uint4 raw = __ldg(reinterpret_cast<const uint4*>(x + row_token[i] * d + col));
+        const float v = row_value[i];
+        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const float2 f = __bfloat1622float2(h[q]);
+          acc[2 * q] = fmaf(v, f.x, acc[2 * q]);
+          acc[2 * q + 1] = fmaf(v, f.y, acc[2 * q + 1]);
+        }
+      }
+    }
+    if (active) {
+      reinterpret_cast<float4*>(out + col)[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+      reinterpret_cast<float4*>(out + col)[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+    }
+  }
+}
+
+// Router dW, the parts added in order: dw[i] = ((p_0 + p_1) + p_2) + ... over the n d elements.
+template <typename TW>
+__global__ void router_dw_sum_kernel(const float* __restrict__ partial, TW* __restrict__ dw,
+                                     int64_t count) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    float sum = partial[i];
+#pragma unroll
+    for (int s = 1; s < kMoeRouterDwSplits; ++s) sum += partial[s * count + i];
+    if constexpr (std::is_same_v<TW, float>) {
+      dw[i] = sum;
+    } else {
+      dw[i] = __float2bfloat16_rn(sum);
+    }
   }
 }
 
@@ -654,17 +809,89 @@ cudaError_t moe_router_topk(const float* scores, const float* bias, int64_t* ids
 }
 
 cudaError_t moe_router_logit_gradient(const float* scores, const int64_t* ids, const float* d_p,
-                                      void* hi, void* mid, void* lo, int64_t m, int64_t n,
-                                      int64_t top_k, cudaStream_t stream) {
+                                      float* d_logits, int64_t m, int64_t n, int64_t top_k,
+                                      cudaStream_t stream) {
   if (m < 0 || top_k < 1 || top_k > kMoeTopkMaxK || top_k > n || n > 0x7fffffff) {
     return cudaErrorInvalidValue;
   }
   if (m == 0) return cudaSuccess;
   const int warps = 8;
   const dim3 grid(static_cast<unsigned>((m + warps - 1) / warps)), block(32 * warps);
-  router_logit_gradient_kernel<<<grid, block, 0, stream>>>(
-      scores, ids, d_p, static_cast<__nv_bfloat16*>(hi), static_cast<__nv_bfloat16*>(mid),
-      static_cast<__nv_bfloat16*>(lo), m, static_cast<int>(n), static_cast<int>(top_k));
+  router_logit_gradient_kernel<<<grid, block, 0, stream>>>(scores, ids, d_p, d_logits, m,
+                                                           static_cast<int>(n), static_cast<int>(top_k));
+  return cudaGetLastError();
+}
+
+cudaError_t moe_split_bf16(const float* x, int64_t count, int parts, void* out0, void* out1, void* out2,
+                           cudaStream_t stream) {
+  if (count < 0 || parts < 1 || parts > 3 || (parts >= 2 && out1 == nullptr) || (parts >= 3 && out2 == nullptr)) {
+    return cudaErrorInvalidValue;
+  }
+  if (count == 0) return cudaSuccess;
+  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((count + 255) / 256, 8192));
+  split_bf16_kernel<<<blocks, 256, 0, stream>>>(x, count, parts, static_cast<__nv_bfloat16*>(out0),
+                                                static_cast<__nv_bfloat16*>(out1), static_cast<__nv_bfloat16*>(out2));
+  return cudaGetLastError();
+}
+
+cudaError_t moe_router_dx(const float* d_logits, const int64_t* ids, MoeDtype weight_dtype,
+                          const void* weight, void* dx, int64_t m, int64_t n, int64_t d, int64_t top_k,
+                          cudaStream_t stream) {
+  if (m < 0 || top_k < 1 || top_k > kMoeTopkMaxK || n < 1 || n > kMoeRouterMaxExperts || d < 1 ||
+      d % kRouterDxColumns != 0 || d > INT_MAX) {
+    return cudaErrorInvalidValue;
+  }
+  if (m == 0) return cudaSuccess;
+  int device = 0, sms = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (err != cudaSuccess) return err;
+  // About two CTAs an SM (each holds n x 32 fp32 of W_r: 112 KB at n = 896) over the column slices,
+  // the tokens split evenly among a slice's CTAs.
+  const int64_t slices = d / kRouterDxColumns;
+  const int64_t wanted_blocks = std::max<int64_t>(1, 2 * static_cast<int64_t>(sms) / slices);
+  constexpr int64_t kStep = kRouterDxWarps * kRouterDxTokensPerWarp;
+  const int64_t token_blocks = std::min<int64_t>(wanted_blocks, (m + kStep - 1) / kStep);
+  const int64_t per_cta = (m + token_blocks - 1) / token_blocks;
+  const size_t shared = static_cast<size_t>(n) * kRouterDxColumns * sizeof(float);
+  const dim3 grid(static_cast<unsigned>(slices), static_cast<unsigned>(token_blocks)), block(kRouterDxWarps * 32);
+  auto launch = [&](auto kernel, auto* w) {
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared));
+    if (e != cudaSuccess) return e;
+    kernel<<<grid, block, shared, stream>>>(d_logits, ids, w, static_cast<__nv_bfloat16*>(dx), m,
+                                            static_cast<int>(n), static_cast<int>(d), static_cast<int>(top_k),
+                                            per_cta);
+    return cudaGetLastError();
+  };
+  if (weight_dtype == MoeDtype::kFloat32) return launch(router_dx_kernel<float>, static_cast<const float*>(weight));
+  return launch(router_dx_kernel<__nv_bfloat16>, static_cast<const __nv_bfloat16*>(weight));
+}
+
+size_t moe_router_dw_workspace_bytes(int64_t n, int64_t d) {
+  return static_cast<size_t>(kMoeRouterDwSplits) * static_cast<size_t>(n < 0 ? 0 : n) *
+         static_cast<size_t>(d < 0 ? 0 : d) * sizeof(float);
+}
+
+cudaError_t moe_router_dw(const float* d_logits, const void* x, const int64_t* source,
+                          const int64_t* offsets, MoeDtype weight_dtype, void* dw, void* workspace,
+                          int64_t m, int64_t n, int64_t d, int64_t top_k, cudaStream_t stream) {
+  if (m < 0 || top_k < 1 || top_k > kMoeTopkMaxK || n < 1 || n > kMoeRouterMaxExperts || d < 1 || d % 8 != 0 ||
+      d > INT_MAX) {
+    return cudaErrorInvalidValue;
+  }
+  float* partial = static_cast<float*>(workspace);
+  router_dw_part_kernel<<<dim3(static_cast<unsigned>(n), kMoeRouterDwSplits), kRouterDwThreads, 0, stream>>>(
+      d_logits, static_cast<const __nv_bfloat16*>(x), source, offsets, partial, static_cast<int>(n),
+      static_cast<int>(d), static_cast<int>(top_k));
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  const int64_t count = n * d;
+  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((count + 255) / 256, 4096));
+  if (weight_dtype == MoeDtype::kFloat32) {
+    router_dw_sum_kernel<<<blocks, 256, 0, stream>>>(partial, static_cast<float*>(dw), count);
+  } else {
+    router_dw_sum_kernel<<<blocks, 256, 0, stream>>>(partial, static_cast<__nv_bfloat16*>(dw), count);
+  }
   return cudaGetLastError();
 }
 

@@ -39,20 +39,55 @@ constexpr int64_t kMoeTopkMaxK = 32;
 cudaError_t moe_router_topk(const float* scores, const float* bias, int64_t* ids, float* weights,
                             int64_t m, int64_t n, int64_t top_k, cudaStream_t stream);
 
-// ---- Router backward: the logits' gradient through p and the sigmoid, in bf16 parts -----------
-// For every token row i with its selected experts T_i = ids[i, :] (distinct, as moe_router_topk
-// and select_experts give them), s = scores[i] (the router's sigmoid outputs) and the mixing
-// weights p_j = s[T_ij] / S_i (S_i: the sum of s over T_i), from d_p = dL/dp:
-//   d_logits[i, T_ij] = (d_p[i, j] - sum_l d_p[i, l] p_l) / S_i * s[T_ij] (1 - s[T_ij]),
-//   d_logits[i, c] = 0 for the experts c not selected,
-// fp32, written as three bf16 arrays hi = bf16(x), mid = bf16(x - hi), lo = bf16(x - hi - mid)
-// (together all 24 bits of x): the operands of the router's split bf16 backward GEMMs. One pass
-// in place of autograd's gather, sum and divide backwards, the sigmoid's backward and the casts.
-//   scores f32 [m, n]   ids int64 [m, top_k]   d_p f32 [m, top_k]   hi, mid, lo bf16 [m, n]
-// One warp per row. Supported: 1 <= top_k <= 32, top_k <= n, m >= 0.
+// ---- Router forward: W_r's bf16 parts -------------------------------------------------------------
+// x (fp32, count elements) as `parts` bf16 arrays (1 to 3): out[0] = bf16(x), out[i] = bf16(the
+// rest the ones before left), each rest exact in fp32; 3 parts carry all 24 bits of the mantissa.
+// The operands of the router's split bf16 GEMMs, in one pass (in place of 2 parts - 1 casts and
+// subtractions over the weight). out[i] for i >= parts may be nullptr.
+cudaError_t moe_split_bf16(const float* x, int64_t count, int parts, void* out0, void* out1, void* out2,
+                           cudaStream_t stream);
+
+// ---- Router backward, sparse: the logits' gradient at the selection, then d x and d W_r -------
+// Only the top_k selected logits of a token have a gradient (the others reach neither p nor the
+// loss), so the router's backward is three sparse passes instead of dense GEMMs over [m, n]:
+//
+// moe_router_logit_gradient: for every token row i with its selected experts T_i = ids[i, :]
+// (distinct, as moe_router_topk and select_experts give them), s = scores[i] (the router's sigmoid
+// outputs) and the mixing weights p_j = s[T_ij] / S_i (S_i: the sum of s over T_i), from
+// d_p = dL/dp:
+//   d_logits[i, j] = (d_p[i, j] - sum_l d_p[i, l] p_l) / S_i * s[T_ij] (1 - s[T_ij])   (fp32)
+// aligned with ids (the gradient of logit T_ij; every other logit's is zero). One warp per row.
+//   scores f32 [m, n]   ids int64 [m, top_k]   d_p f32 [m, top_k]   d_logits f32 [m, top_k]
+// Supported: 1 <= top_k <= 32, top_k <= n, m >= 0.
 cudaError_t moe_router_logit_gradient(const float* scores, const int64_t* ids, const float* d_p,
-                                      void* hi, void* mid, void* lo, int64_t m, int64_t n,
-                                      int64_t top_k, cudaStream_t stream);
+                                      float* d_logits, int64_t m, int64_t n, int64_t top_k,
+                                      cudaStream_t stream);
+
+// moe_router_dx: dx[i, :] = sum over j = 0 .. top_k - 1, in that order, of d_logits[i, j] W_r[ids[i, j], :]
+// (fp32 fmaf on the fp32 weight: what an fp32 GEMM computes, without its n - top_k zero terms),
+// rounded once to bf16. Each CTA keeps 32 columns of W_r for all n experts in shared memory
+// (n * 128 bytes) and walks a block of tokens: W_r is read from L2 once per CTA, not once per token.
+//   d_logits f32 [m, top_k]   ids int64 [m, top_k]   weight T [n, d]   dx bf16 [m, d]
+// weight_dtype: W_r's (fp32 or bf16). Supported: 1 <= top_k <= 32, 1 <= n <= 1024, d a positive
+// multiple of 32, m >= 0.
+constexpr int64_t kMoeRouterMaxExperts = 1024;
+cudaError_t moe_router_dx(const float* d_logits, const int64_t* ids, MoeDtype weight_dtype,
+                          const void* weight, void* dx, int64_t m, int64_t n, int64_t d, int64_t top_k,
+                          cudaStream_t stream);
+
+// moe_router_dw: dW_r[e, :] = sum over the copies c of expert e (token c / top_k, slot c % top_k;
+// the token permutation's rows of e, in their order) of d_logits[c] x[c / top_k, :], fp32, in
+// kMoeRouterDwSplits fixed parts of each expert's rows (each summed in row order into the
+// workspace), then the parts added in order: the same bits every run, no atomics. Written as the
+// weight's dtype. source and offsets are moe_permutation's (below); copies = m top_k.
+//   d_logits f32 [m, top_k]   x bf16 [m, d]   source int64 [copies]   offsets int64 [n + 1]
+//   dw T [n, d]   workspace: moe_router_dw_workspace_bytes(n, d)
+// Supported: 1 <= top_k <= 32, 1 <= n <= 1024, d a positive multiple of 8, m >= 0.
+constexpr int kMoeRouterDwSplits = 4;
+size_t moe_router_dw_workspace_bytes(int64_t n, int64_t d);
+cudaError_t moe_router_dw(const float* d_logits, const void* x, const int64_t* source,
+                          const int64_t* offsets, MoeDtype weight_dtype, void* dw, void* workspace,
+                          int64_t m, int64_t n, int64_t d, int64_t top_k, cudaStream_t stream);
 
 // ---- Quantile balancing: the per-expert histogram of r_ij -------------------------------------
 // Adds this batch's counts to counts (int64 [n, bins], NOT cleared here: zero it first, or let

@@ -206,6 +206,7 @@ at::Tensor mm_fp32(const at::Tensor& a, const at::Tensor& b) { return at::mm(a, 
 // ones before left (3 parts: all 24 bits of an fp32 mantissa). A bf16 t is one part, itself.
 std::vector<at::Tensor> split_bf16(const at::Tensor& t, int parts) {
   if (t.scalar_type() == at::kBFloat16) return {t};
+  if (t.scalar_type() == at::kFloat && t.is_cuda()) return moe_split_bf16(t, parts);  // one pass
   std::vector<at::Tensor> out;
   at::Tensor rest = t.to(at::kFloat);
   for (int i = 0; i < parts; ++i) {
@@ -257,14 +258,18 @@ class RouterLogitsFunction : public torch::autograd::Function<RouterLogitsFuncti
 };
 
 // p = s[ids] / sum(s[ids]) as the router's differentiable output: the forward is the reference's
-// formula (model::mixing_weights) on the scores computed without a tape; the backward turns d_p
-// into the logits' gradient in one kernel (moe_router_logit_gradient: through p and the sigmoid,
-// already split into bf16 parts) and runs RouterLogitsFunction's split GEMMs on those parts.
+// formula (model::mixing_weights) on the scores computed without a tape; the backward is sparse
+// (kernels/moe.h): the gradient of each selected logit through p and the sigmoid in one kernel,
+// then d x and d W_r from those top_k values a token alone (moe_router_dx, moe_router_dw: fp32
+// sums over the selection, not dense GEMMs over [m, n] whose other n - top_k columns are zeros).
+// source and offsets: the token permutation of ids (moe_permutation), or empty tensors to make it
+// here (a custom Function's inputs must be defined tensors).
 class RouterWeightsFunction : public torch::autograd::Function<RouterWeightsFunction> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& tokens,
-                            const at::Tensor& weight, const at::Tensor& scores, const at::Tensor& ids) {
-    ctx->save_for_backward({tokens, weight, scores, ids});
+                            const at::Tensor& weight, const at::Tensor& scores, const at::Tensor& ids,
+                            const at::Tensor& source, const at::Tensor& offsets) {
+    ctx->save_for_backward({tokens, weight, scores, ids, source, offsets});
     const at::Tensor chosen = scores.gather(/*dim=*/1, ids);
     return chosen / chosen.sum(/*dim=*/{-1}, /*keepdim=*/true);
   }
@@ -273,19 +278,23 @@ class RouterWeightsFunction : public torch::autograd::Function<RouterWeightsFunc
     const auto saved = ctx->get_saved_variables();
     const at::Tensor& tokens = saved[0];
     const at::Tensor& weight = saved[1];
-    const std::vector<at::Tensor> g = moe_router_logit_gradient(saved[2], saved[3], grads[0]);
+    const at::Tensor& ids = saved[3];
+    const at::Tensor d_logits = moe_router_logit_gradient(saved[2], ids, grads[0]);
     at::Tensor d_tokens, d_weight;
-    if (ctx->needs_input_grad(0)) {  // as RouterLogitsFunction: the leading 16 bits of g and W
-      d_tokens = split_mm({g[0], g[1]}, split_bf16(weight, 2), 2).to(tokens.scalar_type());
-    }
+    if (ctx->needs_input_grad(0)) d_tokens = moe_router_dx(d_logits, ids, weight);
     if (ctx->needs_input_grad(1)) {
-      std::vector<at::Tensor> gt = weight.scalar_type() == at::kBFloat16
-                                       ? std::vector<at::Tensor>{g[0], g[1]}
-                                       : std::vector<at::Tensor>{g[0], g[1], g[2]};
-      for (at::Tensor& part : gt) part = part.t();
-      d_weight = split_mm(gt, {tokens}, 3).to(weight.scalar_type());
+      MoePermutation permutation;
+      if (saved[5].numel() == weight.size(0) + 1) {
+        permutation.source = saved[4];
+        permutation.offsets = saved[5];
+        permutation.tokens = ids.size(0);
+        permutation.top_k = ids.size(1);
+      } else {
+        permutation = moe_permutation(ids, weight.size(0));
+      }
+      d_weight = moe_router_dw(d_logits, tokens, permutation, weight.scalar_type());
     }
-    return {d_tokens, d_weight, at::Tensor(), at::Tensor()};
+    return {d_tokens, d_weight, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 #endif
@@ -305,16 +314,30 @@ bool router_logits_applies(const at::Tensor& tokens, const at::Tensor& weight) {
 #endif
 }
 
-at::Tensor router_weights_autograd(const at::Tensor& tokens, const at::Tensor& weight,
-                                  const at::Tensor& scores, const at::Tensor& ids) {
-  TORCH_CHECK(router_logits_applies(tokens, weight), "router_weights_autograd: needs CUDA bf16 tokens [m, d] and ",
-              "an fp32 or bf16 weight [E, d] and LibTorch >= 2.8; got ", tokens.sizes(), " ", tokens.scalar_type(),
-              " and ", weight.sizes(), " ", weight.scalar_type());
+bool router_weights_applies(const at::Tensor& tokens, const at::Tensor& weight, int64_t top_k) {
+  return router_logits_applies(tokens, weight) && moe_router_backward_applies(tokens, weight, top_k);
+}
+
+at::Tensor router_weights_autograd(const at::Tensor& tokens, const at::Tensor& weight, const at::Tensor& scores,
+                                  const at::Tensor& ids, const MoePermutation* permutation) {
+  const int64_t top_k = ids.dim() == 2 ? ids.size(1) : 0;
+  TORCH_CHECK(router_weights_applies(tokens, weight, top_k), "router_weights_autograd: needs CUDA bf16 tokens ",
+              "[m, d] with d a multiple of 32, an fp32 or bf16 weight [E <= ", kMoeRouterMaxExperts, ", d], top_k <= ",
+              kMoeTopkMaxK, " and LibTorch >= 2.8; got ", tokens.sizes(), " ", tokens.scalar_type(), ", ",
+              weight.sizes(), " ", weight.scalar_type(), " and ids ", ids.sizes());
 #if ODYSSEY_HAVE_GROUPED_MM
-  return RouterWeightsFunction::apply(tokens, weight, scores.detach(), ids);
+  at::Tensor source = at::empty({0}, ids.options()), offsets = source;
+  if (permutation != nullptr) {
+    TORCH_CHECK(permutation->tokens == ids.size(0) && permutation->top_k == top_k,
+                "router_weights_autograd: the permutation is of ", permutation->tokens, " tokens x ",
+                permutation->top_k, " slots, ids are ", ids.sizes());
+    source = permutation->source;
+    offsets = permutation->offsets;
+  }
+  return RouterWeightsFunction::apply(tokens, weight, scores.detach(), ids, source, offsets);
 #else
   (void)scores;
-  (void)ids;
+  (void)permutation;
   return {};
 #endif
 }

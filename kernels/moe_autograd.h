@@ -168,11 +168,14 @@ at::Tensor router_logits_autograd(const at::Tensor& tokens, const at::Tensor& we
 // The mixing weights p = s[ids] / sum(s[ids]) recorded for autograd as a function of tokens and
 // W_r, with s = sigmoid(x W_r^T) computed by the caller without a tape (scores, fp32 [m, E]) and
 // ids the selection (int64 [m, k], distinct per row). The forward is model::mixing_weights'
-// formula on scores; the backward is one kernel from d_p to the logits' gradient in bf16 parts
-// (moe_router_logit_gradient: through p and the sigmoid, in place of autograd's gather, sum,
-// divide and sigmoid backwards and the casts) and router_logits_autograd's split GEMMs on them.
-// Same conditions as router_logits_autograd.
+// formula on scores; the backward is sparse: the k selected logits' gradients through p and the
+// sigmoid in one kernel (moe_router_logit_gradient), then d x and d W_r from them alone
+// (moe_router_dx, moe_router_dw; fp32 sums, the same bits every run). permutation: ids' token
+// permutation over E experts if the caller has it (MoeImpl does), else the backward makes one.
+// Whether it applies: router_logits_applies, E <= 1024, d a multiple of 32, k <= 32.
+bool router_weights_applies(const at::Tensor& tokens, const at::Tensor& weight, int64_t top_k);
 at::Tensor router_weights_autograd(const at::Tensor& tokens, const at::Tensor& weight,
-                                   const at::Tensor& scores, const at::Tensor& ids);
+                                   const at::Tensor& scores, const at::Tensor& ids,
+                                   const MoePermutation* permutation = nullptr);
 
 }  // namespace odyssey::kernels

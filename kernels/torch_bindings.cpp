@@ -434,8 +434,24 @@ RmsNormBackward rms_norm_backward(const at::Tensor& x, const at::Tensor& weight,
   return out;
 }
 
-std::vector<at::Tensor> moe_router_logit_gradient(const at::Tensor& scores, const at::Tensor& ids,
-                                                  const at::Tensor& d_p) {
+std::vector<at::Tensor> moe_split_bf16(const at::Tensor& x, int parts) {
+  constexpr const char* where = "kernels::moe_split_bf16";
+  TORCH_CHECK(x.defined() && x.scalar_type() == at::kFloat, where, ": x must be fp32, got ",
+              x.defined() ? x.scalar_type() : at::ScalarType::Undefined);
+  TORCH_CHECK(parts >= 1 && parts <= 3, where, ": parts must be 1, 2 or 3, got ", parts);
+  check_cuda(where, "x", x, x.device());
+  const c10::cuda::CUDAGuard guard(x.device());
+  const at::Tensor xc = x.detach().contiguous();
+  std::vector<at::Tensor> out;
+  for (int i = 0; i < parts; ++i) out.push_back(at::empty(xc.sizes(), xc.options().dtype(at::kBFloat16)));
+  check_launch(moe_split_bf16(xc.data_ptr<float>(), xc.numel(), parts, out[0].data_ptr(),
+                              parts > 1 ? out[1].data_ptr() : nullptr, parts > 2 ? out[2].data_ptr() : nullptr,
+                              current_stream(xc)),
+               where);
+  return out;
+}
+
+at::Tensor moe_router_logit_gradient(const at::Tensor& scores, const at::Tensor& ids, const at::Tensor& d_p) {
   constexpr const char* where = "kernels::moe_router_logit_gradient";
   TORCH_CHECK(scores.defined() && scores.dim() == 2 && scores.scalar_type() == at::kFloat, where,
               ": scores must be fp32 [tokens, experts], got ",
@@ -454,13 +470,88 @@ std::vector<at::Tensor> moe_router_logit_gradient(const at::Tensor& scores, cons
   const c10::cuda::CUDAGuard guard(scores.device());
   const at::Tensor s = scores.detach().contiguous(), i = ids.contiguous();
   const at::Tensor g = d_p.detach().to(at::kFloat).contiguous();
-  std::vector<at::Tensor> parts;
-  for (int p = 0; p < 3; ++p) parts.push_back(at::empty({m, n}, scores.options().dtype(at::kBFloat16)));
+  at::Tensor out = at::empty({m, k}, scores.options());
   check_launch(moe_router_logit_gradient(s.data_ptr<float>(), i.data_ptr<int64_t>(), g.data_ptr<float>(),
-                                         parts[0].data_ptr(), parts[1].data_ptr(), parts[2].data_ptr(), m, n,
-                                         k, current_stream(s)),
+                                         out.data_ptr<float>(), m, n, k, current_stream(s)),
                where);
-  return parts;
+  return out;
+}
+
+bool moe_router_backward_applies(const at::Tensor& tokens, const at::Tensor& weight, int64_t top_k) {
+  return tokens.defined() && weight.defined() && tokens.is_cuda() && weight.device() == tokens.device() &&
+         tokens.dim() == 2 && weight.dim() == 2 && tokens.scalar_type() == at::kBFloat16 &&
+         (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16) &&
+         tokens.size(1) == weight.size(1) && weight.size(0) >= 1 && weight.size(0) <= kMoeRouterMaxExperts &&
+         tokens.size(1) % 32 == 0 && top_k >= 1 && top_k <= kMoeTopkMaxK && top_k <= weight.size(0);
+}
+
+namespace {
+// d_logits fp32 [m, k] and ids int64 [m, k] on one device (the router backward's sparse operands).
+void check_router_gradient(const char* where, const at::Tensor& d_logits, const at::Tensor& ids) {
+  TORCH_CHECK(d_logits.defined() && d_logits.dim() == 2 && d_logits.scalar_type() == at::kFloat, where,
+              ": d_logits must be fp32 [tokens, top_k], got ",
+              d_logits.defined() ? d_logits.sizes() : at::IntArrayRef{});
+  TORCH_CHECK(ids.defined() && ids.sizes() == d_logits.sizes() && ids.scalar_type() == at::kLong, where,
+              ": ids must be int64 ", d_logits.sizes(), ", got ", ids.defined() ? ids.sizes() : at::IntArrayRef{});
+  check_cuda(where, "d_logits", d_logits, d_logits.device());
+  check_cuda(where, "ids", ids, d_logits.device());
+}
+}  // namespace
+
+at::Tensor moe_router_dx(const at::Tensor& d_logits, const at::Tensor& ids, const at::Tensor& weight) {
+  constexpr const char* where = "kernels::moe_router_dx";
+  check_router_gradient(where, d_logits, ids);
+  TORCH_CHECK(weight.defined() && weight.dim() == 2 &&
+                  (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16),
+              where, ": weight must be fp32 or bf16 [experts, d], got ",
+              weight.defined() ? weight.sizes() : at::IntArrayRef{});
+  check_cuda(where, "weight", weight, d_logits.device());
+  const int64_t m = d_logits.size(0), k = d_logits.size(1), n = weight.size(0), d = weight.size(1);
+  TORCH_CHECK(n >= 1 && n <= kMoeRouterMaxExperts && d % 32 == 0 && d > 0 && k >= 1 && k <= kMoeTopkMaxK, where,
+              ": supports up to ", kMoeRouterMaxExperts, " experts, d a multiple of 32 and top_k <= ", kMoeTopkMaxK,
+              "; got experts ", n, ", d ", d, ", top_k ", k);
+  const c10::cuda::CUDAGuard guard(d_logits.device());
+  const at::Tensor g = d_logits.contiguous(), i = ids.contiguous(), w = weight.detach().contiguous();
+  at::Tensor dx = at::empty({m, d}, d_logits.options().dtype(at::kBFloat16));
+  check_launch(moe_router_dx(g.data_ptr<float>(), i.data_ptr<int64_t>(), moe_dtype(w.scalar_type()), w.data_ptr(),
+                             dx.data_ptr(), m, n, d, k, current_stream(g)),
+               where);
+  return dx;
+}
+
+at::Tensor moe_router_dw(const at::Tensor& d_logits, const at::Tensor& tokens, const MoePermutation& permutation,
+                         at::ScalarType weight_dtype) {
+  constexpr const char* where = "kernels::moe_router_dw";
+  TORCH_CHECK(d_logits.defined() && d_logits.dim() == 2 && d_logits.scalar_type() == at::kFloat, where,
+              ": d_logits must be fp32 [tokens, top_k], got ",
+              d_logits.defined() ? d_logits.sizes() : at::IntArrayRef{});
+  const int64_t m = d_logits.size(0), k = d_logits.size(1);
+  TORCH_CHECK(tokens.defined() && tokens.dim() == 2 && tokens.size(0) == m && tokens.scalar_type() == at::kBFloat16,
+              where, ": tokens must be bf16 [", m, ", d], got ", tokens.defined() ? tokens.sizes() : at::IntArrayRef{});
+  TORCH_CHECK(weight_dtype == at::kFloat || weight_dtype == at::kBFloat16, where,
+              ": the weight's dtype must be fp32 or bf16, got ", weight_dtype);
+  TORCH_CHECK(permutation.offsets.defined() && permutation.source.defined() && permutation.tokens == m &&
+                  permutation.top_k == k && permutation.source.numel() == m * k,
+              where, ": the permutation is of ", permutation.tokens, " tokens x ", permutation.top_k,
+              " slots, d_logits is [", m, ", ", k, "]");
+  const int64_t n = permutation.offsets.numel() - 1, d = tokens.size(1);
+  TORCH_CHECK(n >= 1 && n <= kMoeRouterMaxExperts && d % 8 == 0 && d > 0 && k >= 1 && k <= kMoeTopkMaxK, where,
+              ": supports up to ", kMoeRouterMaxExperts, " experts, d a multiple of 8 and top_k <= ", kMoeTopkMaxK,
+              "; got experts ", n, ", d ", d, ", top_k ", k);
+  check_cuda(where, "d_logits", d_logits, d_logits.device());
+  check_cuda(where, "tokens", tokens, d_logits.device());
+  check_cuda(where, "permutation.source", permutation.source, d_logits.device());
+  check_cuda(where, "permutation.offsets", permutation.offsets, d_logits.device());
+  const c10::cuda::CUDAGuard guard(d_logits.device());
+  const at::Tensor g = d_logits.contiguous(), x = tokens.detach().contiguous();
+  at::Tensor dw = at::empty({n, d}, d_logits.options().dtype(weight_dtype));
+  at::Tensor workspace = at::empty({static_cast<int64_t>(moe_router_dw_workspace_bytes(n, d))},
+                                   d_logits.options().dtype(at::kByte));
+  check_launch(moe_router_dw(g.data_ptr<float>(), x.data_ptr(), permutation.source.data_ptr<int64_t>(),
+                             permutation.offsets.data_ptr<int64_t>(), moe_dtype(weight_dtype), dw.data_ptr(),
+                             workspace.data_ptr(), m, n, d, k, current_stream(g)),
+               where);
+  return dw;
 }
 
 bool moe_quantile_histogram_supported(const at::Tensor& scores, int64_t top_k) {

@@ -112,12 +112,25 @@ struct MoeRouterTopk {
 // device (converted to fp32 on scores' device, as select_experts does).
 MoeRouterTopk moe_router_topk(const at::Tensor& scores, const at::Tensor& bias, int64_t top_k);
 
-// The router's backward through the mixing weights and the sigmoid (moe_router_logit_gradient):
-// from scores (CUDA fp32 [m, n]), the selection ids (int64 [m, k], distinct per row) and d_p
-// ([m, k], converted to fp32), the logits' gradient as three bf16 [m, n] parts {hi, mid, lo}
-// whose sum is the fp32 gradient.
-std::vector<at::Tensor> moe_router_logit_gradient(const at::Tensor& scores, const at::Tensor& ids,
-                                                  const at::Tensor& d_p);
+// An fp32 CUDA tensor as `parts` (1 to 3) bf16 tensors of its shape, each the next 8 significant
+// bits of what the ones before left (moe_split_bf16): the router's split GEMM operands.
+std::vector<at::Tensor> moe_split_bf16(const at::Tensor& x, int parts);
+
+struct MoePermutation;  // below
+
+// The router's sparse backward (kernels/moe.h). moe_router_logit_gradient: from scores (CUDA fp32
+// [m, n]), the selection ids (int64 [m, k], distinct per row) and d_p ([m, k], converted to fp32),
+// the gradient of each selected logit, fp32 [m, k] aligned with ids (every other logit's is zero).
+at::Tensor moe_router_logit_gradient(const at::Tensor& scores, const at::Tensor& ids, const at::Tensor& d_p);
+// Whether moe_router_dx and moe_router_dw run for bf16 tokens [m, d] and a weight [n, d] (fp32 or
+// bf16) on CUDA: n <= 1024, d a multiple of 32, top_k <= 32.
+bool moe_router_backward_applies(const at::Tensor& tokens, const at::Tensor& weight, int64_t top_k);
+// d tokens = d_logits scattered to [m, n] times W_r, bf16 [m, d] (fp32 sums over the selection).
+at::Tensor moe_router_dx(const at::Tensor& d_logits, const at::Tensor& ids, const at::Tensor& weight);
+// d W_r = (d_logits scattered to [m, n])^T tokens, [n, d] in weight_dtype (fp32 sums in a fixed
+// order: the same bits every run); permutation: moe_permutation of ids over n experts.
+at::Tensor moe_router_dw(const at::Tensor& d_logits, const at::Tensor& tokens, const MoePermutation& permutation,
+                         at::ScalarType weight_dtype);
 
 // Whether moe_quantile_histogram can run: CUDA floating (not fp64) scores [m, n] with
 // top_k + 1 <= min(32, n) and n <= 1024.

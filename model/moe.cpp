@@ -162,7 +162,9 @@ MoeRouting MoeImpl::route_reference(const torch::Tensor& x) {
   return routing;
 }
 
-MoeRouting MoeImpl::route(const torch::Tensor& x) {
+MoeRouting MoeImpl::route(const torch::Tensor& x) { return route(x, nullptr); }
+
+MoeRouting MoeImpl::route(const torch::Tensor& x, kernels::MoePermutation* permutation) {
 #ifdef ODYSSEY_WITH_CUDA_KERNELS
   if (x.defined() && x.is_cuda() && x.scalar_type() != at::kDouble) {
     check_input(x, options_.hidden);
@@ -172,9 +174,8 @@ MoeRouting MoeImpl::route(const torch::Tensor& x) {
     // through p recorded as one Function of tokens and W_r (kernels::router_weights_autograd: p's
     // reference formula forward, one fused kernel from d_p to the logits' gradient backward), and
     // the scores are computed without a tape (nothing else differentiates them).
-    // (moe_router_logit_gradient takes up to kMoeTopkMaxK experts a token.)
     const bool fused = at::GradMode::is_enabled() && (tokens.requires_grad() || router->weight.requires_grad()) &&
-                       options_.top_k <= kernels::kMoeTopkMaxK && kernels::router_logits_applies(tokens, router->weight);
+                       kernels::router_weights_applies(tokens, router->weight, options_.top_k);
     if (fused) {
       const c10::NoGradGuard no_grad;
       routing.scores = router(tokens);
@@ -191,8 +192,10 @@ MoeRouting MoeImpl::route(const torch::Tensor& x) {
     }
     // With a gradient wanted, p is recomputed from the selection with the reference's formula,
     // recorded for autograd (the router learns through p); otherwise the kernel's p.
+    if (permutation != nullptr) *permutation = kernels::moe_permutation(routing.selected, options_.num_experts);
     if (fused) {
-      routing.weights = kernels::router_weights_autograd(tokens, router->weight, routing.scores, routing.selected);
+      routing.weights =
+          kernels::router_weights_autograd(tokens, router->weight, routing.scores, routing.selected, permutation);
     } else if (kernel_weights.defined() && !(at::GradMode::is_enabled() && routing.scores.requires_grad())) {
       routing.weights = kernel_weights;
     } else {
@@ -201,6 +204,7 @@ MoeRouting MoeImpl::route(const torch::Tensor& x) {
     return routing;
   }
 #endif
+  (void)permutation;
   return route_reference(x);
 }
 
@@ -223,10 +227,10 @@ MoeOutput MoeImpl::forward(const torch::Tensor& x) {
   if (uses_kernels(x)) {
     check_input(x, options_.hidden);
     MoeOutput out;
-    out.routing = route(x);
+    kernels::MoePermutation permutation;
+    out.routing = route(x, &permutation);
     const torch::Tensor tokens = x.reshape({-1, options_.hidden});
     const torch::Tensor z = latent_down(tokens).contiguous();
-    const kernels::MoePermutation permutation = kernels::moe_permutation(out.routing.selected, options_.num_experts);
     const torch::Tensor rows = kernels::moe_permute_autograd(z, permutation);
     const torch::Tensor expert_out =
         kernels::moe_experts_autograd(rows, experts->gate_proj, experts->up_proj, experts->down_proj, permutation,

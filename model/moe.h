@@ -53,6 +53,10 @@
 #include "model/ffn.h"
 #include "model/rms_norm.h"
 
+namespace odyssey::kernels {
+struct MoePermutation;  // kernels/torch_bindings.h (GPU build)
+}  // namespace odyssey::kernels
+
 namespace odyssey::model {
 
 struct MoeOptions {
@@ -165,6 +169,10 @@ class MoeImpl : public torch::nn::Module {
   StackedExperts shared_experts{nullptr};  // null when num_shared = 0
 
  private:
+  // route() for the GPU build's kernels; permutation (non-null): also the token permutation of the
+  // selection, made before p so that p's recorded backward (the router's sparse d W_r) shares it.
+  MoeRouting route(const torch::Tensor& x, kernels::MoePermutation* permutation);
+
   MoeOptions options_;
 };
 TORCH_MODULE(Moe);

@@ -180,28 +180,124 @@ TEST_F(MoeKernel, RouterWeightsFunctionMatchesAutogradOfTheFp64Reference) {
       auto rel = [](const at::Tensor& a, const at::Tensor& b) {
         return (a.to(at::kDouble) - b).abs().max().item<double>() / b.abs().max().item<double>();
       };
-      const std::vector<at::Tensor> parts = moe_router_logit_gradient(scores, ids, dp);
-      const at::Tensor d_logits = parts[0].to(at::kDouble) + parts[1].to(at::kDouble) + parts[2].to(at::kDouble);
+      const at::Tensor d_logits = moe_router_logit_gradient(scores, ids, dp);  // [m, k], aligned with ids
       const at::Tensor unselected = at::ones({c.m, c.n}, cuda.dtype(at::kBool)).scatter(1, ids, false);
       const std::string name = "m" + std::to_string(c.m) + " n" + std::to_string(c.n) + " k" + std::to_string(c.k) +
                                (weight_dtype == at::kFloat ? " fp32 W_r" : " bf16 W_r");
-      const double e_p = rel(p, pr.detach()), e_logits = rel(d_logits, logits.grad());
+      const double e_p = rel(p, pr.detach()), e_logits = rel(d_logits, logits.grad().gather(1, ids));
       const double e_dx = rel(x.grad(), xr.grad()), e_dw = rel(w.grad(), wr.grad());
       std::printf("  router weights %s: p %.2e, d logits %.2e, d x %.2e, d W %.2e (relative to the largest reference value)\n",
                   name.c_str(), e_p, e_logits, e_dx, e_dw);
       EXPECT_LT(e_p, 4e-6) << name;        // fp32 scores (split-bf16 logits) against fp64
       EXPECT_LT(e_logits, 2e-5) << name;   // fp32 arithmetic on fp32 scores
-      EXPECT_EQ(d_logits.masked_select(unselected).abs().max().item<double>(), 0.0) << name;
+      // The sparse backward's premise: no logit outside the selection has a gradient.
+      EXPECT_EQ(logits.grad().masked_select(unselected).abs().max().item<double>(), 0.0) << name;
       EXPECT_LT(e_dx, 8e-3) << name;       // a bf16 result
       EXPECT_LT(e_dw, weight_dtype == at::kFloat ? 4e-5 : 8e-3) << name;
       EXPECT_EQ(x.grad().scalar_type(), at::kBFloat16) << name;
       EXPECT_EQ(w.grad().scalar_type(), weight_dtype) << name;
+      // The same bits every run, and with the caller's permutation as with the backward's own.
+      const at::Tensor dx_first = x.grad().clone(), dw_first = w.grad().clone();
+      x.mutable_grad().zero_();
+      w.mutable_grad().zero_();
+      const MoePermutation permutation = moe_permutation(ids, c.n);
+      router_weights_autograd(x, w, scores, ids, &permutation).backward(dp);
+      EXPECT_TRUE(at::equal(x.grad(), dx_first)) << name;
+      EXPECT_TRUE(at::equal(w.grad(), dw_first)) << name;
     }
   }
   const auto cuda = at::TensorOptions().device(at::kCUDA);
   EXPECT_THROW(moe_router_logit_gradient(at::rand({4, 8}, cuda), at::zeros({4, 3}, cuda.dtype(at::kLong)),
                                          at::zeros({4, 2}, cuda)),
                c10::Error);  // d_p of another shape than ids
+}
+
+TEST_F(MoeKernel, SplitBf16PartsEqualTheCastChainBitForBit) {
+  // moe_split_bf16 (the router's W_r parts in one pass) against the LibTorch chain it replaced:
+  // part i = bf16(rest), rest -= part i; values across the exponent range, zeros and subnormals.
+  const auto cuda = at::TensorOptions().device(at::kCUDA);
+  torch::manual_seed(7);
+  const at::Tensor x = at::cat({at::randn({896, 1024}, cuda) * at::pow(10.0, at::randint(-30, 30, {896, 1}, cuda)),
+                                at::zeros({1, 1024}, cuda), at::full({1, 1024}, 1e-41, cuda)})
+                           .contiguous();
+  for (int parts = 1; parts <= 3; ++parts) {
+    const std::vector<at::Tensor> got = moe_split_bf16(x, parts);
+    ASSERT_EQ(static_cast<int>(got.size()), parts);
+    at::Tensor rest = x;
+    for (int i = 0; i < parts; ++i) {
+      const at::Tensor want = rest.to(at::kBFloat16);
+      EXPECT_TRUE(at::equal(got[i], want)) << "part " << i << " of " << parts;
+      rest = rest - want.to(at::kFloat);
+    }
+  }
+  EXPECT_THROW(moe_split_bf16(x.to(at::kBFloat16), 2), c10::Error);
+  EXPECT_THROW(moe_split_bf16(x, 4), c10::Error);
+}
+
+TEST_F(MoeKernel, RouterSparseBackwardMatchesTheDenseProductsUnderSkewedRouting) {
+  // d x = G W_r and d W_r = G^T x for the logits' gradient G scattered to [m, n], against fp64
+  // dense products, with every token picking expert 0, experts no token picks (their d W_r rows
+  // exact zeros), two runs equal bit for bit, widths from 32 to 1056
+  // (more than one 1024-column block of d W_r), up to 1024 experts and 32 slots.
+  struct Case {
+    int64_t m, d, n, k;
+  };
+  for (const Case& c : std::vector<Case>{{1000, 1024, 896, 16}, {3, 32, 40, 2}, {257, 1056, 1024, 32},
+                                          {64, 96, 33, 1}}) {
+    torch::manual_seed(c.m + c.n);
+    const auto cuda = at::TensorOptions().device(at::kCUDA);
+    // Expert 0 in every row, then k - 1 distinct others from the first half of the experts.
+    const at::Tensor others = std::get<1>(at::rand({c.m, c.n / 2 - 1}, cuda).sort(1)).narrow(1, 0, c.k - 1) + 1;
+    const at::Tensor ids = at::cat({at::zeros({c.m, 1}, cuda.dtype(at::kLong)), others}, 1).contiguous();
+    const at::Tensor d_logits = at::randn({c.m, c.k}, cuda);
+    const at::Tensor x = at::randn({c.m, c.d}, cuda.dtype(at::kBFloat16));
+    const at::Tensor dense = at::zeros({c.m, c.n}, cuda.dtype(at::kDouble)).scatter(1, ids, d_logits.to(at::kDouble));
+    const MoePermutation permutation = moe_permutation(ids, c.n);
+    for (at::ScalarType weight_dtype : {at::kFloat, at::kBFloat16}) {
+      const at::Tensor w = at::randn({c.n, c.d}, cuda).to(weight_dtype);
+      const std::string name = "m" + std::to_string(c.m) + " d" + std::to_string(c.d) + " n" +
+                               std::to_string(c.n) + " k" + std::to_string(c.k) +
+                               (weight_dtype == at::kFloat ? " fp32 W_r" : " bf16 W_r");
+      const at::Tensor dx = moe_router_dx(d_logits, ids, w);
+      const at::Tensor dx_ref = at::mm(dense, w.to(at::kDouble));
+      const at::Tensor dw = moe_router_dw(d_logits, x, permutation, weight_dtype);
+      const at::Tensor dw_ref = at::mm(dense.t(), x.to(at::kDouble));
+      auto rel = [](const at::Tensor& a, const at::Tensor& b) {
+        return (a.to(at::kDouble) - b).abs().max().item<double>() / b.abs().max().item<double>();
+      };
+      const double e_dx = rel(dx, dx_ref), e_dw = rel(dw, dw_ref);
+      std::printf("  router sparse backward %s: d x %.2e, d W %.2e\n", name.c_str(), e_dx, e_dw);
+      EXPECT_EQ(dx.scalar_type(), at::kBFloat16) << name;
+      EXPECT_EQ(dw.scalar_type(), weight_dtype) << name;
+      EXPECT_LT(e_dx, 8e-3) << name;  // bf16 results of fp32 sums
+      EXPECT_LT(e_dw, weight_dtype == at::kFloat ? 2e-6 : 8e-3) << name;
+      const at::Tensor picked = at::zeros({c.n}, cuda.dtype(at::kBool)).index_fill_(0, ids.reshape({-1}), true);
+      const at::Tensor unpicked_rows = dw.index_select(0, at::nonzero(picked.logical_not()).reshape({-1}));
+      EXPECT_GT(unpicked_rows.size(0), 0) << name;
+      EXPECT_EQ(unpicked_rows.abs().max().item<double>(), 0.0) << name;
+      EXPECT_TRUE(at::equal(moe_router_dw(d_logits, x, permutation, weight_dtype), dw)) << name;
+      EXPECT_TRUE(at::equal(moe_router_dx(d_logits, ids, w), dx)) << name;
+    }
+  }
+  // No tokens: d x is empty, d W_r all zeros.
+  const auto cuda = at::TensorOptions().device(at::kCUDA);
+  const at::Tensor no_ids = at::zeros({0, 4}, cuda.dtype(at::kLong));
+  const at::Tensor none = at::zeros({0, 4}, cuda);
+  EXPECT_EQ(moe_router_dx(none, no_ids, at::randn({16, 64}, cuda)).size(0), 0);
+  const at::Tensor dw0 = moe_router_dw(none, at::zeros({0, 64}, cuda.dtype(at::kBFloat16)),
+                                       moe_permutation(no_ids, 16), at::kFloat);
+  EXPECT_EQ(dw0.abs().max().item<double>(), 0.0);
+  // What they refuse, by name: d not a multiple of 32 (d x), more than 1024 experts, mismatched ids.
+  EXPECT_THROW(moe_router_dx(at::zeros({4, 2}, cuda), at::zeros({4, 2}, cuda.dtype(at::kLong)),
+                             at::zeros({8, 48}, cuda)),
+               c10::Error);
+  EXPECT_THROW(moe_router_dx(at::zeros({4, 2}, cuda), at::zeros({4, 2}, cuda.dtype(at::kLong)),
+                             at::zeros({1025, 64}, cuda)),
+               c10::Error);
+  EXPECT_THROW(moe_router_dx(at::zeros({4, 2}, cuda), at::zeros({4, 3}, cuda.dtype(at::kLong)),
+                             at::zeros({8, 64}, cuda)),
+               c10::Error);
+  EXPECT_FALSE(router_weights_applies(at::zeros({4, 48}, cuda.dtype(at::kBFloat16)), at::zeros({8, 48}, cuda), 2));
 }
 
 TEST_F(MoeKernel, RouterTopkMatchesSelectExperts) {
