@@ -493,7 +493,7 @@ std::vector<Stage> moe_forward_stages(const KernelsBenchOptions& o, model::MoeIm
   auto best = [&](const std::function<void()>& fn) { return time_cuda(fn, o.warmup, o.repeats).best_ms; };
   const std::string gemm = gemm_label(grouped);
   std::vector<Stage> s;
-  s.push_back({"router: x W_r^T (fp32 result; split bf16 GEMMs on the GPU), sigmoid", best([&] { layer.router->forward(v.tokens); }),
+  s.push_back({"router: x W_r^T (fp32 result; on the GPU one bf16 GEMM of W_r's 3 parts along K), sigmoid", best([&] { layer.router->forward(v.tokens); }),
                2 * m * d * e, 0});
   s.push_back({"top-k with the bias + p (moe_router_topk)",
                best([&] { kernels::moe_router_topk(v.scores, layer.router->bias, mo.top_k); }), 0,
@@ -725,12 +725,12 @@ std::vector<Stage> moe_backward_stages(const KernelsBenchOptions& o, model::MoeI
     // Its three steps alone (what RouterWeightsFunction's backward runs).
     const at::Tensor dp = random_like(p);
     const at::Tensor d_logits = kernels::moe_router_logit_gradient(v.scores, v.topk.ids, dp);
-    s.push_back({"- the selected logits' gradient through p and the sigmoid (moe_router_logit_gradient)",
+    s.push_back({"the selected logits' gradient through p and the sigmoid (moe_router_logit_gradient)",
                  best([&] { kernels::moe_router_logit_gradient(v.scores, v.topk.ids, dp); }), 0, rows * 24, false});
-    s.push_back({"- d x: W_r's rows of the selection, fp32 sums (moe_router_dx)",
+    s.push_back({"d x: W_r's rows of the selection, fp32 sums (moe_router_dx)",
                  best([&] { kernels::moe_router_dx(d_logits, v.topk.ids, weight); }), 0, rows * 12 + m * d * 2,
                  false});
-    s.push_back({"- d W_r: each expert's rows of x in permuted order, fp32 sums (moe_router_dw)",
+    s.push_back({"d W_r: each expert's rows of x in permuted order, fp32 sums (moe_router_dw)",
                  best([&] { kernels::moe_router_dw(d_logits, v.tokens, v.perm, weight.scalar_type()); }), 0,
                  rows * d * 2, false});
     // The autograd chain it replaced: p on the tape, then the sigmoid and RouterLogitsFunction.
