@@ -59,6 +59,8 @@ __device__ __forceinline__ void for_each_index(int64_t count, const Body& body) 
 
 // Threads of a CTA that walks one row of `width` columns: one column each where the row fits in
 // 1024 (a whole number of warps), else 1024 striding over the row.
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
 int row_threads(int64_t width) {
   return width >= 1024 ? 1024 : static_cast<int>((width + 31) / 32 * 32);
 }
@@ -627,6 +629,61 @@ __global__ void unpermute_kernel(const T* __restrict__ copies, const float* __re
   }
 }
 
+// The same sums for bf16 copies of a width divisible by 8, 8 columns a thread: thread i takes
+// piece i % pieces of token i / pieces, loads the token's slots' rows and weights first (8 slots
+// at a time, 16-byte loads) and then adds them in slot order with the same fmaf as
+// unpermute_kernel: bit for bit its result, in a sixteenth of the load instructions.
+template <typename O>
+__global__ void unpermute_vectors_kernel(const __nv_bfloat16* __restrict__ copies,
+                                         const float* __restrict__ weights,
+                                         const int64_t* __restrict__ inverse, O* __restrict__ out,
+                                         int64_t m, int top_k, int64_t width) {
+  const int64_t pieces = width / 8;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < m * pieces;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t t = i / pieces, col = (i - t * pieces) * 8;
+    float acc[8] = {};
+    for (int s0 = 0; s0 < top_k; s0 += 8) {
+      uint4 raw[8];
+      float w[8];
+      bool live[8];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        const int s = s0 + u;
+        const int64_t c = t * top_k + s;
+        const int64_t row = s < top_k ? inverse[c] : -1;
+        live[u] = row >= 0;
+        w[u] = live[u] ? (weights != nullptr ? weights[c] : 1.f) : 0.f;
+        raw[u] = live[u] ? __ldg(reinterpret_cast<const uint4*>(copies + row * width + col)) : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        if (!live[u]) continue;
+        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw[u]);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const float2 f = __bfloat1622float2(h[q]);
+          acc[2 * q] = fmaf(w[u], f.x, acc[2 * q]);
+          acc[2 * q + 1] = fmaf(w[u], f.y, acc[2 * q + 1]);
+        }
+      }
+    }
+    if constexpr (std::is_same_v<O, float>) {
+      reinterpret_cast<float4*>(out + t * width + col)[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+      reinterpret_cast<float4*>(out + t * width + col)[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+    } else {
+      uint4 packed;
+      uint32_t* p = reinterpret_cast<uint32_t*>(&packed);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        __nv_bfloat162 h = __floats2bfloat162_rn(acc[2 * q], acc[2 * q + 1]);
+        p[q] = *reinterpret_cast<uint32_t*>(&h);
+      }
+      *reinterpret_cast<uint4*>(out + t * width + col) = packed;
+    }
+  }
+}
+
 // One warp per copy c (its permuted row inverse[c], its token c / top_k), both gradients in one
 // pass over the token's d_out row: d_copies[row] = weights[c] d_out[token] (one rounding to T) and
 // d_weights[c] = <d_out[token], copies[row]> in fp32 (either output may be nullptr). The warps of a
@@ -972,12 +1029,26 @@ cudaError_t moe_gather_rows(const void* in, const int64_t* index, void* out, int
 
 cudaError_t moe_unpermute(MoeDtype dtype, const void* copies, const float* weights,
                           const int64_t* inverse, MoeDtype out_dtype, void* out, int64_t m,
-                          int64_t top_k, int64_t width, cudaStream_t stream) {
+                          int64_t top_k, int64_t width, cudaStream_t stream, bool vectors) {
   if (!valid_dtype(dtype) || !valid_dtype(out_dtype) || m < 0 || top_k < 1 || top_k > INT_MAX ||
       width < 0 || m > INT_MAX) {
     return cudaErrorInvalidValue;
   }
   if (m == 0 || width == 0) return cudaSuccess;
+  if (vectors && dtype == MoeDtype::kBFloat16 && width % 8 == 0 && aligned16(copies) && aligned16(out)) {
+    const int threads = 256;
+    const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((m * (width / 8) + threads - 1) / threads, 65535));
+    if (out_dtype == MoeDtype::kFloat32) {
+      unpermute_vectors_kernel<float><<<blocks, threads, 0, stream>>>(
+          static_cast<const __nv_bfloat16*>(copies), weights, inverse, static_cast<float*>(out), m,
+          static_cast<int>(top_k), width);
+    } else {
+      unpermute_vectors_kernel<__nv_bfloat16><<<blocks, threads, 0, stream>>>(
+          static_cast<const __nv_bfloat16*>(copies), weights, inverse, static_cast<__nv_bfloat16*>(out), m,
+          static_cast<int>(top_k), width);
+    }
+    return cudaGetLastError();
+  }
   const int threads = row_threads(width);
   const dim3 grid(static_cast<unsigned>(m));
   const int k = static_cast<int>(top_k);

@@ -137,14 +137,16 @@ cudaError_t moe_gather_rows(const void* in, const int64_t* index, void* out, int
                             int64_t width, int64_t element_size, cudaStream_t stream);
 
 // Un-permute: out[t, :] = sum over slots s of weights[t, s] * copies[inverse[t * top_k + s], :],
-// summed in fp32 in slot order, no atomics (each token reads its own top_k copies; one CTA per
-// token, one thread per column up to 1024 columns).
+// summed in fp32 (fmaf) in slot order, no atomics (each token reads its own top_k copies). bf16
+// copies of a width divisible by 8 (16-byte aligned) go 8 columns a thread, the token's rows
+// loaded 8 slots at a time; otherwise one CTA per token, one thread per column up to 1024
+// columns. The two give the same bits; vectors = false forces the second (the parity test's).
 //   copies  T [m * top_k, width]   weights f32 [m, top_k] or nullptr (all 1: the backward of
 //   permute)   inverse int64 [m * top_k]   out: out_dtype [m, width]
 // Copies without a row (inverse < 0) contribute nothing.
 cudaError_t moe_unpermute(MoeDtype dtype, const void* copies, const float* weights,
                           const int64_t* inverse, MoeDtype out_dtype, void* out, int64_t m,
-                          int64_t top_k, int64_t width, cudaStream_t stream);
+                          int64_t top_k, int64_t width, cudaStream_t stream, bool vectors = true);
 
 // The backward of moe_unpermute with respect to copies and weights, from d_out f32 [m, width]:
 //   d_copies[r, :]  = weights[source[r]] * d_out[source[r] / top_k, :]  (T [m * top_k, width],

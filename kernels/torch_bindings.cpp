@@ -662,7 +662,7 @@ void check_copies(const char* where, const at::Tensor& copies, int64_t m, int64_
 }  // namespace
 
 at::Tensor moe_unpermute(const at::Tensor& copies, const MoePermutation& permutation,
-                         const at::Tensor& weights, at::ScalarType out_dtype) {
+                         const at::Tensor& weights, at::ScalarType out_dtype, bool vectors) {
   constexpr const char* where = "kernels::moe_unpermute";
   const int64_t m = permutation.tokens, k = permutation.top_k;
   check_copies(where, copies, m, k);
@@ -680,7 +680,7 @@ at::Tensor moe_unpermute(const at::Tensor& copies, const MoePermutation& permuta
   check_launch(moe_unpermute(moe_dtype(c.scalar_type()), c.data_ptr(),
                              w.defined() ? w.data_ptr<float>() : nullptr,
                              permutation.inverse.data_ptr<int64_t>(), moe_dtype(out_dtype),
-                             out.data_ptr(), m, k, copies.size(1), current_stream(c)),
+                             out.data_ptr(), m, k, copies.size(1), current_stream(c), vectors),
                where);
   return out;
 }

@@ -166,9 +166,10 @@ at::Tensor moe_gather_rows(const at::Tensor& rows, const at::Tensor& index);
 // model::unpermute on the GPU without atomics: out[t] = sum over slots s of
 // weights[t, s] copies[inverse[t k + s]] in fp32. copies [m k, width] bf16 / fp32; weights fp32
 // [m, k] or undefined (all 1); out_dtype: the result's dtype (fp32 as model::unpermute returns,
-// or copies' dtype for the backward of a permute).
+// or copies' dtype for the backward of a permute). vectors = false: the one-column-a-thread
+// kernel, for the test that the 16-byte path gives its bits.
 at::Tensor moe_unpermute(const at::Tensor& copies, const MoePermutation& permutation,
-                         const at::Tensor& weights, at::ScalarType out_dtype);
+                         const at::Tensor& weights, at::ScalarType out_dtype, bool vectors = true);
 
 struct MoeUnpermuteGradients {
   at::Tensor d_copies;   // [m k, width], copies' dtype

@@ -553,6 +553,30 @@ TEST_F(MoeKernel, UnpermuteAndItsBackwardMatchTheReferenceAtEveryWidth) {
   }
 }
 
+TEST_F(MoeKernel, UnpermuteInSixteenBytePiecesEqualsTheColumnKernelBitForBit) {
+  // bf16 copies of widths divisible by 8 take the 16-byte path (8 columns a thread, 8 slots' rows
+  // loaded at a time): the same fmaf in slot order as the one-column-a-thread kernel, so the same
+  // bits, for fp32 and bf16 results, with and without weights, and slot counts past 8.
+  for (const int64_t k : {1, 3, 16, 20}) {
+    const int64_t m = 257, n = 40;
+    at::manual_seed(5 + k);
+    const Routing routing = random_routing(m, n, k);
+    for (const int64_t width : {8, 384, 1104}) {
+      const at::Tensor copies = at::randn({m * k, width}, cuda(at::kBFloat16));
+      for (at::ScalarType out_dtype : {at::kFloat, at::kBFloat16}) {
+        for (const bool weighted : {true, false}) {
+          const at::Tensor w = weighted ? routing.weights : at::Tensor();
+          const std::string tag = "k " + std::to_string(k) + " width " + std::to_string(width) +
+                                  (out_dtype == at::kFloat ? " fp32 out" : " bf16 out") + (weighted ? "" : " no weights");
+          EXPECT_TRUE(at::equal(moe_unpermute(copies, routing.perm, w, out_dtype),
+                                moe_unpermute(copies, routing.perm, w, out_dtype, /*vectors=*/false)))
+              << tag;
+        }
+      }
+    }
+  }
+}
+
 // ---- SiTU-GLU ----------------------------------------------------------------------------------------------
 
 TEST_F(MoeKernel, SituGluForwardAndBackwardMatchAutogradOfTheReference) {
