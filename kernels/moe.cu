@@ -30,6 +30,31 @@ __device__ __forceinline__ float load_f32<__nv_bfloat16>(const __nv_bfloat16* p,
   return __bfloat162float(p[i]);
 }
 
+// 8 bf16 as one 16-byte piece (uint4 in memory).
+struct Bf16x8 {
+  __nv_bfloat162 pair[4];
+};
+static_assert(sizeof(Bf16x8) == 16, "16-byte pieces");
+
+// acc[j] = fmaf(v, piece[j], acc[j]) for the 8 elements of a 16-byte bf16 piece.
+__device__ __forceinline__ void add_scaled8(float (&acc)[8], float v, const uint4& raw) {
+  const Bf16x8& x = reinterpret_cast<const Bf16x8&>(raw);
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const float2 f = __bfloat1622float2(x.pair[q]);
+    acc[2 * q] = fmaf(v, f.x, acc[2 * q]);
+    acc[2 * q + 1] = fmaf(v, f.y, acc[2 * q + 1]);
+  }
+}
+
+// 8 floats rounded to bf16 as one 16-byte piece.
+__device__ __forceinline__ uint4 pack8(const float (&x)[8]) {
+  Bf16x8 out;
+#pragma unroll
+  for (int q = 0; q < 4; ++q) out.pair[q] = __floats2bfloat162_rn(x[2 * q], x[2 * q + 1]);
+  return reinterpret_cast<const uint4&>(out);
+}
+
 template <typename T>
 __device__ __forceinline__ void store_f32(T* p, int64_t i, float v);
 template <>
@@ -57,10 +82,10 @@ __device__ __forceinline__ void for_each_index(int64_t count, const Body& body) 
   }
 }
 
-// Threads of a CTA that walks one row of `width` columns: one column each where the row fits in
-// 1024 (a whole number of warps), else 1024 striding over the row.
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
+// Threads of a CTA that walks one row of `width` columns: one column each where the row fits in
+// 1024 (a whole number of warps), else 1024 striding over the row.
 int row_threads(int64_t width) {
   return width >= 1024 ? 1024 : static_cast<int>((width + 31) / 32 * 32);
 }
@@ -230,22 +255,18 @@ __global__ void router_logit_gradient_kernel(const float* __restrict__ scores,
 __global__ void split_bf16_kernel(const float* __restrict__ x, int64_t count, int parts,
                                   __nv_bfloat16* __restrict__ out0, __nv_bfloat16* __restrict__ out1,
                                   __nv_bfloat16* __restrict__ out2) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+  for_each_index(count, [&](int64_t i) {
     float rest = x[i];
     const __nv_bfloat16 a = __float2bfloat16_rn(rest);
     out0[i] = a;
-    if (parts < 2) continue;
+    if (parts < 2) return;
     rest -= __bfloat162float(a);  // exact: x minus its nearest bf16
     const __nv_bfloat16 b = __float2bfloat16_rn(rest);
     out1[i] = b;
-    if (parts < 3) continue;
+    if (parts < 3) return;
     out2[i] = __float2bfloat16_rn(rest - __bfloat162float(b));
-  }
+  });
 }
-
-__device__ __forceinline__ float weight_as_float(float w) { return w; }
-__device__ __forceinline__ float weight_as_float(__nv_bfloat16 w) { return __bfloat162float(w); }
 
 // Router dx: CTA (blockIdx.x, blockIdx.y) owns columns [32 x, 32 x + 32) and tokens
 // [y tokens_per_cta, ...). W_r's 32 columns of all n experts go to shared memory as fp32 (row e:
@@ -267,7 +288,7 @@ __global__ void __launch_bounds__(kRouterDxWarps * 32)
   const int c0 = blockIdx.x * kRouterDxColumns;
 #pragma unroll 8
   for (int e = warp; e < n; e += kRouterDxWarps) {
-    w_cols[e * kRouterDxColumns + lane] = weight_as_float(__ldg(weight + static_cast<int64_t>(e) * d + c0 + lane));
+    w_cols[e * kRouterDxColumns + lane] = load_f32(weight, static_cast<int64_t>(e) * d + c0 + lane);
   }
   __syncthreads();
   const int64_t t_begin = blockIdx.y * tokens_per_cta;
@@ -355,27 +376,10 @@ __global__ void __launch_bounds__(kRouterDwThreads)
 #pragma unroll
         for (int u = 0; u < 4; ++u) raw[u] = __ldg(reinterpret_cast<const uint4*>(x + row_token[i + u] * d + col));
 #pragma unroll
-        for (int u = 0; u < 4; ++u) {
-          const float v = row_value[i + u];
-          const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw[u]);
-#pragma unroll
-          for (int q = 0; q < 4; ++q) {
-            const float2 f = __bfloat1622float2(h[q]);
-            acc[2 * q] = fmaf(v, f.x, acc[2 * q]);
-            acc[2 * q + 1] = fmaf(v, f.y, acc[2 * q + 1]);
-          }
-        }
+        for (int u = 0; u < 4; ++u) add_scaled8(acc, row_value[i + u], raw[u]);
       }
       for (; i < rows; ++i) {
-        const uint4 raw = __ldg(reinterpret_cast<const uint4*>(x + row_token[i] * d + col));
-        const float v = row_value[i];
-        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const float2 f = __bfloat1622float2(h[q]);
-          acc[2 * q] = fmaf(v, f.x, acc[2 * q]);
-          acc[2 * q + 1] = fmaf(v, f.y, acc[2 * q + 1]);
-        }
+        add_scaled8(acc, row_value[i], __ldg(reinterpret_cast<const uint4*>(x + row_token[i] * d + col)));
       }
     }
     if (active) {
@@ -389,17 +393,12 @@ __global__ void __launch_bounds__(kRouterDwThreads)
 template <typename TW>
 __global__ void router_dw_sum_kernel(const float* __restrict__ partial, TW* __restrict__ dw,
                                      int64_t count) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+  for_each_index(count, [&](int64_t i) {
     float sum = partial[i];
 #pragma unroll
     for (int s = 1; s < kMoeRouterDwSplits; ++s) sum += partial[s * count + i];
-    if constexpr (std::is_same_v<TW, float>) {
-      dw[i] = sum;
-    } else {
-      dw[i] = __float2bfloat16_rn(sum);
-    }
-  }
+    store_f32(dw, i, sum);
+  });
 }
 
 template <int VPL>
@@ -639,8 +638,7 @@ __global__ void unpermute_vectors_kernel(const __nv_bfloat16* __restrict__ copie
                                          const int64_t* __restrict__ inverse, O* __restrict__ out,
                                          int64_t m, int top_k, int64_t width) {
   const int64_t pieces = width / 8;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < m * pieces;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+  for_each_index(m * pieces, [&](int64_t i) {
     const int64_t t = i / pieces, col = (i - t * pieces) * 8;
     float acc[8] = {};
     for (int s0 = 0; s0 < top_k; s0 += 8) {
@@ -658,30 +656,16 @@ __global__ void unpermute_vectors_kernel(const __nv_bfloat16* __restrict__ copie
       }
 #pragma unroll
       for (int u = 0; u < 8; ++u) {
-        if (!live[u]) continue;
-        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw[u]);
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const float2 f = __bfloat1622float2(h[q]);
-          acc[2 * q] = fmaf(w[u], f.x, acc[2 * q]);
-          acc[2 * q + 1] = fmaf(w[u], f.y, acc[2 * q + 1]);
-        }
+        if (live[u]) add_scaled8(acc, w[u], raw[u]);
       }
     }
     if constexpr (std::is_same_v<O, float>) {
       reinterpret_cast<float4*>(out + t * width + col)[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
       reinterpret_cast<float4*>(out + t * width + col)[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
     } else {
-      uint4 packed;
-      uint32_t* p = reinterpret_cast<uint32_t*>(&packed);
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        __nv_bfloat162 h = __floats2bfloat162_rn(acc[2 * q], acc[2 * q + 1]);
-        p[q] = *reinterpret_cast<uint32_t*>(&h);
-      }
-      *reinterpret_cast<uint4*>(out + t * width + col) = packed;
+      *reinterpret_cast<uint4*>(out + t * width + col) = pack8(acc);
     }
-  }
+  });
 }
 
 // One warp per copy c (its permuted row inverse[c], its token c / top_k), both gradients in one
@@ -751,13 +735,9 @@ __global__ void situ_backward_kernel(const T* __restrict__ gate, const T* __rest
   });
 }
 
-// bf16 in pieces of 8 elements (16-byte loads and stores; the launchers take these where the count
-// is a multiple of 8 and every pointer 16-byte aligned): each element's value is the scalar
-// kernel's, the same terms and one rounding.
-struct Bf16x8 {
-  __nv_bfloat162 pair[4];
-};
-static_assert(sizeof(Bf16x8) == 16, "16-byte pieces");
+// bf16 in pieces of 8 elements (Bf16x8, above; the launchers take these where the count is a
+// multiple of 8 and every pointer 16-byte aligned): each element's value is the scalar kernel's,
+// the same terms and one rounding.
 
 __global__ void situ_forward_x8_kernel(const uint4* __restrict__ gate, const uint4* __restrict__ up,
                                        uint4* __restrict__ h, int64_t pieces, SituCaps caps) {
@@ -835,7 +815,7 @@ SituCaps situ_caps(float beta1, float beta2) { return {beta1, beta2, 1.f / beta1
 bool situ_in_pieces(MoeDtype dtype, int64_t count, std::initializer_list<const void*> pointers) {
   if (dtype != MoeDtype::kBFloat16 || count % 8 != 0) return false;
   for (const void* p : pointers) {
-    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
+    if (!aligned16(p)) return false;
   }
   return true;
 }
@@ -885,7 +865,7 @@ cudaError_t moe_split_bf16(const float* x, int64_t count, int parts, void* out0,
     return cudaErrorInvalidValue;
   }
   if (count == 0) return cudaSuccess;
-  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((count + 255) / 256, 8192));
+  const unsigned blocks = static_cast<unsigned>(blocks_for(count, 256));
   split_bf16_kernel<<<blocks, 256, 0, stream>>>(x, count, parts, static_cast<__nv_bfloat16*>(out0),
                                                 static_cast<__nv_bfloat16*>(out1), static_cast<__nv_bfloat16*>(out2));
   return cudaGetLastError();
@@ -943,7 +923,7 @@ cudaError_t moe_router_dw(const float* d_logits, const void* x, const int64_t* s
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   const int64_t count = n * d;
-  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((count + 255) / 256, 4096));
+  const unsigned blocks = static_cast<unsigned>(blocks_for(count, 256));
   if (weight_dtype == MoeDtype::kFloat32) {
     router_dw_sum_kernel<<<blocks, 256, 0, stream>>>(partial, static_cast<float*>(dw), count);
   } else {
@@ -1037,7 +1017,7 @@ cudaError_t moe_unpermute(MoeDtype dtype, const void* copies, const float* weigh
   if (m == 0 || width == 0) return cudaSuccess;
   if (vectors && dtype == MoeDtype::kBFloat16 && width % 8 == 0 && aligned16(copies) && aligned16(out)) {
     const int threads = 256;
-    const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((m * (width / 8) + threads - 1) / threads, 65535));
+    const unsigned blocks = static_cast<unsigned>(blocks_for(m * (width / 8), threads));
     if (out_dtype == MoeDtype::kFloat32) {
       unpermute_vectors_kernel<float><<<blocks, threads, 0, stream>>>(
           static_cast<const __nv_bfloat16*>(copies), weights, inverse, static_cast<float*>(out), m,
