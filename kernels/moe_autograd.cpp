@@ -202,18 +202,12 @@ namespace {
 // a b as fp32 from bf16 operands (fp32 accumulation, no rounding of the result to bf16).
 at::Tensor mm_fp32(const at::Tensor& a, const at::Tensor& b) { return at::mm(a, b, at::kFloat); }
 
-// t (fp32) as a sum of `parts` bf16 tensors, each carrying the next 8 significant bits of what the
-// ones before left (3 parts: all 24 bits of an fp32 mantissa). A bf16 t is one part, itself.
+// t (CUDA fp32) as a sum of `parts` bf16 tensors, each carrying the next 8 significant bits of what
+// the ones before left (3 parts: all 24 bits of an fp32 mantissa), in one pass (moe_split_bf16). A
+// bf16 t is one part, itself.
 std::vector<at::Tensor> split_bf16(const at::Tensor& t, int parts) {
   if (t.scalar_type() == at::kBFloat16) return {t};
-  if (t.scalar_type() == at::kFloat && t.is_cuda()) return moe_split_bf16(t, parts);  // one pass
-  std::vector<at::Tensor> out;
-  at::Tensor rest = t.to(at::kFloat);
-  for (int i = 0; i < parts; ++i) {
-    out.push_back(rest.to(at::kBFloat16));
-    if (i + 1 < parts) rest = rest - out.back().to(at::kFloat);
-  }
-  return out;
+  return moe_split_bf16(t.to(at::kFloat), parts);
 }
 
 // Σ a_i b_j over the pairs with i + j < terms: the products of the leading parts, fp32 results.

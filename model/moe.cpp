@@ -172,8 +172,9 @@ MoeRouting MoeImpl::route(const torch::Tensor& x, kernels::MoePermutation* permu
     const torch::Tensor tokens = x.reshape({-1, options_.hidden});
     // With a gradient wanted and the router on tensor cores (bf16 tokens), the router learns
     // through p recorded as one Function of tokens and W_r (kernels::router_weights_autograd: p's
-    // reference formula forward, one fused kernel from d_p to the logits' gradient backward), and
-    // the scores are computed without a tape (nothing else differentiates them).
+    // reference formula forward; backward, the k selected logits' gradients and from them alone,
+    // sparse, d x and d W_r), and the scores are computed without a tape (nothing else
+    // differentiates them).
     const bool fused = at::GradMode::is_enabled() && (tokens.requires_grad() || router->weight.requires_grad()) &&
                        kernels::router_weights_applies(tokens, router->weight, options_.top_k);
     if (fused) {
@@ -190,9 +191,10 @@ MoeRouting MoeImpl::route(const torch::Tensor& x, kernels::MoePermutation* permu
     } else {
       routing.selected = select_experts(routing.scores, router->bias, options_.top_k);
     }
+    // The caller's token permutation, made here so that p's recorded backward (d W_r) shares it.
+    if (permutation != nullptr) *permutation = kernels::moe_permutation(routing.selected, options_.num_experts);
     // With a gradient wanted, p is recomputed from the selection with the reference's formula,
     // recorded for autograd (the router learns through p); otherwise the kernel's p.
-    if (permutation != nullptr) *permutation = kernels::moe_permutation(routing.selected, options_.num_experts);
     if (fused) {
       routing.weights =
           kernels::router_weights_autograd(tokens, router->weight, routing.scores, routing.selected, permutation);
