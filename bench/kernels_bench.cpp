@@ -13,6 +13,8 @@
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/core/GradMode.h>
 #include <cuda_runtime.h>
 #include <nvtx3/nvToolsExt.h>
@@ -1037,12 +1039,41 @@ void bench_moe(const KernelsBenchOptions& o, KernelsBenchResult& r) {
     std::printf("moe layer   forward + backward: the host enqueues it in best %.3f ms, median %.3f ms (GPU best %.3f ms)\n",
                 host_ms.front(), host_ms[host_ms.size() / 2], train.best_ms);
   }
+  double graph_ms = 0;  // the step as a CUDA graph, where it could be captured
+  {
+    // The same step captured once as a CUDA graph and replayed: the GPU's time for the step's
+    // kernels without the host between them (launch gaps, allocations, autograd's dispatch). What
+    // the layer would take where the host cannot keep up (the line above), and what graph capture
+    // of the training step would buy. The capture runs on a side stream (the legacy stream cannot
+    // capture); a step that cannot be captured (an op that syncs with the host) is reported.
+    try {
+      at::cuda::CUDAGraph graph;
+      const c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool();
+      const c10::cuda::CUDAStreamGuard on_side(side);
+      step(true, true);  // allocations and autograd's first-use work outside the capture
+      side.synchronize();
+      graph.capture_begin();
+      step(true, true);
+      graph.capture_end();
+      const Timing replay = time_cuda([&] { graph.replay(); }, o.warmup, o.repeats);
+      graph_ms = replay.best_ms;
+      std::printf("moe layer   forward + backward as one CUDA graph: replay best %8.3f ms  median %8.3f ms "
+                  "(launched: %.3f ms)\n",
+                  replay.best_ms, replay.median_ms, train.best_ms);
+    } catch (const std::exception& e) {
+      std::printf("moe layer   forward + backward as one CUDA graph: not captured (%s)\n", e.what());
+    }
+  }
   std::fflush(stdout);
   const double dense_forward = dense_tflops(o, tokens, flops);
   r.moe_dense_tflops = dense_tflops(o, tokens, 3 * flops);
   r.moe_vs_dense = r.moe_train_tflops / r.moe_dense_tflops;
-  std::printf("moe layer   vs dense matmul of the same FLOPs: forward %.2f, forward + backward %.2f (goal >= 0.7)\n",
+  std::printf("moe layer   vs dense matmul of the same FLOPs: forward %.2f, forward + backward %.2f (goal >= 0.7)",
               r.moe_forward_tflops / dense_forward, r.moe_vs_dense);
+  if (graph_ms > 0) {
+    std::printf("; forward + backward as one CUDA graph %.2f", 3 * flops / (graph_ms * 1e-3) / 1e12 / r.moe_dense_tflops);
+  }
+  std::printf("\n");
   if (o.reference) {
     const Timing ref_forward = time_cuda([&] { step(false, false); }, 1, o.reference_repeats);
     const Timing ref_train = time_cuda([&] { step(false, true); }, 1, o.reference_repeats);

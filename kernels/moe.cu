@@ -709,7 +709,7 @@ __device__ __forceinline__ float situ_h_for(float g, float u, const SituCaps& ca
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
     return situ_h_fast(g, u, caps);
   } else {
-    return situ_h(situ_terms(g, u, caps.beta1, caps.beta2));
+    return situ_h(situ_terms(g, u, caps));
   }
 }
 
@@ -728,7 +728,7 @@ __global__ void situ_backward_kernel(const T* __restrict__ gate, const T* __rest
                                      SituCaps caps) {
   for_each_index(count, [&](int64_t i) {
     const float d = load_f32(dh, i), g = load_f32(gate, i), u = load_f32(up, i);
-    const SituTerms s = situ_terms(g, u, caps.beta1, caps.beta2);
+    const SituTerms s = situ_terms(g, u, caps);
     store_f32(d_gate, i, situ_d_gate(s, d));
     store_f32(d_up, i, situ_d_up(s, d));
     if (h != nullptr) store_f32(h, i, situ_h_for<T>(g, u, caps));
@@ -769,8 +769,8 @@ __global__ void situ_backward_x8_kernel(const uint4* __restrict__ gate, const ui
     for (int j = 0; j < 4; ++j) {
       const float2 gf = __bfloat1622float2(g.pair[j]), uf = __bfloat1622float2(u.pair[j]);
       const float2 df = __bfloat1622float2(d.pair[j]);
-      const SituTerms a = situ_terms(gf.x, uf.x, caps.beta1, caps.beta2);
-      const SituTerms b = situ_terms(gf.y, uf.y, caps.beta1, caps.beta2);
+      const SituTerms a = situ_terms(gf.x, uf.x, caps);
+      const SituTerms b = situ_terms(gf.y, uf.y, caps);
       dg.pair[j] = __floats2bfloat162_rn(situ_d_gate(a, df.x), situ_d_gate(b, df.y));
       du.pair[j] = __floats2bfloat162_rn(situ_d_up(a, df.x), situ_d_up(b, df.y));
       if (h != nullptr) {
