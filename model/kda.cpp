@@ -158,11 +158,44 @@ Output chunked(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   return chunked_reference(q, k, v, g, beta, initial_state, scale, chunk);
 }
 
+namespace {
+
+// The intra-chunk products with every exponent anchored at the start of the row's sub-chunk of
+// `anchor` tokens: for j <= i (tokens of one chunk, i in sub-chunk a, B_a = Gamma before a's first
+// token, 0 for a = 0)
+//   x_i . k_j e^{Gamma_i - Gamma_j} = (x_i e^{Gamma_i - B_a}) . (k_j e^{B_a - Gamma_j}),
+// where the first factor's exponent is <= 0 and the second's <= 0 for j before sub-chunk a and at
+// most anchor |g_min| within it. Row block a takes the columns of sub-chunks 0 .. a only (later
+// columns would overflow; they are above the diagonal anyway). Returns [.., C, C] with x = q_scaled
+// (Aqk's rows, diagonal included) and x = k (P's rows, strictly lower), unmasked above the blocks.
+std::pair<at::Tensor, at::Tensor> anchored_products(const at::Tensor& q_scaled, const at::Tensor& k,
+                                                    const at::Tensor& gamma_cum, int64_t anchor) {
+  const int64_t chunk = gamma_cum.size(-2), blocks = chunk / anchor;
+  std::vector<at::Tensor> qk_rows, kk_rows;
+  for (int64_t a = 0; a < blocks; ++a) {
+    const int64_t first = a * anchor, columns = first + anchor;
+    const at::Tensor start =
+        a == 0 ? at::zeros_like(gamma_cum.select(-2, 0)).unsqueeze(-2) : gamma_cum.narrow(-2, first - 1, 1);
+    const at::Tensor rows_decay = (gamma_cum.narrow(-2, first, anchor) - start).exp();
+    const at::Tensor k_cols = k.narrow(-2, 0, columns) * (start - gamma_cum.narrow(-2, 0, columns)).exp();
+    const at::Tensor k_cols_t = k_cols.transpose(-1, -2);
+    const std::vector<int64_t> pad = {0, chunk - columns};
+    qk_rows.push_back(at::constant_pad_nd(at::matmul(q_scaled.narrow(-2, first, anchor) * rows_decay, k_cols_t), pad, 0));
+    kk_rows.push_back(at::constant_pad_nd(at::matmul(k.narrow(-2, first, anchor) * rows_decay, k_cols_t), pad, 0));
+  }
+  return {at::cat(qk_rows, -2), at::cat(kk_rows, -2)};
+}
+
+}  // namespace
+
 Output chunked_reference(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                          const at::Tensor& g, const at::Tensor& beta,
-                         const at::Tensor& initial_state, double scale, int64_t chunk) {
+                         const at::Tensor& initial_state, double scale, int64_t chunk, int64_t anchor) {
   check_sequence_inputs("kda::chunked", q, k, v, g, beta, initial_state);
   TORCH_CHECK(chunk >= 1, "kda::chunked: chunk must be >= 1, got ", chunk);
+  if (anchor == 0) anchor = chunk;
+  TORCH_CHECK(anchor >= 1 && chunk % anchor == 0, "kda::chunked: anchor (tokens between exponent anchors) must ",
+              "divide chunk = ", chunk, ", got ", anchor);
   const at::ScalarType dtype = compute_dtype(q);
   at::Tensor state = state_or_zeros(initial_state, q, v, dtype);
   const int64_t batch = q.size(0), length = q.size(1), heads = q.size(2), v_dim = v.size(3);
@@ -184,12 +217,20 @@ Output chunked_reference(const at::Tensor& q, const at::Tensor& k, const at::Ten
   const at::Tensor gamma_last = gamma_cum.select(3, chunk - 1);  // [B, H, N, K]
   const at::Tensor q_hat = qc * scale * gamma_cum.exp();
   const at::Tensor k_hat = kc * gamma_cum.exp();
-  const at::Tensor k_check = kc * (-gamma_cum).exp();
+  // K~ = K e^{-Gamma}: only with one anchor a chunk (it overflows past ~16 tokens at g = -5).
+  const at::Tensor k_check = anchor == chunk ? kc * (-gamma_cum).exp() : at::Tensor();
   const at::Tensor k_bar = kc * (gamma_last.unsqueeze(3) - gamma_cum).exp();
 
-  const at::Tensor k_check_t = k_check.transpose(-1, -2);
-  const at::Tensor lower = bc * at::tril(at::matmul(k_hat, k_check_t), -1);  // Diag(beta) L0
-  const at::Tensor a_qk = at::tril(at::matmul(q_hat, k_check_t), 0);
+  at::Tensor lower, a_qk;  // Diag(beta) L0 and Aqk
+  if (anchor == chunk) {
+    const at::Tensor k_check_t = k_check.transpose(-1, -2);
+    lower = bc * at::tril(at::matmul(k_hat, k_check_t), -1);
+    a_qk = at::tril(at::matmul(q_hat, k_check_t), 0);
+  } else {
+    const auto [qk, kk] = anchored_products(qc * scale, kc, gamma_cum, anchor);
+    lower = bc * at::tril(kk, -1);
+    a_qk = at::tril(qk, 0);
+  }
   const at::Tensor inverse = unit_lower_inverse(lower);
   const at::Tensor w = at::matmul(inverse, bc * k_hat);  // [B, H, N, C, K]
   const at::Tensor u = at::matmul(inverse, bc * vc);     // [B, H, N, C, V]

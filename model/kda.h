@@ -102,9 +102,16 @@ bool keep_chunk_states();
 
 // The plain LibTorch chunked form above, whatever the build and device (what training
 // differentiates through on the CPU, and what the kernel tests compare against).
+// `anchor` (0: the chunk) is the number of tokens between exponent anchors inside a chunk, and
+// must divide it: the intra-chunk products of row i's sub-chunk of `anchor` tokens are formed
+// with exponents relative to that sub-chunk's start (FLA's sub-chunking), so that only e^{anchor
+// |g|} has to stay in range, whatever the chunk. With anchor 16 a chunk of 64 tokens is safe at
+// g = -5 (one anchor a chunk would need e^{320}); the state hand-off, the only sequential part,
+// then runs once every 64 tokens. The form a backward over chunks of 64 is checked against.
 Output chunked_reference(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                          const at::Tensor& g, const at::Tensor& beta,
-                         const at::Tensor& initial_state, double scale, int64_t chunk = 16);
+                         const at::Tensor& initial_state, double scale, int64_t chunk = 16,
+                         int64_t anchor = 0);
 
 // One decode token for a batch: q, k, g [B, H, K], v [B, H, V], beta [B, H]; state
 // [B, H, K, V] (fp32 or fp64, contiguous or not) is updated in place. Inputs are cast to the

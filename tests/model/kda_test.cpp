@@ -5,6 +5,7 @@
 #include <map>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -240,6 +241,72 @@ TEST(Kda, ChunkedGradientsEqualRecurrentGradientsInFp64) {
       EXPECT_LT(diff, 1e-9) << names[i] << " C=" << chunk;
       EXPECT_GT(ref_grads[i].abs().max().item<double>(), 1e-3) << names[i];
     }
+  }
+}
+
+TEST(Kda, ChunkedWithSubChunkAnchorsEqualsRecurrentOverLongChunks) {
+  // Chunks of 32 / 48 / 64 tokens with an exponent anchor every 8 / 16 tokens (kda.h,
+  // chunked_reference's `anchor`): full chunks, a partly filled last one (T = 150), random and
+  // saturated gates, in fp64 against the recurrence.
+  Inputs in = random_inputs(2, 150, 2, 16, 8, -5.0, 0.0, /*seed=*/21);
+  const double scale = scale_for(in.q);
+  const auto ref = kda::recurrent(in.q, in.k, in.v, in.g, in.beta, in.state, scale);
+  for (const auto& [chunk, anchor] : std::vector<std::pair<int64_t, int64_t>>{{64, 16}, {48, 16}, {32, 8}, {16, 16}}) {
+    const auto out = kda::chunked_reference(in.q, in.k, in.v, in.g, in.beta, in.state, scale, chunk, anchor);
+    const std::string label = "C=" + std::to_string(chunk) + " anchor " + std::to_string(anchor);
+    report(label + " o", max_abs_diff(out.o, ref.o));
+    report(label + " final state", max_abs_diff(out.final_state, ref.final_state));
+    EXPECT_LT(max_abs_diff(out.o, ref.o), 1e-10) << label;
+    EXPECT_LT(max_abs_diff(out.final_state, ref.final_state), 1e-10) << label;
+  }
+  // Saturated gates in fp32: one anchor for 64 tokens needs e^{320} (past fp32's e^{88}); an anchor
+  // every 16 tokens keeps the chunk-16 budget and stays within fp32 rounding of the fp64 recurrence.
+  in.g = at::full_like(in.g, -5.0);
+  const auto saturated = kda::recurrent(in.q, in.k, in.v, in.g, in.beta, in.state, scale);
+  auto fp32 = [](const at::Tensor& t) { return t.to(at::kFloat); };
+  const auto anchored = kda::chunked_reference(fp32(in.q), fp32(in.k), fp32(in.v), fp32(in.g), fp32(in.beta),
+                                               fp32(in.state), scale, 64, 16);
+  report("fp32 g=-5 C=64 anchor 16 o", max_abs_diff(anchored.o, saturated.o));
+  EXPECT_LT(max_abs_diff(anchored.o, saturated.o), 1e-4);
+  EXPECT_LT(max_abs_diff(anchored.final_state, saturated.final_state), 1e-4);
+  const auto one_anchor = kda::chunked_reference(fp32(in.q), fp32(in.k), fp32(in.v), fp32(in.g), fp32(in.beta),
+                                                 fp32(in.state), scale, 64, 64);
+  EXPECT_FALSE(at::isfinite(one_anchor.o).all().item<bool>())
+      << "one anchor a chunk of 64 at g = -5 should leave fp32's range (the reason for sub-chunk anchors)";
+}
+
+TEST(Kda, ChunkedWithSubChunkAnchorsGradientsEqualRecurrentGradientsInFp64) {
+  // T = 83: one full chunk of 64 (four anchors), a partly filled one, and the hand-off between them.
+  Inputs in = random_inputs(2, 83, 2, 8, 4, -5.0, 0.0, /*seed=*/22);
+  std::vector<at::Tensor> leaves = {in.q, in.k, in.v, in.g, in.beta, in.state};
+  for (auto& t : leaves) t.requires_grad_(true);
+  torch::manual_seed(23);
+  const at::Tensor o_weight = at::randn({2, 83, 2, 4}, at::kDouble);
+  const at::Tensor s_weight = at::randn({2, 2, 8, 4}, at::kDouble);
+  const double scale = scale_for(in.q);
+  auto loss_of = [&](const kda::Output& out) { return (out.o * o_weight).sum() + (out.final_state * s_weight).sum(); };
+  const auto ref_grads = torch::autograd::grad(
+      {loss_of(kda::recurrent(leaves[0], leaves[1], leaves[2], leaves[3], leaves[4], leaves[5], scale))}, leaves);
+  const auto grads = torch::autograd::grad(
+      {loss_of(kda::chunked_reference(leaves[0], leaves[1], leaves[2], leaves[3], leaves[4], leaves[5], scale, 64, 16))},
+      leaves);
+  const char* names[] = {"q", "k", "v", "g", "beta", "initial_state"};
+  for (size_t i = 0; i < leaves.size(); ++i) {
+    const double diff = max_abs_diff(grads[i], ref_grads[i]);
+    report(std::string("C=64 anchor 16 d loss / d ") + names[i], diff);
+    EXPECT_LT(diff, 1e-9) << names[i];
+  }
+}
+
+TEST(Kda, ChunkedRejectsAnAnchorThatDoesNotDivideTheChunk) {
+  const Inputs in = random_inputs(1, 8, 1, 4, 4, -5.0, 0.0, /*seed=*/24);
+  try {
+    kda::chunked_reference(in.q, in.k, in.v, in.g, in.beta, in.state, 0.5, 64, 24);
+    FAIL() << "anchor 24 with chunk 64 was accepted";
+  } catch (const c10::Error& e) {
+    const std::string message = e.what_without_backtrace();
+    EXPECT_NE(message.find("anchor"), std::string::npos) << message;
+    EXPECT_NE(message.find("chunk = 64, got 24"), std::string::npos) << message;
   }
 }
 
