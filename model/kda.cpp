@@ -254,6 +254,212 @@ Output chunked_reference(const at::Tensor& q, const at::Tensor& k, const at::Ten
   return {o.to(q.scalar_type()), state};
 }
 
+namespace {
+
+// x unchanged, or rounded to bf16 and back (an operand a kernel would feed its tensor cores).
+at::Tensor operand(const at::Tensor& x, bool bf16) {
+  return bf16 ? x.to(at::kBFloat16).to(x.scalar_type()) : x;
+}
+
+// The exponent anchors of a chunk's sub-chunks of `anchor` tokens: B_a = Gamma before sub-chunk a's
+// first token ([.., 1, K] each; zeros for a = 0).
+at::Tensor anchor_start(const at::Tensor& gamma_cum, int64_t a, int64_t anchor) {
+  return a == 0 ? at::zeros_like(gamma_cum.select(-2, 0)).unsqueeze(-2)
+                : gamma_cum.narrow(-2, a * anchor - 1, 1);
+}
+
+// The blocks (a, b <= a) of an anchored intra-chunk product A = x k^T (.) e^{Gamma_i - Gamma_j}
+// (anchored_products above): the operands of block (a, b), X_ab = x_a e^{Gamma_a - B_a} and
+// Kc_ab = k_b e^{B_a - Gamma_b}, each possibly rounded to bf16 (diagonal and off-diagonal blocks
+// separately). Forward: A [.., C, C] (zero above the blocks).
+struct AnchoredBlocks {
+  int64_t chunk, anchor;
+  bool round_diagonal, round_off_diagonal;
+  const at::Tensor& x;
+  const at::Tensor& k;
+  const at::Tensor& gamma_cum;
+
+  bool dgamma_from_unrounded = false;
+
+  std::pair<at::Tensor, at::Tensor> operands(int64_t a, int64_t b, bool rounded = true) const {
+    const at::Tensor start = anchor_start(gamma_cum, a, anchor);
+    const bool bf16 = rounded && (a == b ? round_diagonal : round_off_diagonal);
+    const at::Tensor xa = x.narrow(-2, a * anchor, anchor) * (gamma_cum.narrow(-2, a * anchor, anchor) - start).exp();
+    const at::Tensor kb = k.narrow(-2, b * anchor, anchor) * (start - gamma_cum.narrow(-2, b * anchor, anchor)).exp();
+    return {operand(xa, bf16), operand(kb, bf16)};
+  }
+  at::Tensor forward() const {
+    const int64_t blocks = chunk / anchor;
+    std::vector<at::Tensor> rows;
+    for (int64_t a = 0; a < blocks; ++a) {
+      std::vector<at::Tensor> row;
+      for (int64_t b = 0; b < blocks; ++b) {
+        if (b > a) {
+          row.push_back(at::zeros_like(row.front()));
+          continue;
+        }
+        const auto [xa, kb] = operands(a, b);
+        row.push_back(at::matmul(xa, kb.transpose(-1, -2)));
+      }
+      rows.push_back(at::cat(row, -1));
+    }
+    return at::cat(rows, -2);
+  }
+  // Given dA (zero where A is masked): adds to dx, dk and dGamma (each [.., C, K]). Per block,
+  // dX_ab = dA_ab Kc_ab and dKc_ab = dA_ab^T X_ab (operands rounded as the forward's), then
+  // dx_a += dX_ab (.) e^{Gamma_a - B_a}, dk_b += dKc_ab (.) e^{B_a - Gamma_b}, and dGamma_a +=
+  // dX_ab (.) X_ab, dGamma_b -= dKc_ab (.) Kc_ab (the block depends on Gamma through Gamma_i -
+  // Gamma_j only, so B_a's own terms cancel).
+  void backward(const at::Tensor& d_a, at::Tensor& dx, at::Tensor& dk, at::Tensor& d_gamma) const {
+    const int64_t blocks = chunk / anchor;
+    for (int64_t a = 0; a < blocks; ++a) {
+      const at::Tensor start = anchor_start(gamma_cum, a, anchor);
+      const at::Tensor row_decay = (gamma_cum.narrow(-2, a * anchor, anchor) - start).exp();
+      for (int64_t b = 0; b <= a; ++b) {
+        const bool bf16 = a == b ? round_diagonal : round_off_diagonal;
+        const auto [xa, kb] = operands(a, b);
+        const at::Tensor block = operand(d_a.narrow(-2, a * anchor, anchor).narrow(-1, b * anchor, anchor), bf16);
+        const at::Tensor d_xa = at::matmul(block, kb);
+        const at::Tensor d_kb = at::matmul(block.transpose(-1, -2), xa);
+        const at::Tensor col_decay = (start - gamma_cum.narrow(-2, b * anchor, anchor)).exp();
+        dx.narrow(-2, a * anchor, anchor).add_(d_xa * row_decay);
+        dk.narrow(-2, b * anchor, anchor).add_(d_kb * col_decay);
+        // dGamma's terms with the operands the products saw, so that a pair's two terms cancel
+        // where they must (dgamma_from_unrounded: with the unrounded values, as a kernel would
+        // that rounds its operands but not its elementwise factors).
+        const auto [xe, ke] = dgamma_from_unrounded ? operands(a, b, false) : std::pair{xa, kb};
+        d_gamma.narrow(-2, a * anchor, anchor).add_(d_xa * xe);
+        d_gamma.narrow(-2, b * anchor, anchor).sub_(d_kb * ke);
+      }
+    }
+  }
+};
+
+// [B, H, N, C, X] -> [B, T, H, X] (padding dropped).
+at::Tensor from_chunks(const at::Tensor& x, int64_t length) {
+  const int64_t batch = x.size(0), heads = x.size(1), chunks = x.size(2), chunk = x.size(3), width = x.size(4);
+  return x.permute({0, 2, 3, 1, 4}).reshape({batch, chunks * chunk, heads, width}).slice(1, 0, length);
+}
+
+}  // namespace
+
+Gradients chunked_backward_reference(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                     const at::Tensor& g, const at::Tensor& beta,
+                                     const at::Tensor& initial_state, double scale, const at::Tensor& d_o,
+                                     const at::Tensor& d_final_state, int64_t chunk, int64_t anchor,
+                                     const BackwardRounding& rounding) {
+  constexpr const char* where = "kda::chunked_backward_reference";
+  check_sequence_inputs(where, q, k, v, g, beta, initial_state);
+  TORCH_CHECK(d_o.defined() && d_o.sizes() == v.sizes(), where, ": d_o must match v ", v.sizes(), ", got ",
+              d_o.defined() ? c10::str(d_o.sizes()) : std::string("none"));
+  TORCH_CHECK(chunk >= 1, where, ": chunk must be >= 1, got ", chunk);
+  if (anchor == 0) anchor = chunk;
+  TORCH_CHECK(anchor >= 1 && chunk % anchor == 0, where, ": anchor (tokens between exponent anchors) must divide ",
+              "chunk = ", chunk, ", got ", anchor);
+  const at::ScalarType dtype = compute_dtype(q);
+  const int64_t batch = q.size(0), length = q.size(1), heads = q.size(2), k_dim = q.size(3), v_dim = v.size(3);
+  at::Tensor d_state = d_final_state.defined() ? d_final_state.to(dtype)
+                                               : at::zeros({batch, heads, k_dim, v_dim}, q.options().dtype(dtype));
+  TORCH_CHECK(d_state.sizes() == at::IntArrayRef({batch, heads, k_dim, v_dim}), where,
+              ": d_final_state must be [B, H, K, V], got ", d_state.sizes());
+  Gradients out;
+  if (length == 0) {
+    out.dq = at::zeros_like(q), out.dk = at::zeros_like(k), out.dv = at::zeros_like(v);
+    out.dg = at::zeros_like(g), out.dbeta = at::zeros_like(beta);
+    out.d_initial_state = d_state;
+    return out;
+  }
+  const int64_t num_chunks = (length + chunk - 1) / chunk;
+  const at::Tensor qc = to_chunks(q, chunk, num_chunks, dtype), kc = to_chunks(k, chunk, num_chunks, dtype);
+  const at::Tensor vc = to_chunks(v, chunk, num_chunks, dtype), gc = to_chunks(g, chunk, num_chunks, dtype);
+  const at::Tensor bc = to_chunks(beta.unsqueeze(-1), chunk, num_chunks, dtype);
+  const at::Tensor doc = to_chunks(d_o, chunk, num_chunks, dtype);
+
+  // The chunk's forward quantities (chunked_reference's), every one in the compute dtype.
+  const at::Tensor gamma_cum = gc.cumsum(3);
+  const at::Tensor gamma_last = gamma_cum.select(3, chunk - 1).unsqueeze(3);  // [B, H, N, 1, K]
+  const at::Tensor q_hat = qc * scale * gamma_cum.exp();
+  const at::Tensor k_hat = kc * gamma_cum.exp();
+  const at::Tensor k_bar = kc * (gamma_last - gamma_cum).exp();
+  const AnchoredBlocks qk{chunk, anchor, rounding.diagonal_blocks, rounding.off_diagonal_blocks, qc, kc, gamma_cum,
+                          rounding.dgamma_from_unrounded};
+  const AnchoredBlocks kk{chunk, anchor, rounding.diagonal_blocks, rounding.off_diagonal_blocks, kc, kc, gamma_cum,
+                          rounding.dgamma_from_unrounded};
+  const at::Tensor a_qk = at::tril(qk.forward(), 0) * scale;
+  const at::Tensor p = at::tril(kk.forward(), -1);
+  const at::Tensor inverse = unit_lower_inverse(bc * p);  // M
+  const at::Tensor w = at::matmul(inverse, bc * k_hat);
+  const at::Tensor u = at::matmul(inverse, bc * vc);
+  const at::Tensor decay_last = gamma_last.squeeze(3).exp().unsqueeze(-1);  // e^gamma [B, H, N, K, 1]
+
+  // A product with the K x V state (pass 3's five, pass 2's walk): operands as the kernels feed them.
+  auto state_product = [&](const at::Tensor& a, const at::Tensor& b) {
+    return at::matmul(operand(a, rounding.state_products), operand(b, rounding.state_products));
+  };
+  auto small_product = [&](const at::Tensor& a, const at::Tensor& b) {
+    return at::matmul(operand(a, rounding.small_products), operand(b, rounding.small_products));
+  };
+
+  // Pass 1: the state entering every chunk. Pass 2: dS' leaving every chunk, walked backwards. Both
+  // keep their running state exact; what pass 3 reads of them is rounded as stored (states).
+  std::vector<at::Tensor> entering(num_chunks), leaving(num_chunks);
+  at::Tensor state = state_or_zeros(initial_state, q, v, dtype);
+  for (int64_t n = 0; n < num_chunks; ++n) {
+    entering[n] = state;
+    const at::Tensor v_new = u.select(2, n) - at::matmul(w.select(2, n), state);
+    state = decay_last.select(2, n) * state + at::matmul(k_bar.select(2, n).transpose(-1, -2), v_new);
+  }
+  for (int64_t n = num_chunks - 1; n >= 0; --n) {
+    leaving[n] = d_state;
+    const at::Tensor d_v_new = at::matmul(k_bar.select(2, n), d_state) +
+                               at::matmul(a_qk.select(2, n).transpose(-1, -2), doc.select(2, n));
+    d_state = at::matmul(q_hat.select(2, n).transpose(-1, -2), doc.select(2, n)) + decay_last.select(2, n) * d_state -
+              at::matmul(w.select(2, n).transpose(-1, -2), d_v_new);
+  }
+  out.d_initial_state = d_state;
+
+  // Pass 3, every chunk at once (kda_backward.cu's derivation, the anchored products' terms from
+  // AnchoredBlocks::backward).
+  const at::Tensor s = operand(at::stack(entering, 2), rounding.states);   // [B, H, N, K, V]
+  const at::Tensor ds = operand(at::stack(leaving, 2), rounding.states);   // dS'
+  const at::Tensor v_new = u - state_product(w, s);                        // V'
+  const at::Tensor d_k_bar = state_product(v_new, ds.transpose(-1, -2));   // dK_ = V' dS'^T
+  const at::Tensor d_v_new = state_product(k_bar, ds) + small_product(a_qk.transpose(-1, -2), doc);
+  const at::Tensor d_decay = (ds * s).sum(-1);                             // d e^gamma [B, H, N, K]
+  const at::Tensor d_q_hat = state_product(doc, s.transpose(-1, -2));      // dO S^T
+  const at::Tensor d_a_qk = at::tril(small_product(doc, v_new.transpose(-1, -2)), 0);
+  const at::Tensor d_w = -state_product(d_v_new, s.transpose(-1, -2));
+  const at::Tensor d_vb = small_product(inverse.transpose(-1, -2), d_v_new);  // M^T dU
+  const at::Tensor d_kb = small_product(inverse.transpose(-1, -2), d_w);      // M^T dW
+  const at::Tensor dv = bc * d_vb;
+  at::Tensor d_k_hat = bc * d_kb;
+  at::Tensor dbeta = (d_vb * vc).sum(-1, true) + (d_kb * k_hat).sum(-1, true);  // [B, H, N, C, 1]
+  // dM[t][i] = beta_i (G + H)[t][i], G = dU V^T, H = dW K^^T; dL = -M^T dM M^T, strictly lower.
+  const at::Tensor d_m = (small_product(d_v_new, vc.transpose(-1, -2)) + small_product(d_w, k_hat.transpose(-1, -2))) *
+                         bc.transpose(-1, -2);
+  const at::Tensor d_l = at::tril(-small_product(small_product(inverse.transpose(-1, -2), d_m), inverse.transpose(-1, -2)), -1);
+  dbeta = dbeta + (d_l * p).sum(-1, true);
+  const at::Tensor d_p = bc * d_l;
+
+  // Back to the inputs. Q^, K^, K_ directly; Aqk (x = scale q) and P (x = k) through their blocks.
+  at::Tensor dq_a = at::zeros_like(qc), dk = at::zeros_like(kc), d_gamma = at::zeros_like(gc);
+  qk.backward(d_a_qk * scale, dq_a, dk, d_gamma);
+  kk.backward(d_p, dk, dk, d_gamma);
+  const at::Tensor dq = d_q_hat * scale * gamma_cum.exp() + dq_a;
+  dk = dk + d_k_hat * gamma_cum.exp() + d_k_bar * (gamma_last - gamma_cum).exp();
+  d_gamma = d_gamma + d_q_hat * q_hat + d_k_hat * k_hat - d_k_bar * k_bar;
+  const at::Tensor d_gamma_last = (d_k_bar * k_bar).sum(3, true) + decay_last.transpose(-1, -2) * d_decay.unsqueeze(3);
+  // dg[s] = sum_{t >= s} dGamma[t] + dgamma: the reverse cumulative sum over the chunk's rows.
+  const at::Tensor dg = d_gamma.flip(3).cumsum(3).flip(3) + d_gamma_last;
+
+  out.dq = from_chunks(dq, length).to(q.scalar_type());
+  out.dk = from_chunks(dk, length).to(k.scalar_type());
+  out.dv = from_chunks(dv, length).to(v.scalar_type());
+  out.dg = from_chunks(dg, length).to(g.scalar_type());
+  out.dbeta = from_chunks(dbeta, length).squeeze(-1).to(beta.scalar_type());
+  return out;
+}
+
 at::Tensor step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                 const at::Tensor& g, const at::Tensor& beta, at::Tensor& state, double scale) {
 #ifdef ODYSSEY_WITH_CUDA_KERNELS

@@ -113,6 +113,40 @@ Output chunked_reference(const at::Tensor& q, const at::Tensor& k, const at::Ten
                          const at::Tensor& initial_state, double scale, int64_t chunk = 16,
                          int64_t anchor = 0);
 
+// The backward of chunked_reference(..., chunk, anchor) written out as the kernels compute it
+// (kernels/kda_backward.cu's derivation; the anchored intra-chunk products' terms block by block):
+// the states entering every chunk (pass 1), dS' leaving every chunk walked backwards (pass 2), and
+// every chunk's gradients from its S and dS' (pass 3). Given d_o [B, T, H, V] and d_final_state
+// [B, H, K, V] (undefined: zeros), returns the gradients of q, k, v, g, beta and the initial state,
+// equal to autograd of chunked_reference (tests: 1e-13 in fp64). `rounding` rounds chosen operands
+// to bf16 as a kernel would feed them to tensor cores, by class, to measure which need more:
+//   states           S and dS' as pass 3 reads them (stored in bf16)
+//   state_products   the other operands of the products with a K x V state (W S, K_ dS', dO S^T,
+//                    V' dS'^T, dV' S^T)
+//   diagonal_blocks  the operands of the anchored intra-chunk products' diagonal blocks, forward and
+//                    backward (exponents up to e^{anchor |g|})
+//   off_diagonal_blocks  the same for the blocks below the diagonal (every factor <= 1)
+//   small_products   the C x C and C x {K, V} products around M (Aqk^T dO, dO V'^T, M^T dU, G, H,
+//                    M^T dM M^T)
+// dgamma_from_unrounded multiplies dGamma's terms by the anchored products' unrounded operands (as
+// a kernel rounding its mma operands but not its elementwise factors would): that, not the bf16
+// operands, is what costs dg its precision (kernels/README.md, "Fifteenth session"). The design
+// tool for the kernels' numerics, and the plain reference of a blocked backward. fp64 or fp32 as q.
+struct Gradients {
+  at::Tensor dq, dk, dv, dg, dbeta, d_initial_state;
+};
+struct BackwardRounding {
+  bool states = false, state_products = false, diagonal_blocks = false, off_diagonal_blocks = false,
+       small_products = false;
+  // dGamma's terms from the anchored products' unrounded operands (their bf16 roundings otherwise)
+  bool dgamma_from_unrounded = false;
+};
+Gradients chunked_backward_reference(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                     const at::Tensor& g, const at::Tensor& beta,
+                                     const at::Tensor& initial_state, double scale, const at::Tensor& d_o,
+                                     const at::Tensor& d_final_state, int64_t chunk = 16, int64_t anchor = 0,
+                                     const BackwardRounding& rounding = {});
+
 // One decode token for a batch: q, k, g [B, H, K], v [B, H, V], beta [B, H]; state
 // [B, H, K, V] (fp32 or fp64, contiguous or not) is updated in place. Inputs are cast to the
 // state's dtype. Returns o [B, H, V] in q's dtype. Built with the CUDA kernels, a contiguous

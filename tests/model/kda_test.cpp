@@ -298,6 +298,114 @@ TEST(Kda, ChunkedWithSubChunkAnchorsGradientsEqualRecurrentGradientsInFp64) {
   }
 }
 
+// The gradients of <o, d_o> + <final state, d_final_state> by autograd of chunked_reference.
+std::vector<at::Tensor> autograd_gradients(const Inputs& in, const at::Tensor& d_o, const at::Tensor& d_final,
+                                           int64_t chunk, int64_t anchor) {
+  std::vector<at::Tensor> leaves = {in.q, in.k, in.v, in.g, in.beta, in.state};
+  for (auto& t : leaves) t = t.detach().requires_grad_(true);
+  const auto out = kda::chunked_reference(leaves[0], leaves[1], leaves[2], leaves[3], leaves[4], leaves[5],
+                                          scale_for(in.q), chunk, anchor);
+  return torch::autograd::grad({(out.o * d_o).sum() + (out.final_state * d_final).sum()}, leaves);
+}
+
+std::vector<at::Tensor> as_list(const kda::Gradients& d) {
+  return {d.dq, d.dk, d.dv, d.dg, d.dbeta, d.d_initial_state};
+}
+
+TEST(Kda, BlockedBackwardEqualsAutogradOfTheChunkedForm) {
+  // kda::chunked_backward_reference (the three passes written out, the anchored products block by
+  // block) against autograd of chunked_reference: chunks of 16 (one anchor), 64 and 32 with anchors
+  // every 16 and 8, a partly filled last chunk (T = 83), random, saturated and absent decay.
+  const char* names[] = {"dq", "dk", "dv", "dg", "dbeta", "d initial state"};
+  for (const double g_fill : {1.0, -5.0, 0.0}) {  // 1: random in [-5, 0]
+    Inputs in = random_inputs(2, 83, 2, 8, 4, -5.0, 0.0, /*seed=*/31);
+    if (g_fill <= 0.0) in.g = at::full_like(in.g, g_fill);
+    torch::manual_seed(32);
+    const at::Tensor d_o = at::randn_like(in.v), d_final = at::randn_like(in.state);
+    for (const auto& [chunk, anchor] : std::vector<std::pair<int64_t, int64_t>>{{16, 16}, {64, 16}, {32, 8}}) {
+      const auto expected = autograd_gradients(in, d_o, d_final, chunk, anchor);
+      const auto got = as_list(kda::chunked_backward_reference(in.q, in.k, in.v, in.g, in.beta, in.state,
+                                                               scale_for(in.q), d_o, d_final, chunk, anchor));
+      for (size_t i = 0; i < got.size(); ++i) {
+        const double diff = max_abs_diff(got[i], expected[i]);
+        const std::string label = std::string(names[i]) + " C=" + std::to_string(chunk) + " anchor " +
+                                  std::to_string(anchor) + (g_fill > 0 ? " random g" : " g=" + std::to_string(g_fill));
+        if (i == 3) report(label, diff);
+        EXPECT_LT(diff, 1e-10 * std::max(1.0, expected[i].abs().max().item<double>())) << label;
+      }
+    }
+  }
+}
+
+TEST(Kda, BlockedBackwardPrecisionOfBf16OperandsByProductClass) {
+  // Which of the backward's products can take bf16 operands, at the kernels' widths (K = V = 128),
+  // against exact fp64 gradients: today's kernel (chunks of 16: S, dS' and the state products in
+  // bf16, the intra-chunk products fp32-grade) and chunks of 64 with anchors every 16, with bf16
+  // operands added class by class. Random g, saturated g = -5 and g = 0; error = max |diff| over the
+  // largest |gradient|, per gradient, the worst printed.
+  const char* names[] = {"dq", "dk", "dv", "dg", "dbeta", "d initial state"};
+  struct Case {
+    const char* name;
+    int64_t chunk, anchor;
+    kda::BackwardRounding rounding;
+  };
+  kda::BackwardRounding kernel_today;
+  kernel_today.states = kernel_today.state_products = true;
+  kda::BackwardRounding off_diagonal = kernel_today;
+  off_diagonal.off_diagonal_blocks = true;
+  kda::BackwardRounding off_and_small = off_diagonal;
+  off_and_small.small_products = true;
+  kda::BackwardRounding everything = off_and_small;
+  everything.diagonal_blocks = true;
+  kda::BackwardRounding unrounded = everything;
+  unrounded.dgamma_from_unrounded = true;
+  const std::vector<Case> cases = {
+      {"C=16, today's kernel (states, state products)", 16, 16, kernel_today},
+      {"C=64 anchor 16, the same", 64, 16, kernel_today},
+      {"C=64 anchor 16, + off-diagonal blocks", 64, 16, off_diagonal},
+      {"C=64 anchor 16, + small products", 64, 16, off_and_small},
+      {"C=64 anchor 16, + diagonal blocks (all bf16)", 64, 16, everything},
+      {"C=16 all bf16 (today's chunk)", 16, 16, everything},
+      {"C=64 anchor 16, all bf16, dGamma's factors unrounded", 64, 16, unrounded},
+  };
+  std::map<std::string, double> worst;  // case -> worst relative error over g and gradients
+  for (const double g_fill : {1.0, -5.0, 0.0}) {
+    Inputs in = random_inputs(1, 192, 2, 128, 128, -5.0, 0.0, /*seed=*/33);
+    if (g_fill <= 0.0) in.g = at::full_like(in.g, g_fill);
+    torch::manual_seed(34);
+    const at::Tensor d_o = at::randn_like(in.v), d_final = at::randn_like(in.state);
+    const auto exact = as_list(kda::chunked_backward_reference(in.q, in.k, in.v, in.g, in.beta, in.state,
+                                                               scale_for(in.q), d_o, d_final, 16, 16));
+    for (const Case& c : cases) {
+      const auto got = as_list(kda::chunked_backward_reference(in.q, in.k, in.v, in.g, in.beta, in.state,
+                                                               scale_for(in.q), d_o, d_final, c.chunk, c.anchor,
+                                                               c.rounding));
+      double case_worst = 0;
+      std::string which;
+      for (size_t i = 0; i < got.size(); ++i) {
+        const double relative = max_abs_diff(got[i], exact[i]) / exact[i].abs().max().item<double>();
+        if (relative > case_worst) case_worst = relative, which = names[i];
+      }
+      std::printf("  %-56s %-9s worst %.2e (%s)\n", c.name, g_fill > 0 ? "random g" : g_fill < 0 ? "g = -5" : "g = 0",
+                  case_worst, which.c_str());
+      worst[c.name] = std::max(worst[c.name], case_worst);
+    }
+  }
+  // Today's kernel numerics stay within its tests' tolerance (5e-2; the kernel measures 2-8e-3).
+  EXPECT_LT(worst["C=16, today's kernel (states, state products)"], 5e-2);
+  EXPECT_LT(worst["C=64 anchor 16, the same"], 5e-2);
+  // The finding a blocked backward is built on (kernels/README.md): every product's operands may
+  // be bf16 - the anchored blocks (each factor of an off-diagonal block <= 1, a diagonal block's
+  // within e^{16 |g|}) and the small products around M alike - provided dGamma's elementwise
+  // factors are the bf16 operands themselves, so that the two terms of each pair (i, j) that the
+  // reverse cumulative sum cancels are equal: measured 3.4-4.5e-3 against 2.8-3.4e-3 for today's
+  // mix; with the unrounded factors dg's error grows to ~1.1e-2 at g = -5.
+  EXPECT_LT(worst["C=64 anchor 16, + diagonal blocks (all bf16)"], 6e-3);
+  EXPECT_LT(worst["C=16 all bf16 (today's chunk)"], 6e-3);
+  EXPECT_GT(worst["C=64 anchor 16, all bf16, dGamma's factors unrounded"],
+            2 * worst["C=64 anchor 16, + diagonal blocks (all bf16)"]);
+}
+
 TEST(Kda, ChunkedRejectsAnAnchorThatDoesNotDivideTheChunk) {
   const Inputs in = random_inputs(1, 8, 1, 4, 4, -5.0, 0.0, /*seed=*/24);
   try {
