@@ -335,6 +335,28 @@ struct AnchoredBlocks {
   }
 };
 
+// M = (I + L)^-1 for a strictly lower L [.., C, C] by blocks of `block` rows, as a blocked kernel
+// makes it: each diagonal block's own inverse (exact: the kernels' fp32 substitution), then the
+// blocks below the diagonal row block by row block, M_ab = -M_aa sum_{c = b}^{a - 1} L_ac M_cb,
+// with the operands of those products rounded to bf16 when `bf16` (fp32 accumulation kept).
+at::Tensor unit_lower_inverse_by_blocks(const at::Tensor& lower, int64_t block, bool bf16) {
+  const int64_t c = lower.size(-1), blocks = c / block;
+  auto part = [&](const at::Tensor& x, int64_t a, int64_t b) {
+    return x.narrow(-2, a * block, block).narrow(-1, b * block, block);
+  };
+  at::Tensor inverse = at::zeros_like(lower);
+  for (int64_t a = 0; a < blocks; ++a) {
+    const at::Tensor diagonal = unit_lower_inverse(part(lower, a, a));
+    part(inverse, a, a).copy_(diagonal);
+    for (int64_t b = a - 1; b >= 0; --b) {
+      at::Tensor sum = at::zeros_like(diagonal);
+      for (int64_t m = b; m < a; ++m) sum = sum + at::matmul(operand(part(lower, a, m), bf16), operand(part(inverse, m, b), bf16));
+      part(inverse, a, b).copy_(-at::matmul(operand(diagonal, bf16), operand(sum, bf16)));
+    }
+  }
+  return inverse;
+}
+
 // [B, H, N, C, X] -> [B, T, H, X] (padding dropped).
 at::Tensor from_chunks(const at::Tensor& x, int64_t length) {
   const int64_t batch = x.size(0), heads = x.size(1), chunks = x.size(2), chunk = x.size(3), width = x.size(4);
@@ -387,7 +409,8 @@ Gradients chunked_backward_reference(const at::Tensor& q, const at::Tensor& k, c
                           rounding.dgamma_from_unrounded};
   const at::Tensor a_qk = at::tril(qk.forward(), 0) * scale;
   const at::Tensor p = at::tril(kk.forward(), -1);
-  const at::Tensor inverse = unit_lower_inverse(bc * p);  // M
+  // M, by anchor-sized blocks (exact unless rounding.inverse_blocks)
+  const at::Tensor inverse = unit_lower_inverse_by_blocks(bc * p, anchor, rounding.inverse_blocks);
   const at::Tensor w = at::matmul(inverse, bc * k_hat);
   const at::Tensor u = at::matmul(inverse, bc * vc);
   const at::Tensor decay_last = gamma_last.squeeze(3).exp().unsqueeze(-1);  // e^gamma [B, H, N, K, 1]

@@ -140,6 +140,9 @@ struct BackwardRounding {
        small_products = false;
   // dGamma's terms from the anchored products' unrounded operands (their bf16 roundings otherwise)
   bool dgamma_from_unrounded = false;
+  // M made by anchor-sized blocks with bf16 operands in the off-diagonal blocks' products (the
+  // diagonal blocks' inverses exact, as the kernels' fp32 substitution)
+  bool inverse_blocks = false;
 };
 Gradients chunked_backward_reference(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                      const at::Tensor& g, const at::Tensor& beta,

@@ -359,6 +359,8 @@ TEST(Kda, BlockedBackwardPrecisionOfBf16OperandsByProductClass) {
   everything.diagonal_blocks = true;
   kda::BackwardRounding unrounded = everything;
   unrounded.dgamma_from_unrounded = true;
+  kda::BackwardRounding inverse_blocks = everything;
+  inverse_blocks.inverse_blocks = true;
   const std::vector<Case> cases = {
       {"C=16, today's kernel (states, state products)", 16, 16, kernel_today},
       {"C=64 anchor 16, the same", 64, 16, kernel_today},
@@ -367,6 +369,7 @@ TEST(Kda, BlockedBackwardPrecisionOfBf16OperandsByProductClass) {
       {"C=64 anchor 16, + diagonal blocks (all bf16)", 64, 16, everything},
       {"C=16 all bf16 (today's chunk)", 16, 16, everything},
       {"C=64 anchor 16, all bf16, dGamma's factors unrounded", 64, 16, unrounded},
+      {"C=64 anchor 16, all bf16, M's blocks from bf16 products", 64, 16, inverse_blocks},
   };
   std::map<std::string, double> worst;  // case -> worst relative error over g and gradients
   for (const double g_fill : {1.0, -5.0, 0.0}) {
@@ -402,6 +405,8 @@ TEST(Kda, BlockedBackwardPrecisionOfBf16OperandsByProductClass) {
   // mix; with the unrounded factors dg's error grows to ~1.1e-2 at g = -5.
   EXPECT_LT(worst["C=64 anchor 16, + diagonal blocks (all bf16)"], 6e-3);
   EXPECT_LT(worst["C=16 all bf16 (today's chunk)"], 6e-3);
+  // M of a 64-token block from its 16 x 16 diagonal inverses and bf16 block products: 4.9e-3.
+  EXPECT_LT(worst["C=64 anchor 16, all bf16, M's blocks from bf16 products"], 6e-3);
   EXPECT_GT(worst["C=64 anchor 16, all bf16, dGamma's factors unrounded"],
             2 * worst["C=64 anchor 16, + diagonal blocks (all bf16)"]);
 }
