@@ -75,8 +75,8 @@
 //      chunk and loading the next one's S, dS' and inputs while it finishes the current one),
 //      with S and dS' of that chunk in shared memory: recompute the chunk in fp32, then every
 //      product on tensor cores - the five with the K x V matrices (W S, K_ dS', dO S^T, V' dS'^T,
-//      dV' S^T) with bf16 operands, the 16 x 16 x {16, K, V} ones with fp32 operands split into
-//      bf16 hi + lo (three mmas, fp32-grade) - then dq, dk, dv, dbeta, dg as above.
+//      dV' S^T) and the 16 x 16 x {16, K, V} ones, all with bf16 operands and fp32 accumulators
+//      (dGamma's factors the bf16 operands: below) - then dq, dk, dv, dbeta, dg as above.
 // Workspace: two bf16 [N, H, chunks, K, V] (S and dS' per chunk) plus one fp32 state.
 #include "kernels/kda.h"
 
@@ -306,22 +306,21 @@ __global__ void __launch_bounds__(kHeadThreads, 1) kda_head_state_gradient_kerne
 // ---------------------------------------------------------------------------------------------
 // Pass 3: the gradients of every chunk's inputs, chunks independent.
 //
-// Every product is an m16n8k16 tensor-core product, handed out to the CTA's 16 warps as tasks
-// (a task: one 16-column tile of one product; several independent products share a phase):
-//   - the five products with a K x V matrix (W S, K_ dS', dO S^T, V' dS'^T, dV' S^T): bf16
-//     operands (S and dS' are bf16 in the workspace; the other operand rounded, as the forward);
-//   - the products of 16 x 16 x {16, K, V} (P, Aqk, dAqk, G, H, W, U, dv, dM M^T, M^T (.), dQ^,
-//     dK^, dK~ terms): fp32-grade. Each fp32 operand is kept in shared memory as two bf16 arrays,
-//     hi = bf16(x) and lo = bf16(x - hi) (written once, where the value is made), and a product
-//     is Ah Bh + (Al Bh + Ah Bl): every product exact in fp32, the dropped Al Bl below 2^-16 of
-//     it. Rounding these products' operands to bf16 alone gave dg errors of 4.7e-2 at g = -5 (the
-//     dGamma cancellation; kernels/README.md). Operands that are exact in bf16 (bf16 v and dO)
-//     skip their lo half. The 16 x 16 left operands: with bf16 inputs M, dAqk, dL and
-//     Diag(beta) dL are split once where they are made and read by ldmatrix (SmallSplit); the
-//     others (M Diag(beta), Aqk^T), and all of them with fp32 inputs, are read as fp32 and split
-//     in registers.
-// All operands reach the tensor cores by ldmatrix; fragments of fp32 16 x 16 matrices by scalar
-// shared-memory loads.
+// Every product is an m16n8k16 tensor-core product with bf16 operands and fp32 accumulation,
+// handed out to the CTA's 16 warps as tasks (a task: one 16-column tile of one product; several
+// independent products share a phase): the five with a K x V matrix (W S, K_ dS', dO S^T,
+// V' dS'^T, dV' S^T) and the 16 x 16 x {16, K, V} ones (P, Aqk, dAqk, G, H, W, U, dv, dM M^T,
+// M^T (.), the dQ^ / dK^ / dK~ terms). Until the fifteenth session the latter were fp32-grade
+// (each operand split into bf16 hi + lo, three mma a product), for dg's sake at g = -5. The
+// emulation in model::kda::chunked_backward_reference (kernels/README.md, "Fifteenth session")
+// showed that the operands' rounding was never the problem: dGamma's elementwise factors were.
+// Each pair (i, j) of P or Aqk adds dA_ij x_i k_j to dGamma_i and takes it from dGamma_j, and dg's
+// reverse cumulative sum cancels the two; multiplying dGamma's terms by the bf16 values the
+// products saw (Q^, K^, K~ as stored here) keeps the two equal, and every gradient stays close to
+// the fp32-grade kernel's error (emulated: 3.4-4.5e-3 of the largest magnitude against 2.8-3.4e-3).
+// K_ enters only products with the state, and dGamma and dgamma both take its fp32 value.
+// All operands reach the tensor cores by ldmatrix, except the 16 x 16 fp32 matrices read once a
+// task and packed in registers (M Diag(beta), dM, dM M^T).
 
 constexpr int kGradientWarps = 16;
 constexpr int kGradientThreads = kGradientWarps * 32;
@@ -339,54 +338,23 @@ struct ChunkGradientArgs {
   float scale;
 };
 
-// A [16][kRow] fp32 quantity as bf16 hi and lo parts (mma operands by ldmatrix). kLo false: a
-// quantity exact in bf16 (bf16 v and dO), whose lo half is never read: one row is kept so that
-// its address can still be passed to the products that skip it (store and load are not used).
-template <int kRow, bool kLo = true>
-struct SplitRows {
-  bf16 hi[kChunk][kRow];
-  bf16 lo[kLo ? kChunk : 1][kRow];
-  __device__ __forceinline__ void store(int i, int c, float x) {
-    const bf16 h = __float2bfloat16_rn(x);
-    hi[i][c] = h;
-    lo[i][c] = __float2bfloat16_rn(x - __bfloat162float(h));
-  }
-  __device__ __forceinline__ float load(int i, int c) const {
-    return __bfloat162float(hi[i][c]) + __bfloat162float(lo[i][c]);
-  }
-};
-
-// A 16 x 16 fp32 matrix kept as bf16 hi and lo parts (bf16 inputs: GradientShared::kept), written
-// once by the warp that makes it and read as A fragments by ldmatrix (.trans for its transpose) by
-// every task that multiplies by it, instead of each task reading 8 fp32 a lane and splitting them
-// (the same hi and lo: the same products bit for bit). Rows of 24: ldmatrix rows in distinct banks.
-struct SmallSplit {
+// A 16 x 16 matrix as a bf16 mma operand, written once by the warp that makes it and read as A
+// fragments by ldmatrix (.trans for its transpose) by every task that multiplies by it. Rows of 24:
+// ldmatrix rows in distinct banks.
+struct Small16 {
   static constexpr int kRow = kChunk + 8;
-  using Row = bf16[kRow];
-  bf16 hi[kChunk][kRow];
-  bf16 lo[kChunk][kRow];
-  __device__ __forceinline__ void store(int i, int c, float x) {
-    const bf16 h = __float2bfloat16_rn(x);
-    hi[i][c] = h;
-    lo[i][c] = __float2bfloat16_rn(x - __bfloat162float(h));
-  }
+  bf16 x[kChunk][kRow];
+  __device__ __forceinline__ void store(int i, int c, float y) { x[i][c] = __float2bfloat16_rn(y); }
 };
 
-// Shared memory of one chunk (K = V = 128: 223 KB with bf16 inputs, 222 KB with fp32; one CTA per
-// SM). bf16 rows padded by 8 elements, fp32 rows by 4 (ldmatrix rows in distinct bank groups;
-// strided columns spread).
-// kExact (bf16 inputs): v and dO without lo halves, which leaves room for rows that spare the
-// accumulator layout's accesses (lane (g, t): row g, columns 2t, 2t + 1) bank conflicts: the
-// 16 x 16 fp32 matrices in rows of 20 (the A fragments split in registers read them as (row g,
-// column 2t) and as (row 2t, column g): rows of 17 conflicted 4-way both, rows of 20 2-way and
-// none), the [16][K] and [16][V] fp32 arrays in rows of K + 8 and V + 8 (their 8-byte stores and
-// loads of a 16-column tile: 2-way in rows of K + 4, none in rows of K + 8). fp32 inputs keep the
-// narrower rows (their v and dO lo halves leave no room).
-template <int K, int V, bool kExact>
+// Shared memory of one chunk (K = V = 128: ~185 KB; one CTA per SM). bf16 rows padded by 8
+// elements (ldmatrix rows in distinct bank groups), the [16][K] and [16][V] fp32 arrays by 8 (the
+// 8-byte stores and loads of a 16-column tile without conflicts), the 16 x 16 fp32 ones by 4 (the
+// accumulator layout's (g, 2t) and (2t, g) reads: 2-way and none).
+template <int K, int V>
 struct alignas(16) GradientShared {
   static constexpr int kRowK = K + 8, kRowV = V + 8;
-  static constexpr int kPadK = kExact ? K + 8 : K + 4, kPadV = kExact ? V + 8 : V + 4;
-  static constexpr int kPadC = kExact ? kChunk + 4 : kChunk + 1;
+  static constexpr int kPadK = K + 8, kPadV = V + 8, kPadC = kChunk + 4;
   static constexpr int kDecaySlices = kGradientThreads / 2 / (K / 2);  // of the V rows (d_decay)
   bf16 s_t[V][kRowK];          // S^T of the chunk's entering state
   bf16 ds_t[V][kRowK];         // dS'^T
@@ -394,11 +362,11 @@ struct alignas(16) GradientShared {
   // Phases 1-5 only (dead in phases 6-9, not written in phase 0): their space holds the next
   // chunk's inputs, staged by cp.async during phases 6-9 and read by phase 0.
   struct Live {
-    bf16 a_w[kChunk][kRowK];     // W    (bf16 A operand of W S)
-    SplitRows<kRowV> vn_s;       // V' (hi: the bf16 A operand of V' dS'^T)
-    SplitRows<kRowV> dvn_s;      // dV' (hi: the bf16 A operand of dV' S^T)
-    float vn[kChunk][kPadV];     // U, then V' = U - W S
-    float dvn[kChunk][kPadV];    // K_ dS' (then + Aqk^T dO = dV', kept split in dvn_s)
+    bf16 a_w[kChunk][kRowK];     // W    (A operand of W S)
+    bf16 vn_b[kChunk][kRowV];    // V'   (A of V' dS'^T, B of dO V'^T)
+    bf16 dvn_b[kChunk][kRowV];   // dV'  (A of dV' S^T and dV' V^T, B of M^T dV')
+    float vn[kChunk][kPadV];     // U = M Diag(beta) V
+    float dvn[kChunk][kPadV];    // K_ dS' (then + Aqk^T dO = dV', kept as dvn_b)
   };
   struct Staged {                // bf16 inputs of the next chunk, rows past its end zero (its v
     bf16 q[kChunk][K], k[kChunk][K];  // and dO go straight to v and d_o, dead after phase 5)
@@ -408,9 +376,9 @@ struct alignas(16) GradientShared {
     Live live;
     Staged next;
   };
-  SplitRows<kRowK> q_hat, k_hat, k_check;  // Q^, K^, K~
-  SplitRows<kRowK> d_w;        // -dV' S^T = dW
-  SplitRows<kRowV, !kExact> d_o, v;  // dO (hi: the bf16 A operand of dO S^T), V
+  bf16 q_hat[kChunk][kRowK], k_hat[kChunk][kRowK], k_check[kChunk][kRowK];  // Q^, K^, K~
+  bf16 d_w[kChunk][kRowK];     // -dV' S^T = dW
+  bf16 d_o[kChunk][kRowV], v[kChunk][kRowV];
   float gamma[kChunk][kPadK];  // Gamma; dGamma after the elementwise phase
   float k_bar[kChunk][kPadK];  // K_ in fp32
   float d_qhat[kChunk][kPadK];    // dO S^T, then + dAqk K~ = dQ^
@@ -418,9 +386,7 @@ struct alignas(16) GradientShared {
   float d_khat[kChunk][kPadK];    // M^T dW, then dK^ = Diag(beta) (M^T dW + dL K~)
   float d_kcheck[kChunk][kPadK];  // dAqk^T Q^, then + (Diag(beta) dL)^T K^ = dK~
   float p[kChunk][kPadC];      // strictly_lower(K^ K~^T)
-  float a_qk[kChunk][kPadC];   // lower_incl_diag(Q^ K~^T)
   float m[kChunk][kPadC];      // (I + Diag(beta) P)^-1
-  float d_aqk[kChunk][kPadC];  // lower_incl_diag(dO V'^T)
   float d_m[kChunk][kPadC];    // G = dV' V^T, then dM
   union alignas(16) {
     float t1[kChunk][kPadC];   // dM M^T (phase 6)
@@ -430,21 +396,18 @@ struct alignas(16) GradientShared {
   float x_beta[kChunk][kPadC]; // M (.) (G + H): column sums are dbeta's U and W terms
   float beta[kChunk];
   float decay[K];              // e^gamma
-  struct KeptSplits {          // bf16 inputs: split once where made (phase), read by the tasks of
-    SmallSplit m;              //   phases 5, 6 (M^T; split by warps 8-15 in phase 4)
-    SmallSplit d_aqk;          //   phase 6 (dAqk, dAqk^T; warp 0 in phase 5)
-    SmallSplit d_l, beta_d_l;  //   phase 7 (dL, (Diag(beta) dL)^T; warps 0-1 in phase 6)
-  };
-  struct NoKeptSplits {};
-  std::conditional_t<kExact, KeptSplits, NoKeptSplits> kept;
+  Small16 a_qk;                // lower_incl_diag(Q^ K~^T)     (phase 1; A^T of Aqk^T dO)
+  Small16 m_b;                 // M      (phase 4: phases 5, 6)
+  Small16 d_aqk;               // dAqk   (phase 5: phase 6)
+  Small16 d_l_b, beta_d_l;     // dL, Diag(beta) dL   (phase 6: phase 7)
   float d_decay[kDecaySlices][K];  // sum_v dS' (.) S over slices of the V rows
   float d_gamma[K];            // dgamma = sum_rows(dK_ (.) K_) + e^gamma (.) d(e^gamma) (phase 7)
 };
 
-template <int K, int V, bool kExact>
+template <int K, int V>
 constexpr size_t gradient_shared_bytes() {
-  static_assert(sizeof(GradientShared<K, V, kExact>) <= 227 * 1024, "more than an SM's shared memory");
-  return sizeof(GradientShared<K, V, kExact>);
+  static_assert(sizeof(GradientShared<K, V>) <= 227 * 1024, "more than an SM's shared memory");
+  return sizeof(GradientShared<K, V>);
 }
 
 // B fragments of two n-tiles (columns n0 .. n0 + 15) at k-step k0 by ldmatrix: stored rows = n
@@ -459,20 +422,25 @@ __device__ __forceinline__ void load_b16(uint32_t (&b)[4], const bf16* base, int
   }
 }
 
-// Hands a 16 x 16 result tile (two m16n8 accumulators) to `store(i, col, x)`.
-template <typename Store>
+// Hands a 16 x 16 result tile (two m16n8 accumulators) to `store(i, col, x)`, or with kPairs to
+// `store(i, col, x, y)` a pair of adjacent columns at a time (col even: stores of two elements).
+template <bool kPairs = false, typename Store>
 __device__ __forceinline__ void store_tile16(const float (&acc)[2][4], int n0, int lane, Store store) {
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int n = 0; n < 2; ++n) {
+    if constexpr (kPairs) {
+      store(g, n0 + n * 8 + 2 * t, acc[n][0], acc[n][1]);
+      store(g + 8, n0 + n * 8 + 2 * t, acc[n][2], acc[n][3]);
+    } else {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) store(g + (e >> 1) * 8, n0 + n * 8 + 2 * t + (e & 1), acc[n][e]);
+      for (int e = 0; e < 4; ++e) store(g + (e >> 1) * 8, n0 + n * 8 + 2 * t + (e & 1), acc[n][e]);
+    }
   }
 }
 
-// kTiles 16 x 16 tiles (columns n0 .. n0 + 16 kTiles - 1) of out = A[16][kKdim] B, bf16 operands
-// by ldmatrix (the K x V products). A: rows of stride lda, its fragments loaded once a k-step for
-// all the tiles (each tile's products and their order are those of one tile alone: the same bits).
+// kTiles 16 x 16 tiles (columns n0 .. n0 + 16 kTiles - 1) of out = A[16][kKdim] B, A rows of
+// stride lda, its fragments loaded once a k-step for all the tiles.
 template <int kKdim, bool kTransB, int kTiles = 1, typename Store>
 __device__ __forceinline__ void mma_tile16(const bf16* a, int lda, const bf16* b, int ldb, int n0,
                                            int lane, Store store) {
@@ -494,234 +462,113 @@ __device__ __forceinline__ void mma_tile16(const bf16* a, int lda, const bf16* b
   for (int x = 0; x < kTiles; ++x) store_tile16(acc[x], n0 + 16 * x, lane, store);
 }
 
-// One k-step of a split product on two n-tiles: hh += Ah Bh, lh += Al Bh, hl += Ah Bl (b: the
-// fragments of columns n0 .. n0 + 15, as load_b16 gives them). kSplitA / kSplitB false: that
-// operand is exact in bf16 and its lo term is left out.
-template <bool kSplitA, bool kSplitB>
-__device__ __forceinline__ void mma_split_step(float (&hh)[2][4], float (&lh)[2][4], float (&hl)[2][4],
-                                               const uint32_t (&ah)[4], const uint32_t (&al)[4],
-                                               const uint32_t (&bh)[4], const uint32_t (&bl)[4]) {
-#pragma unroll
-  for (int n = 0; n < 2; ++n) {
-    mma(hh[n], ah, bh[2 * n], bh[2 * n + 1]);
-    if constexpr (kSplitA) mma(lh[n], al, bh[2 * n], bh[2 * n + 1]);
-    if constexpr (kSplitB) mma(hl[n], ah, bl[2 * n], bl[2 * n + 1]);
-  }
-}
-
-// A split product's 16 x 16 tile, hh + (lh + hl), to `store(i, col, x)`.
-template <typename Store>
-__device__ __forceinline__ void store_split_tile16(float (&hh)[2][4], const float (&lh)[2][4],
-                                                   const float (&hl)[2][4], int n0, int lane, Store store) {
-#pragma unroll
-  for (int n = 0; n < 2; ++n) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) hh[n][e] += lh[n][e] + hl[n][e];
-  }
-  store_tile16(hh, n0, lane, store);
-}
-
-// The fragments of k-step k0 of a product of split operands: A (rows of stride lda) and B
-// (columns n0 .. n0 + 15, as load_b16 gives them), hi and, where split, lo.
-template <bool kTransB, bool kSplitA, bool kSplitB>
-__device__ __forceinline__ void load_split_step(uint32_t (&ah)[4], uint32_t (&al)[4], uint32_t (&bh)[4],
-                                                uint32_t (&bl)[4], const bf16* a_hi, const bf16* a_lo, int lda,
-                                                const bf16* b_hi, const bf16* b_lo, int ldb, int k0, int n0,
-                                                const FragmentOffsets& f) {
-  ldmatrix_x4(ah, a_hi + f.a_row * lda + k0 + f.a_col);
-  if constexpr (kSplitA) ldmatrix_x4(al, a_lo + f.a_row * lda + k0 + f.a_col);
-  load_b16<kTransB>(bh, b_hi, ldb, k0, n0, f);
-  if constexpr (kSplitB) load_b16<kTransB>(bl, b_lo, ldb, k0, n0, f);
-}
-
-// The same with both operands split (hi, lo arrays of one layout): Ah Bh + (Al Bh + Ah Bl) in
-// three independent chains. kSplitA / kSplitB false: that operand is exact in bf16 (lo unused).
-template <int kKdim, bool kTransB, bool kSplitA, bool kSplitB, typename Store>
-__device__ __forceinline__ void mma_split_tile16(const bf16* a_hi, const bf16* a_lo, int lda,
-                                                 const bf16* b_hi, const bf16* b_lo, int ldb,
-                                                 int n0, int lane, Store store) {
+// The n8 tile `half` (columns n0 + 8 half .. + 7) of mma_tile16's product, for two warps to share
+// one product on the critical path (H in phase 6): two chains of 8 k-steps each instead of one of 16.
+template <int kKdim, bool kTransB, typename Store>
+__device__ __forceinline__ void mma_half16(const bf16* a, int lda, const bf16* b, int ldb, int n0, int half,
+                                           int lane, Store store) {
   const FragmentOffsets f(lane);
-  float hh[2][4] = {}, lh[2][4] = {}, hl[2][4] = {};
-#pragma unroll 4
+  float acc[2][4] = {};
+#pragma unroll
   for (int k0 = 0; k0 < kKdim; k0 += 16) {
-    uint32_t ah[4], al[4], bh[4], bl[4];
-    load_split_step<kTransB, kSplitA, kSplitB>(ah, al, bh, bl, a_hi, a_lo, lda, b_hi, b_lo, ldb, k0, n0, f);
-    mma_split_step<kSplitA, kSplitB>(hh, lh, hl, ah, al, bh, bl);
-  }
-  store_split_tile16(hh, lh, hl, n0, lane, store);
-}
-
-// The n8 tile `half` (columns n0 + 8 half .. n0 + 8 half + 7) of mma_split_tile16's product: the
-// same terms in the same order, so bit for bit that half of its result; for two warps to share
-// one product on the critical path (H in phase 6).
-template <int kKdim, bool kTransB, bool kSplitA, bool kSplitB, typename Store>
-__device__ __forceinline__ void mma_split_half16(const bf16* a_hi, const bf16* a_lo, int lda, const bf16* b_hi,
-                                                 const bf16* b_lo, int ldb, int n0, int half, int lane,
-                                                 Store store) {
-  const FragmentOffsets f(lane);
-  float hh[4] = {}, lh[4] = {}, hl[4] = {};
-#pragma unroll 4
-  for (int k0 = 0; k0 < kKdim; k0 += 16) {
-    uint32_t ah[4], al[4], bh[4], bl[4];
-    load_split_step<kTransB, kSplitA, kSplitB>(ah, al, bh, bl, a_hi, a_lo, lda, b_hi, b_lo, ldb, k0, n0, f);
-    const uint32_t bh0 = half ? bh[2] : bh[0], bh1 = half ? bh[3] : bh[1];
-    mma(hh, ah, bh0, bh1);
-    if constexpr (kSplitA) mma(lh, al, bh0, bh1);
-    if constexpr (kSplitB) mma(hl, ah, half ? bl[2] : bl[0], half ? bl[3] : bl[1]);
+    uint32_t af[4], bf[4];
+    ldmatrix_x4(af, a + f.a_row * lda + k0 + f.a_col);
+    load_b16<kTransB>(bf, b, ldb, k0, n0, f);
+    mma(acc[(k0 / 16) & 1], af, half ? bf[2] : bf[0], half ? bf[3] : bf[1]);
   }
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
-  for (int e = 0; e < 4; ++e) {
-    hh[e] += lh[e] + hl[e];
-    store(g + (e >> 1) * 8, n0 + half * 8 + 2 * t + (e & 1), hh[e]);
-  }
+  for (int e = 0; e < 4; ++e) store(g + (e >> 1) * 8, n0 + half * 8 + 2 * t + (e & 1), acc[0][e] + acc[1][e]);
 }
 
-// (x, y) as bf16 pairs hi = bf16(x, y) and lo = bf16((x, y) - hi).
-__device__ __forceinline__ void split_bf16(float x, float y, uint32_t& hi, uint32_t& lo) {
-  const __nv_bfloat162 h = __floats2bfloat162_rn(x, y);
-  const float2 back = __bfloat1622float2(h);
-  const __nv_bfloat162 l = __floats2bfloat162_rn(x - back.x, y - back.y);
-  hi = *reinterpret_cast<const uint32_t*>(&h);
-  lo = *reinterpret_cast<const uint32_t*>(&l);
-}
-
-// The m16k16 A fragment of a 16 x 16 fp32 matrix read through a(i, k), split into hi and lo.
-template <typename A>
-__device__ __forceinline__ void split_a16(const A& a, int lane, uint32_t (&hi)[4], uint32_t (&lo)[4]) {
-  const int g = lane >> 2, c0 = 2 * (lane & 3), c1 = c0 + 8;
-  split_bf16(a(g, c0), a(g, c0 + 1), hi[0], lo[0]);
-  split_bf16(a(g + 8, c0), a(g + 8, c0 + 1), hi[1], lo[1]);
-  split_bf16(a(g, c1), a(g, c1 + 1), hi[2], lo[2]);
-  split_bf16(a(g + 8, c1), a(g + 8, c1 + 1), hi[3], lo[3]);
-}
-
-// Sources of the split A fragments of a 16 x 16 matrix: a SmallSplit (kTrans: of its transpose),
-// or fp32 reads a(i, k) split in registers.
+// Sources of the A fragment of a 16 x 16 matrix: a Small16 (kTrans: of its transpose), or fp32
+// reads a(i, k) packed in registers.
 template <bool kTrans>
-struct KeptSplitA {
-  const SmallSplit& s;
-  __device__ __forceinline__ void operator()(int lane, uint32_t (&hi)[4], uint32_t (&lo)[4]) const {
+struct SmallA {
+  const Small16& s;
+  __device__ __forceinline__ void operator()(int lane, uint32_t (&a)[4]) const {
     const FragmentOffsets f(lane);
-    if constexpr (kTrans) {  // A[i][k] = X[k][i]: matrices X(0-7, 0-7), (0-7, 8-15), (8-15, 0-7), (8-15, 8-15)
-      ldmatrix_x4_trans(hi, &s.hi[f.b_row][f.b_col]);
-      ldmatrix_x4_trans(lo, &s.lo[f.b_row][f.b_col]);
-    } else {
-      ldmatrix_x4(hi, &s.hi[f.a_row][f.a_col]);
-      ldmatrix_x4(lo, &s.lo[f.a_row][f.a_col]);
-    }
+    // A[i][k] = X[k][i]: matrices X(0-7, 0-7), (0-7, 8-15), (8-15, 0-7), (8-15, 8-15) transposed.
+    if constexpr (kTrans) ldmatrix_x4_trans(a, &s.x[f.b_row][f.b_col]);
+    else ldmatrix_x4(a, &s.x[f.a_row][f.a_col]);
   }
 };
 template <typename A>
-struct RegisterSplitA {
+struct RegisterA {
   A a;
-  __device__ __forceinline__ void operator()(int lane, uint32_t (&hi)[4], uint32_t (&lo)[4]) const {
-    split_a16(a, lane, hi, lo);
+  __device__ __forceinline__ void operator()(int lane, uint32_t (&r)[4]) const {
+    const int g = lane >> 2, c0 = 2 * (lane & 3), c1 = c0 + 8;
+    r[0] = pack_bf16(a(g, c0), a(g, c0 + 1));
+    r[1] = pack_bf16(a(g + 8, c0), a(g + 8, c0 + 1));
+    r[2] = pack_bf16(a(g, c1), a(g, c1 + 1));
+    r[3] = pack_bf16(a(g + 8, c1), a(g + 8, c1 + 1));
   }
 };
 template <typename A>
-__device__ __forceinline__ RegisterSplitA<A> split_in_registers(const A& a) { return {a}; }
+__device__ __forceinline__ RegisterA<A> in_registers(const A& a) { return {a}; }
 
-// The kept parts where the layout has them (kKept), else the fp32 reads split in registers:
-// kept(small) is only called, so only instantiated, when kKept.
-template <bool kKept, typename Small, typename Kept, typename Reads>
-__device__ __forceinline__ auto split_a_source(Small& small, const Kept& kept, const Reads& reads) {
-  if constexpr (kKept) return kept(small);
-  else return split_in_registers(reads);
-}
-
-// One 16 x 16 tile of out = A[16][16] B[16][*]: A's split fragments from a_source (above), B split
-// rows (rows = k, n contiguous: ldmatrix .trans). kPairs: the tile goes to store(i, col, x, y) a
-// pair of adjacent columns at a time (col even), for stores of two elements at once.
-template <bool kSplitB, bool kPairs = false, typename ASource, typename Store>
-__device__ __forceinline__ void mma_small_a_tile16(const ASource& a_source, const bf16* b_hi, const bf16* b_lo,
-                                                   int ldb, int n0, int lane, Store store) {
+// One 16 x 16 tile of out = A[16][16] B[16][*]: A's fragment from a_source (above), B rows = k
+// (n contiguous, ldmatrix .trans). kPairs: as store_tile16's.
+template <bool kPairs = false, typename ASource, typename Store>
+__device__ __forceinline__ void mma_small_a_tile16(const ASource& a_source, const bf16* b, int ldb, int n0,
+                                                   int lane, Store store) {
   const FragmentOffsets f(lane);
-  uint32_t ah[4], al[4], bh[4], bl[4];
-  a_source(lane, ah, al);
-  load_b16<true>(bh, b_hi, ldb, 0, n0, f);
-  if constexpr (kSplitB) load_b16<true>(bl, b_lo, ldb, 0, n0, f);
-  float hh[2][4] = {}, lh[2][4] = {}, hl[2][4] = {};
-  mma_split_step<true, kSplitB>(hh, lh, hl, ah, al, bh, bl);
-  if constexpr (kPairs) {
-    const int g = lane >> 2, t = lane & 3;
-#pragma unroll
-    for (int n = 0; n < 2; ++n) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) hh[n][e] += lh[n][e] + hl[n][e];
-      store(g, n0 + n * 8 + 2 * t, hh[n][0], hh[n][1]);
-      store(g + 8, n0 + n * 8 + 2 * t, hh[n][2], hh[n][3]);
-    }
-  } else {
-    store_split_tile16(hh, lh, hl, n0, lane, store);
-  }
+  uint32_t af[4], bf[4];
+  a_source(lane, af);
+  load_b16<true>(bf, b, ldb, 0, n0, f);
+  float acc[2][4] = {};
+  mma(acc[0], af, bf[0], bf[1]);
+  mma(acc[1], af, bf[2], bf[3]);
+  store_tile16<kPairs>(acc, n0, lane, store);
 }
 
-// Sources of the split B fragments of one n8 tile (columns n0 .. n0 + 7) of a 16 x 16 B: fp32
-// reads b(k, n) split in registers, or a SmallSplit X with B(k, n) = X[n][k] (rows = n: one
-// ldmatrix x4 for hi and lo; the same hi and lo, so the same products bit for bit).
+// Sources of the B fragment of one n8 tile (columns n0 .. n0 + 7) of a 16 x 16 B: fp32 reads
+// b(k, n) packed in registers, or a Small16 X with B(k, n) = X[n][k] (rows = n: ldmatrix).
 template <typename B>
-struct RegisterSplitB {
+struct RegisterB {
   B b;
-  __device__ __forceinline__ void operator()(int n0, int lane, uint32_t (&hi)[2], uint32_t (&lo)[2]) const {
+  __device__ __forceinline__ void operator()(int n0, int lane, uint32_t (&r)[2]) const {
     const int g = lane >> 2, c0 = 2 * (lane & 3), c1 = c0 + 8;
-    split_bf16(b(c0, n0 + g), b(c0 + 1, n0 + g), hi[0], lo[0]);
-    split_bf16(b(c1, n0 + g), b(c1 + 1, n0 + g), hi[1], lo[1]);
+    r[0] = pack_bf16(b(c0, n0 + g), b(c0 + 1, n0 + g));
+    r[1] = pack_bf16(b(c1, n0 + g), b(c1 + 1, n0 + g));
   }
 };
 template <typename B>
-__device__ __forceinline__ RegisterSplitB<B> split_b_in_registers(const B& b) { return {b}; }
-struct KeptSplitRowsB {
-  const SmallSplit& s;
-  __device__ __forceinline__ void operator()(int n0, int lane, uint32_t (&hi)[2], uint32_t (&lo)[2]) const {
-    // lanes 0-15: hi's (n, k 0-7) and (n, k 8-15) 8 x 8 blocks, lanes 16-31 lo's.
-    const int r = lane & 7, m = lane >> 3;
-    const SmallSplit::Row* rows = (m & 2) ? s.lo : s.hi;
+__device__ __forceinline__ RegisterB<B> b_in_registers(const B& b) { return {b}; }
+struct SmallRowsB {
+  const Small16& s;
+  __device__ __forceinline__ void operator()(int n0, int lane, uint32_t (&r)[2]) const {
+    // lanes 0-7: rows n0 .. n0 + 7, k 0-7; lanes 8-15: k 8-15 (lanes 16-31 repeat them).
+    const int row = lane & 7, m = (lane >> 3) & 1;
     uint32_t x[4];
-    ldmatrix_x4(x, &rows[n0 + r][(m & 1) * 8]);
-    hi[0] = x[0], hi[1] = x[1], lo[0] = x[2], lo[1] = x[3];
+    ldmatrix_x4(x, &s.x[n0 + row][m * 8]);
+    r[0] = x[0], r[1] = x[1];
   }
 };
 
-// One 16 x 8 tile (columns n0 .. n0 + 7) of out = A[16][16] B[16][*], both 16 x 16 fp32 matrices,
-// their split fragments from a_source (as mma_small_a_tile16's) and b_source (above)
-// (dM M^T, M^T (dM M^T)).
+// One 16 x 8 tile (columns n0 .. n0 + 7) of out = A[16][16] B[16][*], fragments from a_source and
+// b_source (above) (dM M^T, M^T (dM M^T)).
 template <typename ASource, typename BSource, typename Store>
 __device__ __forceinline__ void mma_small_tile8(const ASource& a_source, const BSource& b_source, int n0, int lane,
                                                 Store store) {
   const int g = lane >> 2, t = lane & 3;
-  uint32_t ah[4], al[4], bh[2], bl[2];
-  a_source(lane, ah, al);
-  b_source(n0, lane, bh, bl);
-  float acc[4] = {}, small[4] = {};
-  mma(small, al, bh[0], bh[1]);
-  mma(acc, ah, bh[0], bh[1]);
-  mma(small, ah, bl[0], bl[1]);
-  store(g, n0 + 2 * t, acc[0] + small[0]);
-  store(g, n0 + 2 * t + 1, acc[1] + small[1]);
-  store(g + 8, n0 + 2 * t, acc[2] + small[2]);
-  store(g + 8, n0 + 2 * t + 1, acc[3] + small[3]);
+  uint32_t af[4], bf[2];
+  a_source(lane, af);
+  b_source(n0, lane, bf);
+  float acc[4] = {};
+  mma(acc, af, bf[0], bf[1]);
+  store(g, n0 + 2 * t, acc[0]);
+  store(g, n0 + 2 * t + 1, acc[1]);
+  store(g + 8, n0 + 2 * t, acc[2]);
+  store(g + 8, n0 + 2 * t + 1, acc[3]);
 }
 
-// Two adjacent bf16 of shared memory as a float2, and a float2 as two adjacent bf16 (hi), or as
-// hi and lo parts (SplitRows, pairwise: the same values as two scalar stores).
+// Two adjacent bf16 of shared memory as a float2, and a float2 as two adjacent bf16.
 __device__ __forceinline__ float2 load_bf16x2(const bf16* p) {
   return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p));
 }
 __device__ __forceinline__ void store_bf16x2(bf16* p, float x, float y) {
   *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(x, y);
-}
-template <int kRow>
-__device__ __forceinline__ void store_split_pair(SplitRows<kRow>& rows, int i, int c, float x, float y) {
-  const __nv_bfloat162 h = __floats2bfloat162_rn(x, y);
-  const float2 back = __bfloat1622float2(h);
-  *reinterpret_cast<__nv_bfloat162*>(&rows.hi[i][c]) = h;
-  *reinterpret_cast<__nv_bfloat162*>(&rows.lo[i][c]) = __floats2bfloat162_rn(x - back.x, y - back.y);
-}
-template <int kRow>
-__device__ __forceinline__ float2 load_split_pair(const SplitRows<kRow>& rows, int i, int c) {
-  const float2 h = load_bf16x2(&rows.hi[i][c]), l = load_bf16x2(&rows.lo[i][c]);
-  return make_float2(h.x + l.x, h.y + l.y);
 }
 
 // A pair of warps (0 and 1) waits for each other (named barrier 1; barrier 0 is __syncthreads).
@@ -759,8 +606,8 @@ constexpr int gradient_ctas_per_sm() { return K == 32 && V == 32 ? 2 : 1; }
 template <typename T, int K, int V>
 __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>())
     kda_chunk_gradient_kernel(const ChunkGradientArgs a) {
-  constexpr bool kExact = std::is_same_v<T, bf16>;  // v and dO exact in bf16 (their lo is zero)
-  using Shared = GradientShared<K, V, kExact>;
+  constexpr bool kExact = std::is_same_v<T, bf16>;  // bf16 inputs: staged by cp.async
+  using Shared = GradientShared<K, V>;
   constexpr int kRowK = Shared::kRowK, kRowV = Shared::kRowV;
   extern __shared__ __align__(16) unsigned char shared_raw[];
   Shared& sh = *reinterpret_cast<Shared*>(shared_raw);
@@ -844,8 +691,8 @@ __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>()
           const int i = e / (V / 8), col = (e % (V / 8)) * 8;
           const int64_t at = real(i) * V + col;
           // Straight into V and dO's arrays: their last reads are in phase 5.
-          cp_async16_or_zero(&sh.v.hi[i][col], v + at, i < it.valid);
-          cp_async16_or_zero(&sh.d_o.hi[i][col], d_o + at, i < it.valid);
+          cp_async16_or_zero(&sh.v[i][col], v + at, i < it.valid);
+          cp_async16_or_zero(&sh.d_o[i][col], d_o + at, i < it.valid);
         }
         // g by warps 10-15 alone: they wait for it in phase 9 and sum it (gamma_prefix below).
         for (int e = tid - kGammaThread0; e >= 0 && e < kChunk * K / 4; e += kGradientThreads - kGammaThread0) {
@@ -928,16 +775,15 @@ __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>()
         exp_both(gam.x, up.x, down.x);
         exp_both(gam.y, up.y, down.y);
         *reinterpret_cast<float2*>(&sh.gamma[i][c0]) = gam;
-        store_split_pair(sh.q_hat, i, c0, a.scale * qv.x * up.x, a.scale * qv.y * up.y);
-        store_split_pair(sh.k_hat, i, c0, kv.x * up.x, kv.y * up.y);
-        store_split_pair(sh.k_check, i, c0, kv.x * down.x, kv.y * down.y);
+        store_bf16x2(&sh.q_hat[i][c0], a.scale * qv.x * up.x, a.scale * qv.y * up.y);
+        store_bf16x2(&sh.k_hat[i][c0], kv.x * up.x, kv.y * up.y);
+        store_bf16x2(&sh.k_check[i][c0], kv.x * down.x, kv.y * down.y);
         const float2 kb = make_float2(kv.x * (decay.x * down.x), kv.y * (decay.y * down.y));
         *reinterpret_cast<float2*>(&sh.k_bar[i][c0]) = kb;
         store_bf16x2(&sh.a_kbar[i][c0], kb.x, kb.y);
       }
     }
-    // v and dO (exact in bf16: their lo halves are never read, kSplit* = !kExact) were staged in
-    // place by issue().
+    // v and dO were staged in place by issue().
   } else {
     float cum = 0.0f, gam[kKeyItems] = {};
 #pragma unroll
@@ -955,9 +801,9 @@ __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>()
       float up, down;
       exp_both(gam[r], up, down);
       sh.gamma[i][kc] = gam[r];
-      sh.q_hat.store(i, kc, a.scale * qv * up);
-      sh.k_hat.store(i, kc, kv * up);
-      sh.k_check.store(i, kc, kv * down);
+      sh.q_hat[i][kc] = __float2bfloat16_rn(a.scale * qv * up);
+      sh.k_hat[i][kc] = __float2bfloat16_rn(kv * up);
+      sh.k_check[i][kc] = __float2bfloat16_rn(kv * down);
       const float kb = kv * (decay * down);
       sh.k_bar[i][kc] = kb;
       sh.a_kbar[i][kc] = __float2bfloat16_rn(kb);
@@ -965,54 +811,45 @@ __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>()
 #pragma unroll
     for (int r = 0; r < kValueItems; ++r) {
       const int i = vr + kValueStride * r;
-      sh.v.store(i, vc, i < valid ? v_in[r] : 0.0f);
-      sh.d_o.store(i, vc, i < valid ? do_in[r] : 0.0f);
+      sh.v[i][vc] = __float2bfloat16_rn(i < valid ? v_in[r] : 0.0f);
+      sh.d_o[i][vc] = __float2bfloat16_rn(i < valid ? do_in[r] : 0.0f);
     }
     cp_async_wait<0>();
   }
   __syncthreads();
 
-  // Phase 1: warps 0-1 (8 columns each): P = strictly_lower(K^ K~^T) (B(k = c, n = j) = K~[j][c]:
-  // rows = n), stored with L^T = (Diag(beta) P)^T; after their pair barrier, on warp 0's first 16
-  // lanes M = (I + L)^-1 in fp32 (lane c owns column c), and Aqk = lower_incl_diag(Q^ K~^T) in two
-  // halves, on warp 1 and on warp 4 (before its state task). Warps 2-15: the state products that
-  // need nothing else, dV' = K_ dS' (Aqk^T dO added in phase 4; B(k = kk, n = v) = dS'^T[v][kk]:
-  // rows = n) and dQ^ = dO S^T (dAqk K~ added in phase 6; B(k = v, n = kk) = S^T[v][kk]: rows = k),
-  // then (warps 8-15) e^gamma's direct gradient, sum_v dS' (.) S, in slices of V rows. (Until the
-  // eighth session M and that sum were phase 2, after a barrier, with 15 warps idle beside M's
-  // chain, and P and Aqk took a warp each; the later phases keep their numbers.)
-  auto aqk_half = [&](int half) {
-    mma_split_half16<K, false, true, true>(&sh.q_hat.hi[0][0], &sh.q_hat.lo[0][0], kRowK, &sh.k_check.hi[0][0],
-                                           &sh.k_check.lo[0][0], kRowK, 0, half, lane,
-                                           [&](int i, int j, float y) { sh.a_qk[i][j] = j <= i ? y : 0.0f; });
-  };
-  if (warp < 2) {
-    mma_split_half16<K, false, true, true>(&sh.k_hat.hi[0][0], &sh.k_hat.lo[0][0], kRowK, &sh.k_check.hi[0][0],
-                                           &sh.k_check.lo[0][0], kRowK, 0, warp, lane, [&](int i, int j, float y) {
-                                             const float p = j < i ? y : 0.0f;
-                                             sh.p[i][j] = p;
-                                             sh.l_t[j][i] = sh.beta[i] * p;
-                                           });
-    warp_pair_barrier();
-    if (warp == 0) {
-      if (lane < kChunk) {
-        float m[kChunk];
-        unit_lower_inverse_column_t(sh.l_t, lane, m);
+  // Phase 1: warp 0: P = strictly_lower(K^ K~^T) (B(k = c, n = j) = K~[j][c]: rows = n), stored
+  // with L^T = (Diag(beta) P)^T, then on its first 16 lanes M = (I + L)^-1 in fp32 (lane c owns
+  // column c). Warp 1: Aqk = lower_incl_diag(Q^ K~^T). Warps 2-15: the state products that need
+  // nothing else, dV' = K_ dS' (Aqk^T dO added in phase 4; B(k = kk, n = v) = dS'^T[v][kk]: rows =
+  // n) and dQ^ = dO S^T (dAqk K~ added in phase 6; B(k = v, n = kk) = S^T[v][kk]: rows = k), then
+  // (warps 8-15) e^gamma's direct gradient, sum_v dS' (.) S, in slices of V rows. (Phase 2, M
+  // after a barrier, was merged into this one in the eighth session; the later phases keep their
+  // numbers.)
+  if (warp == 0) {
+    mma_tile16<K, false>(&sh.k_hat[0][0], kRowK, &sh.k_check[0][0], kRowK, 0, lane, [&](int i, int j, float y) {
+      const float p = j < i ? y : 0.0f;
+      sh.p[i][j] = p;
+      sh.l_t[j][i] = sh.beta[i] * p;
+    });
+    __syncwarp();
+    if (lane < kChunk) {
+      float m[kChunk];
+      unit_lower_inverse_column_t(sh.l_t, lane, m);
 #pragma unroll
-        for (int i = 0; i < kChunk; ++i) sh.m[i][lane] = m[i];
-      }
-    } else {
-      aqk_half(0);
+      for (int i = 0; i < kChunk; ++i) sh.m[i][lane] = m[i];
     }
+  } else if (warp == 1) {
+    mma_tile16<K, false>(&sh.q_hat[0][0], kRowK, &sh.k_check[0][0], kRowK, 0, lane,
+                         [&](int i, int j, float y) { sh.a_qk.store(i, j, j <= i ? y : 0.0f); });
   } else {
-    if (warp == 4) aqk_half(1);
     constexpr int kDv = V / 16, kTasks = kDv + K / 16;
     for (int task = warp - 2; task < kTasks; task += kGradientWarps - 2) {
       if (task < kDv) {
         mma_tile16<K, false>(&sh.a_kbar[0][0], kRowK, &sh.ds_t[0][0], kRowK, task * 16, lane,
                              [&](int i, int c, float y) { sh.live.dvn[i][c] = y; });
       } else {
-        mma_tile16<V, true>(&sh.d_o.hi[0][0], kRowV, &sh.s_t[0][0], kRowK, (task - kDv) * 16, lane,
+        mma_tile16<V, true>(&sh.d_o[0][0], kRowV, &sh.s_t[0][0], kRowK, (task - kDv) * 16, lane,
                             [&](int i, int c, float y) { sh.d_qhat[i][c] = y; });
       }
     }
@@ -1039,37 +876,34 @@ __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>()
     constexpr int kW = K / 16, kTasks = kW + V / 16;
     for (int task = warp; task < kTasks; task += kGradientWarps) {
       if (task < kW) {
-        mma_small_a_tile16<true>(split_in_registers(m_beta), &sh.k_hat.hi[0][0], &sh.k_hat.lo[0][0], kRowK, task * 16, lane,
-                                 [&](int i, int c, float y) { sh.live.a_w[i][c] = __float2bfloat16_rn(y); });
+        mma_small_a_tile16</*kPairs=*/true>(in_registers(m_beta), &sh.k_hat[0][0], kRowK, task * 16, lane,
+                                            [&](int i, int c, float x, float y) { store_bf16x2(&sh.live.a_w[i][c], x, y); });
       } else {
-        mma_small_a_tile16<!kExact>(split_in_registers(m_beta), &sh.v.hi[0][0], &sh.v.lo[0][0], kRowV, (task - kW) * 16, lane,
-                                    [&](int i, int c, float y) { sh.live.vn[i][c] = y; });
+        mma_small_a_tile16(in_registers(m_beta), &sh.v[0][0], kRowV, (task - kW) * 16, lane,
+                           [&](int i, int c, float y) { sh.live.vn[i][c] = y; });
       }
     }
   }
   __syncthreads();
 
   // Phase 4: V' = U - W S (B(k = kk, n = v) = S^T[v][kk]: rows = n) and dV' = K_ dS' + Aqk^T dO,
-  // both kept split.
+  // both as bf16 operands.
   {
     constexpr int kVn = V / 16, kTasks = 2 * kVn;
     for (int task = warp; task < kTasks; task += kGradientWarps) {
       if (task < kVn) {
         mma_tile16<K, false>(&sh.live.a_w[0][0], kRowK, &sh.s_t[0][0], kRowK, task * 16, lane,
-                             [&](int i, int c, float y) { sh.live.vn_s.store(i, c, sh.live.vn[i][c] - y); });
+                             [&](int i, int c, float y) { sh.live.vn_b[i][c] = __float2bfloat16_rn(sh.live.vn[i][c] - y); });
       } else {
-        mma_small_a_tile16<!kExact>(split_in_registers([&](int i, int r) { return sh.a_qk[r][i]; }), &sh.d_o.hi[0][0],
-                                    &sh.d_o.lo[0][0], kRowV, (task - kVn) * 16, lane,
-                                    [&](int i, int c, float y) { sh.live.dvn_s.store(i, c, sh.live.dvn[i][c] + y); });
+        mma_small_a_tile16(SmallA<true>{sh.a_qk}, &sh.d_o[0][0], kRowV, (task - kVn) * 16, lane,
+                           [&](int i, int c, float y) { sh.live.dvn_b[i][c] = __float2bfloat16_rn(sh.live.dvn[i][c] + y); });
       }
     }
-    // M's hi and lo parts for phases 5 and 6 (one element a thread of warps 8-15, which have one
+    // M as a bf16 operand for phases 5 and 6 (one element a thread of warps 8-15, which have one
     // task here where warps 0-7 have the longer W S).
-    if constexpr (kExact) {
-      if (warp >= kGradientWarps / 2) {
-        const int e = tid - kGradientThreads / 2, i = e / kChunk, c = e % kChunk;
-        sh.kept.m.store(i, c, sh.m[i][c]);
-      }
+    if (warp >= kGradientWarps / 2) {
+      const int e = tid - kGradientThreads / 2, i = e / kChunk, c = e % kChunk;
+      sh.m_b.store(i, c, sh.m[i][c]);
     }
   }
   __syncthreads();
@@ -1078,17 +912,11 @@ __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>()
   // (B(k = c, n = j) = V'[j][c], V[i][c]: rows = n); on the others dK_ = V' dS'^T and
   // dW = -dV' S^T (B(k = v, n = kk): rows = k), dv = Diag(beta) M^T dV' (written out).
   if (warp == 0) {
-    mma_split_tile16<V, false, !kExact, true>(&sh.d_o.hi[0][0], &sh.d_o.lo[0][0], kRowV, &sh.live.vn_s.hi[0][0],
-                                              &sh.live.vn_s.lo[0][0], kRowV, 0, lane,
-                                              [&](int i, int j, float y) {
-                                                const float x = j <= i ? y : 0.0f;
-                                                sh.d_aqk[i][j] = x;
-                                                if constexpr (kExact) sh.kept.d_aqk.store(i, j, x);
-                                              });
+    mma_tile16<V, false>(&sh.d_o[0][0], kRowV, &sh.live.vn_b[0][0], kRowV, 0, lane,
+                         [&](int i, int j, float y) { sh.d_aqk.store(i, j, j <= i ? y : 0.0f); });
   } else if (warp == 1) {
-    mma_split_tile16<V, false, true, !kExact>(&sh.live.dvn_s.hi[0][0], &sh.live.dvn_s.lo[0][0], kRowV, &sh.v.hi[0][0],
-                                              &sh.v.lo[0][0], kRowV, 0, lane,
-                                              [&](int t, int i, float y) { sh.d_m[t][i] = y; });
+    mma_tile16<V, false>(&sh.live.dvn_b[0][0], kRowV, &sh.v[0][0], kRowV, 0, lane,
+                         [&](int t, int i, float y) { sh.d_m[t][i] = y; });
   } else {
     // dK_ and dW 32 columns a task (A read once for two tiles), one a warp on warps 2 ..; the
     // light dv tasks on the warps after them. (Tiles of 16 columns handed out in turn gave two
@@ -1097,18 +925,15 @@ __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>()
     static_assert(kDvWarps > 0, "warps for the dv tasks");
     const int task = warp - 2;
     if (task < kKb) {
-      mma_tile16<V, true, 2>(&sh.live.vn_s.hi[0][0], kRowV, &sh.ds_t[0][0], kRowK, task * 32, lane,
+      mma_tile16<V, true, 2>(&sh.live.vn_b[0][0], kRowV, &sh.ds_t[0][0], kRowK, task * 32, lane,
                              [&](int i, int c, float y) { sh.d_kbar[i][c] = y; });
     } else if (task < kHeavy) {
-      mma_tile16<V, true, 2>(&sh.live.dvn_s.hi[0][0], kRowV, &sh.s_t[0][0], kRowK, (task - kKb) * 32, lane,
-                             [&](int i, int c, float y) { sh.d_w.store(i, c, -y); });
+      mma_tile16<V, true, 2>(&sh.live.dvn_b[0][0], kRowV, &sh.s_t[0][0], kRowK, (task - kKb) * 32, lane,
+                             [&](int i, int c, float y) { sh.d_w[i][c] = __float2bfloat16_rn(-y); });
     } else {
       for (int d = task - kHeavy; d < kDv; d += kDvWarps) {
-        mma_small_a_tile16<true, /*kPairs=*/true>(
-            split_a_source<kExact>(sh.kept, [](auto& kept) { return KeptSplitA<true>{kept.m}; },
-                                   [&](int i, int r) { return sh.m[r][i]; }),
-            &sh.live.dvn_s.hi[0][0], &sh.live.dvn_s.lo[0][0], kRowV, d * 16, lane,
-            [&](int i, int c, float x, float y) {
+        mma_small_a_tile16</*kPairs=*/true>(
+            SmallA<true>{sh.m_b}, &sh.live.dvn_b[0][0], kRowV, d * 16, lane, [&](int i, int c, float x, float y) {
               if (i < valid) store_pair(static_cast<T*>(a.dv) + token(i) * V + c, sh.beta[i] * x, sh.beta[i] * y);
             });
       }
@@ -1130,56 +955,36 @@ __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>()
   // Warps 2-15: the dq / dk terms that need no dL: dQ^ += dAqk K~, M^T dW (into d_khat),
   // dAqk^T Q^ (into d_kcheck) (B rows = k).
   if (warp < 2) {
-    mma_split_half16<K, false, true, true>(&sh.d_w.hi[0][0], &sh.d_w.lo[0][0], kRowK, &sh.k_hat.hi[0][0],
-                                           &sh.k_hat.lo[0][0], kRowK, 0, warp, lane, [&](int t, int i, float y) {
-                                             const float gh = sh.d_m[t][i] + y;
-                                             sh.d_m[t][i] = sh.beta[i] * gh;
-                                             sh.x_beta[t][i] = sh.m[t][i] * gh;
-                                           });
+    mma_half16<K, false>(&sh.d_w[0][0], kRowK, &sh.k_hat[0][0], kRowK, 0, warp, lane, [&](int t, int i, float y) {
+      const float gh = sh.d_m[t][i] + y;
+      sh.d_m[t][i] = sh.beta[i] * gh;
+      sh.x_beta[t][i] = sh.m[t][i] * gh;
+    });
     warp_pair_barrier();
     const int n0 = warp * 8;
-    // M's parts as kept by phase 4 (bf16 inputs), else split here.
-    auto m_reads = [&](int c, int j) { return sh.m[j][c]; };
-    auto m_rows = [&](auto& kept) {
-      if constexpr (kExact) return KeptSplitRowsB{kept.m};
-      else return split_b_in_registers(m_reads);
-    };
-    mma_small_tile8(split_in_registers([&](int i, int c) { return sh.d_m[i][c]; }), m_rows(sh.kept),
-                    n0, lane, [&](int i, int j, float y) { sh.t1[i][j] = y; });
+    mma_small_tile8(in_registers([&](int i, int c) { return sh.d_m[i][c]; }), SmallRowsB{sh.m_b}, n0, lane,
+                    [&](int i, int j, float y) { sh.t1[i][j] = y; });
     warp_pair_barrier();
-    mma_small_tile8(split_a_source<kExact>(sh.kept, [](auto& kept) { return KeptSplitA<true>{kept.m}; },
-                                           [&](int i, int c) { return sh.m[c][i]; }),
-                    split_b_in_registers([&](int c, int j) { return sh.t1[c][j]; }),
-                    n0, lane, [&](int i, int j, float y) {
+    mma_small_tile8(SmallA<true>{sh.m_b}, b_in_registers([&](int c, int j) { return sh.t1[c][j]; }), n0, lane,
+                    [&](int i, int j, float y) {
                       const float x = j < i ? -y : 0.0f;
                       sh.d_l[i][j] = x;
-                      if constexpr (kExact) {
-                        sh.kept.d_l.store(i, j, x);
-                        sh.kept.beta_d_l.store(i, j, sh.beta[i] * x);
-                      }
+                      sh.d_l_b.store(i, j, x);
+                      sh.beta_d_l.store(i, j, sh.beta[i] * x);
                     });
   } else {
     constexpr int kPer = K / 16, kTasks = 3 * kPer;
     for (int task = warp - 2; task < kTasks; task += kGradientWarps - 2) {
       const int n0 = (task % kPer) * 16;
       if (task < kPer) {
-        mma_small_a_tile16<true>(split_a_source<kExact>(sh.kept, [](auto& kept) { return KeptSplitA<false>{kept.d_aqk}; },
-                                                        [&](int i, int j) { return sh.d_aqk[i][j]; }),
-                                 &sh.k_check.hi[0][0],
-                                 &sh.k_check.lo[0][0], kRowK, n0, lane,
-                                 [&](int i, int c, float y) { sh.d_qhat[i][c] += y; });
+        mma_small_a_tile16(SmallA<false>{sh.d_aqk}, &sh.k_check[0][0], kRowK, n0, lane,
+                           [&](int i, int c, float y) { sh.d_qhat[i][c] += y; });
       } else if (task < 2 * kPer) {
-        mma_small_a_tile16<true>(split_a_source<kExact>(sh.kept, [](auto& kept) { return KeptSplitA<true>{kept.m}; },
-                                                        [&](int i, int r) { return sh.m[r][i]; }),
-                                 &sh.d_w.hi[0][0],
-                                 &sh.d_w.lo[0][0], kRowK, n0, lane,
-                                 [&](int i, int c, float y) { sh.d_khat[i][c] = y; });
+        mma_small_a_tile16(SmallA<true>{sh.m_b}, &sh.d_w[0][0], kRowK, n0, lane,
+                           [&](int i, int c, float y) { sh.d_khat[i][c] = y; });
       } else {
-        mma_small_a_tile16<true>(split_a_source<kExact>(sh.kept, [](auto& kept) { return KeptSplitA<true>{kept.d_aqk}; },
-                                                        [&](int i, int r) { return sh.d_aqk[r][i]; }),
-                                 &sh.q_hat.hi[0][0],
-                                 &sh.q_hat.lo[0][0], kRowK, n0, lane,
-                                 [&](int i, int c, float y) { sh.d_kcheck[i][c] = y; });
+        mma_small_a_tile16(SmallA<true>{sh.d_aqk}, &sh.q_hat[0][0], kRowK, n0, lane,
+                           [&](int i, int c, float y) { sh.d_kcheck[i][c] = y; });
       }
     }
     // bf16: the next chunk's cp.async after this phase's tasks, so that their shared-memory
@@ -1196,17 +1001,11 @@ __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>()
     for (int task = warp; task < 2 * kPer; task += kGradientWarps) {
       const int n0 = (task % kPer) * 16;
       if (task < kPer) {
-        mma_small_a_tile16<true>(split_a_source<kExact>(sh.kept, [](auto& kept) { return KeptSplitA<false>{kept.d_l}; },
-                                                        [&](int i, int j) { return sh.d_l[i][j]; }),
-                                 &sh.k_check.hi[0][0],
-                                 &sh.k_check.lo[0][0], kRowK, n0, lane,
-                                 [&](int i, int c, float y) { sh.d_khat[i][c] = sh.beta[i] * (sh.d_khat[i][c] + y); });
+        mma_small_a_tile16(SmallA<false>{sh.d_l_b}, &sh.k_check[0][0], kRowK, n0, lane,
+                           [&](int i, int c, float y) { sh.d_khat[i][c] = sh.beta[i] * (sh.d_khat[i][c] + y); });
       } else {
-        mma_small_a_tile16<true>(split_a_source<kExact>(sh.kept, [](auto& kept) { return KeptSplitA<true>{kept.beta_d_l}; },
-                                                        [&](int i, int r) { return sh.beta[r] * sh.d_l[r][i]; }),
-                                 &sh.k_hat.hi[0][0],
-                                 &sh.k_hat.lo[0][0], kRowK, n0, lane,
-                                 [&](int i, int c, float y) { sh.d_kcheck[i][c] += y; });
+        mma_small_a_tile16(SmallA<true>{sh.beta_d_l}, &sh.k_hat[0][0], kRowK, n0, lane,
+                           [&](int i, int c, float y) { sh.d_kcheck[i][c] += y; });
       }
     }
     // dgamma on threads kGradientThreads / 2 .. + K - 1 (warps 8-11 at K = 128, whose tasks here
@@ -1224,7 +1023,8 @@ __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>()
   }
   __syncthreads();
 
-  // Phase 8: dq, dk per element; dGamma (over Gamma, by its owner). Q^, K^, K~ as hi + lo.
+  // Phase 8: dq, dk per element; dGamma (over Gamma, by its owner), its factors Q^, K^, K~ the
+  // bf16 values the products saw (so that each intra pair's two terms cancel in dg's sum).
   // Two adjacent columns a thread (8-byte loads and stores), kPairRows consecutive rows.
   if (tid < kPairThreads) {
     const int c0 = 2 * (tid % (K / 2)), i0 = tid / (K / 2) * kPairRows;
@@ -1236,8 +1036,8 @@ __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>()
       auto pair = [&](const float (&x)[kChunk][Shared::kPadK]) { return *reinterpret_cast<const float2*>(&x[i][c0]); };
       const float2 d_qhat = pair(sh.d_qhat), d_khat = pair(sh.d_khat), d_kcheck = pair(sh.d_kcheck);
       const float2 d_kbar = pair(sh.d_kbar), gam = pair(sh.gamma), k_bar = pair(sh.k_bar);
-      const float2 q_hat = load_split_pair(sh.q_hat, i, c0), k_hat = load_split_pair(sh.k_hat, i, c0);
-      const float2 k_check = load_split_pair(sh.k_check, i, c0);
+      const float2 q_hat = load_bf16x2(&sh.q_hat[i][c0]), k_hat = load_bf16x2(&sh.k_hat[i][c0]);
+      const float2 k_check = load_bf16x2(&sh.k_check[i][c0]);
       float2 up, down;
       exp_both(gam.x, up.x, down.x);
       exp_both(gam.y, up.y, down.y);
@@ -1350,7 +1150,7 @@ struct BackwardLayout {
 template <typename T, int K, int V>
 cudaError_t launch_chunk_gradients(ChunkGradientArgs a, int64_t batch, int64_t chunks,
                                    cudaStream_t stream) {
-  constexpr size_t shared = gradient_shared_bytes<K, V, std::is_same_v<T, bf16>>();
+  constexpr size_t shared = gradient_shared_bytes<K, V>();
   const auto kernel = kda_chunk_gradient_kernel<T, K, V>;
   cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            static_cast<int>(shared));
