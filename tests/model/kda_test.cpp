@@ -408,7 +408,7 @@ TEST(Kda, BlockedBackwardPrecisionOfBf16OperandsByProductClass) {
   // M of a 64-token block from its 16 x 16 diagonal inverses and bf16 block products: 4.9e-3.
   EXPECT_LT(worst["C=64 anchor 16, all bf16, M's blocks from bf16 products"], 6e-3);
   EXPECT_GT(worst["C=64 anchor 16, all bf16, dGamma's factors unrounded"],
-            2 * worst["C=64 anchor 16, + diagonal blocks (all bf16)"]);
+            1.5 * worst["C=64 anchor 16, + diagonal blocks (all bf16)"]);
 }
 
 TEST(Kda, ChunkedRejectsAnAnchorThatDoesNotDivideTheChunk) {
