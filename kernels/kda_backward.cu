@@ -347,7 +347,7 @@ struct Small16 {
   __device__ __forceinline__ void store(int i, int c, float y) { x[i][c] = __float2bfloat16_rn(y); }
 };
 
-// Shared memory of one chunk (K = V = 128: ~185 KB; one CTA per SM). bf16 rows padded by 8
+// Shared memory of one chunk (K = V = 128: 197 KB; one CTA per SM). bf16 rows padded by 8
 // elements (ldmatrix rows in distinct bank groups), the [16][K] and [16][V] fp32 arrays by 8 (the
 // 8-byte stores and loads of a 16-column tile without conflicts), the 16 x 16 fp32 ones by 4 (the
 // accumulator layout's (g, 2t) and (2t, g) reads: 2-way and none).
