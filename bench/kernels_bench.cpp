@@ -194,6 +194,28 @@ double bench_backward(const KernelsBenchOptions& o, int64_t batch, int64_t lengt
               static_cast<long>(batch), static_cast<long>(length), static_cast<long>(heads),
               kernel.best_ms, kernel.median_ms, kernel.best_ms / forward_ms, forward_ms,
               workspace_bytes / 1e9);
+  // Pass 3 by 32-token blocks (KdaBackwardOptions::pass3_blocks; off by default), against the
+  // backward above in the same run.
+  {
+    kernels::KdaBackwardOptions blocks;
+    blocks.pass3_blocks = true;
+    const Timing blocked = time_cuda(
+        [&] {
+          const cudaError_t e = kernels::kda_chunked_backward(
+              kernels::KdaDtype::kBFloat16, in.q.data_ptr(), in.k.data_ptr(), in.v.data_ptr(),
+              in.g.data_ptr<float>(), in.beta.data_ptr(), nullptr, d_o.data_ptr(), nullptr, dq.data_ptr(),
+              dk.data_ptr(), dv.data_ptr(), dg.data_ptr<float>(), dbeta.data_ptr<float>(), d_state.data_ptr<float>(),
+              batch, length, heads, key, value, static_cast<float>(in.scale), /*chunk_states=*/nullptr,
+              workspace.data_ptr(), workspace_bytes, stream, blocks);
+          if (e != cudaSuccess) error = e;
+        },
+        o.warmup, o.repeats);
+    TORCH_CHECK(error == cudaSuccess, "kda_chunked_backward (pass3_blocks): ", cudaGetErrorString(error));
+    std::printf("kda backward, pass 3 by 32-token blocks: kernel best %8.3f ms  median %8.3f ms  -> %.2fx the"
+                " forward, %.3fx the default backward's %.3f ms\n",
+                blocked.best_ms, blocked.median_ms, blocked.best_ms / forward_ms, blocked.best_ms / kernel.best_ms,
+                kernel.best_ms);
+  }
   // A training step's forward keeping the chunk states (KdaChunkedOptions::chunk_states with o) and
   // the backward from them (no state recompute), against the forward and backward above.
   {

@@ -154,6 +154,15 @@ cudaError_t kda_chunked_forward(KdaDtype dtype, const void* q, const void* k, co
 size_t kda_chunked_backward_workspace_bytes(int64_t batch, int64_t length, int64_t heads,
                                             int64_t key_dim, int64_t value_dim, bool states_given = false);
 
+// Choices of kda_chunked_backward that change how, not what, it computes (within bf16 rounding).
+struct KdaBackwardOptions {
+  // Pass 3 by blocks of 32 tokens, two exponent-anchored 16-token sub-chunks each
+  // (kda_block_gradient.cuh; bf16 with K = V = 128, ignored otherwise): the base of the blocked
+  // backward (kernels/README.md, "Blocked pass 3"). Off by default: today it is slower than the
+  // 16-token pass (8.1 against 6.6 ms at B=2 T=16K H=64 on an H100).
+  bool pass3_blocks = false;
+};
+
 cudaError_t kda_chunked_backward(KdaDtype dtype, const void* q, const void* k, const void* v,
                                  const float* g, const void* beta, const float* initial_state,
                                  const void* d_o, const float* d_final_state, void* dq,
@@ -161,7 +170,7 @@ cudaError_t kda_chunked_backward(KdaDtype dtype, const void* q, const void* k, c
                                  float* d_initial_state, int64_t batch, int64_t length,
                                  int64_t heads, int64_t key_dim, int64_t value_dim, float scale,
                                  const void* chunk_states, void* workspace, size_t workspace_bytes,
-                                 cudaStream_t stream);
+                                 cudaStream_t stream, const KdaBackwardOptions& options = {});
 
 // One decode token for a batch of sequences; the state is updated in place.
 //   q, k  T [B, H, K]    v T [B, H, V]    g f32 [B, H, K]    beta T [B, H]

@@ -1089,6 +1089,16 @@ __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>()
   }
 }
 
+}  // namespace
+}  // namespace odyssey::kernels
+
+// Pass 3 by blocks of 32 tokens (bf16, K = V = 128): kda_block_gradient_kernel, built on the pieces
+// above (ChunkGradientArgs, the fragment helpers, the 16 x 16 substitution).
+#include "kernels/kda_block_gradient.cuh"
+
+namespace odyssey::kernels {
+namespace {
+
 // ---------------------------------------------------------------------------------------------
 // Launch.
 
@@ -1216,9 +1226,13 @@ cudaError_t launch_state_gradients(const StateGradientArgs& sa, int64_t batch, i
 
 template <typename T, int K, int kTile>
 cudaError_t run_backward(const StateGradientArgs& sa, const ChunkGradientArgs& ca, int64_t batch,
-                         int64_t chunks, int64_t value_dim, cudaStream_t stream) {
+                         int64_t chunks, int64_t value_dim, const KdaBackwardOptions& options,
+                         cudaStream_t stream) {
   const cudaError_t error = launch_state_gradients<T, K, kTile>(sa, batch, value_dim, stream);
   if (error != cudaSuccess) return error;
+  if constexpr (std::is_same_v<T, bf16> && K == 128) {
+    if (value_dim == 128 && options.pass3_blocks) return launch_block_gradients<128, 128>(ca, batch, stream);
+  }
   return with_head_width(value_dim, [&](auto value) {
     return launch_chunk_gradients<T, K, value()>(ca, batch, chunks, stream);
   });
@@ -1249,7 +1263,7 @@ cudaError_t kda_chunked_backward(KdaDtype dtype, const void* q, const void* k, c
                                  float* d_initial_state, int64_t batch, int64_t length,
                                  int64_t heads, int64_t key_dim, int64_t value_dim, float scale,
                                  const void* chunk_states, void* workspace, size_t workspace_bytes,
-                                 cudaStream_t stream) {
+                                 cudaStream_t stream, const KdaBackwardOptions& options) {
   if (!backward_sizes_supported(batch, length, heads, key_dim, value_dim)) {
     return cudaErrorInvalidValue;
   }
@@ -1316,7 +1330,7 @@ cudaError_t kda_chunked_backward(KdaDtype dtype, const void* q, const void* k, c
     ca.length = length, ca.heads = static_cast<int>(heads), ca.scale = scale;
     error = with_walk_types(dtype, key_dim, value_dim, [&](auto type, auto key, auto tile) {
       return run_backward<typename decltype(type)::type, key(), tile()>(sa, ca, batch, chunks,
-                                                                        value_dim, stream);
+                                                                        value_dim, options, stream);
     });
   }
   if (allocated) {

@@ -222,7 +222,8 @@ KdaChunkedGradients kda_chunked_backward(const at::Tensor& q, const at::Tensor& 
                                          const at::Tensor& v, const at::Tensor& g,
                                          const at::Tensor& beta, const at::Tensor& initial_state,
                                          const at::Tensor& d_o, const at::Tensor& d_final_state,
-                                         double scale, const at::Tensor& chunk_states) {
+                                         double scale, const at::Tensor& chunk_states,
+                                         bool pass3_blocks) {
   constexpr const char* where = "kernels::kda_chunked_backward";
   TORCH_CHECK(d_o.defined(), where, ": d_o must be defined (the gradient of o)");
   const auto [batch, length, heads, key, value] = check_kda_sequence(where, q, k, v, g, beta, d_o);
@@ -260,6 +261,8 @@ KdaChunkedGradients kda_chunked_backward(const at::Tensor& q, const at::Tensor& 
   if (workspace_bytes > 0) {
     workspace = at::empty({static_cast<int64_t>(workspace_bytes)}, q.options().dtype(at::kByte));
   }
+  kernels::KdaBackwardOptions options;
+  options.pass3_blocks = pass3_blocks;
   check_launch(
       kernels::kda_chunked_backward(
           kernel_dtype(q.scalar_type()), c.q.data_ptr(), c.k.data_ptr(), c.v.data_ptr(),
@@ -270,7 +273,7 @@ KdaChunkedGradients kda_chunked_backward(const at::Tensor& q, const at::Tensor& 
           dbeta.data_ptr<float>(), d_initial.data_ptr<float>(), batch, length, heads, key, value,
           static_cast<float>(scale), chunk_states.defined() ? chunk_states.data_ptr() : nullptr,
           workspace.defined() ? workspace.data_ptr() : nullptr, workspace_bytes,
-          at::cuda::getCurrentCUDAStream(device.index()).stream()),
+          at::cuda::getCurrentCUDAStream(device.index()).stream(), options),
       where);
   KdaChunkedGradients out;
   out.dq = dq;

@@ -7,7 +7,8 @@
 // -Ivariant first: a folder holding a modified kernels/kda_backward.cu is used instead.
 // Random inputs (bf16 q, k, v, beta, d_o; g in [-0.3, 0]; a d final state); prints the best and
 // median of the whole backward and of pass 1 (states), pass 2 (reverse walk) and pass 3 (chunk
-// gradients) alone. `save.bin` writes the gradients; a later run (another build) given the same
+// gradients) alone, and at K = V = 128 pass 3 by 32-token blocks (kda_block_gradient.cuh), with
+// -DKDA_PHASE_PROFILE its cycles per block between barriers. `save.bin` writes the gradients; a later run (another build) given the same
 // file as `compare.bin` prints each gradient's largest difference relative to its largest
 // magnitude: a quick check of a variant between parity-test runs (kernels_tests is the real one).
 #include "kernels/kda_backward.cu"
@@ -96,6 +97,10 @@ int main(int argc, char** argv) {
     });
   };
 
+  // Pass 3 by 32-token blocks (kda_block_gradient.cuh, KdaBackwardOptions::pass3_blocks), bf16 K = V
+  // = 128; and with the next block's loads issued in phase 8 (kPrefetch, measured slower).
+  auto pass3_blocks = [&]() -> cudaError_t { return launch_block_gradients<128, 128>(ca, B, 0); };
+  auto pass3_blocks_prefetch = [&]() -> cudaError_t { return launch_block_gradients<128, 128, true>(ca, B, 0); };
   check(backward(), "backward");
   check(cudaDeviceSynchronize(), "backward (sync)");
   cudaEvent_t a, b;
@@ -115,17 +120,22 @@ int main(int argc, char** argv) {
   time("pass 1 (states)", pass1);
   time("pass 2 (reverse walk)", pass2);
   time("pass 3 (chunk gradients)", pass3);
+  if (K == 128 && V == 128) {
+    time("pass 3 (32-token blocks)", pass3_blocks);
+    time("pass 3 (blocks, prefetch)", pass3_blocks_prefetch);
+  }
   check(backward(), "backward");
   check(cudaDeviceSynchronize(), "backward (sync)");
 #ifdef KDA_PHASE_PROFILE
-  {  // a variant that defines g_phase_cycles[16] (clock64 between the barriers of pass 3, thread 0)
+  {  // -DKDA_PHASE_PROFILE: g_phase_cycles[16] (kda_block_gradient.cuh; clock64 between its barriers, thread 0)
     unsigned long long zero[16] = {}, cycles[16];
     cudaMemcpyToSymbol(g_phase_cycles, zero, sizeof(zero));
-    check(pass3(), "pass 3");
+    check(pass3_blocks(), "pass 3");  // pass 3 by 32-token blocks (the 16-token pass has no marks)
+    const double items = static_cast<double>(B * H * ((T + kBlock - 1) / kBlock));
+    const char* unit = "32-token block";
     cudaMemcpyFromSymbol(cycles, g_phase_cycles, sizeof(cycles));
-    const double ctas = static_cast<double>(B * H * chunks);  // per chunk (the kernel is persistent)
     for (int i = 0; i < 16; ++i) {
-      if (cycles[i]) std::printf("  pass 3 phase mark %2d: %8.0f cycles per chunk\n", i, cycles[i] / ctas);
+      if (cycles[i]) std::printf("  pass 3 phase mark %2d: %8.0f cycles per %s\n", i, cycles[i] / items, unit);
     }
   }
 #endif

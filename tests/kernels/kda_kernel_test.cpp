@@ -567,9 +567,10 @@ void expect_gradients(const std::string& what, const Gradients& got, const Gradi
   }
 }
 
-Gradients kernel_gradients(const Inputs& in, const at::Tensor& d_o, const at::Tensor& d_final) {
-  const KdaChunkedGradients d =
-      kda_chunked_backward(in.q, in.k, in.v, in.g, in.beta, in.state, d_o, d_final, in.scale);
+Gradients kernel_gradients(const Inputs& in, const at::Tensor& d_o, const at::Tensor& d_final,
+                           bool pass3_blocks = false) {
+  const KdaChunkedGradients d = kda_chunked_backward(in.q, in.k, in.v, in.g, in.beta, in.state, d_o, d_final,
+                                                     in.scale, at::Tensor(), pass3_blocks);
   return {d.dq, d.dk, d.dv, d.dg, d.dbeta, in.state.defined() ? d.d_initial_state : at::Tensor()};
 }
 
@@ -598,6 +599,7 @@ TEST_F(KdaKernel, BackwardMatchesAutogradOfTheFp64Reference) {
       {2, 100, 2, 128, 128, at::kFloat, Gates::kRandom, true, true},
       {1, 90, 2, 128, 128, at::kFloat, Gates::kSaturated, true, true},
       {1, 90, 2, 128, 128, at::kBFloat16, Gates::kOne, true, true},
+      {1, 90, 2, 128, 128, at::kBFloat16, Gates::kSaturated, true, true},
       {2, 37, 2, 128, 128, at::kFloat, Gates::kRandom, true, true},
       {1, 50, 3, 64, 64, at::kFloat, Gates::kRandom, true, true},
       {1, 50, 2, 128, 64, at::kBFloat16, Gates::kRandom, false, true},
@@ -633,6 +635,25 @@ TEST_F(KdaKernel, BackwardOfPartlyFilledLastChunksMatches) {
       const auto [d_o, d_final] = output_gradients(in, /*with_final=*/true, 500 + length);
       expect_gradients(shape_name(1, length, 2, shape.key, shape.value, at::kFloat),
                        kernel_gradients(in, d_o, d_final), reference_gradients(in, d_o, d_final));
+    }
+  }
+}
+
+// Pass 3 by 32-token blocks (KdaBackwardOptions::pass3_blocks, kda_block_gradient.cuh; bf16, K = V
+// = 128) against fp64 autograd, and the 16-token pass on the same inputs: blocks of one token, of
+// one sub-chunk, full ones, partly filled second sub-chunks, many blocks (2000 tokens: 62 and a
+// half), with random gates, g = -5 (the (1, 0) block's factor e^{B_1} at e^{-80}) and g = 0.
+TEST_F(KdaKernel, BackwardByThirtyTwoTokenBlocksMatches) {
+  for (const Gates gates : {Gates::kRandom, Gates::kSaturated, Gates::kOne}) {
+    for (int64_t length : {1, 15, 16, 17, 31, 32, 33, 47, 63, 65, 2000}) {
+      if (gates == Gates::kOne && length < 32) continue;
+      const Inputs in = make_inputs(2, length, 2, 128, 128, at::kBFloat16, gates, true, 600 + length);
+      const auto [d_o, d_final] = output_gradients(in, /*with_final=*/true, 700 + length);
+      const char* gate_names[] = {"", " g = -5", " g = 0"};
+      const std::string name = shape_name(2, length, 2, 128, 128, at::kBFloat16) + gate_names[static_cast<int>(gates)];
+      const Gradients expected = reference_gradients(in, d_o, d_final);
+      expect_gradients(name + " 32-token blocks", kernel_gradients(in, d_o, d_final, /*pass3_blocks=*/true), expected);
+      expect_gradients(name + " 16-token chunks", kernel_gradients(in, d_o, d_final), expected);
     }
   }
 }

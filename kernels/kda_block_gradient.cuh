@@ -1,0 +1,743 @@
+// Pass 3 of the KDA backward by blocks of 32 tokens (bf16, K = V = 128): included by
+// kda_backward.cu, whose derivation (the comment block at its top) this follows, with the
+// intra-chunk products anchored per 16-token sub-chunk (model::kda::chunked_reference(..., chunk
+// = 32, anchor = 16), FLA's sub-chunking); plan and numbers: kernels/README.md, "Blocked pass 3".
+//
+// Why blocks: pass 3 by 16-token chunks (kda_chunk_gradient_kernel) pays its fixed costs - the S and
+// dS' loads (32 KB each), nine barriers, the elementwise passes - once per 16 tokens, and its
+// products are 16 rows tall. A block of 32 reads S entering it and dS' leaving it once (the states
+// of every other chunk are never read), and every product with the K x V state is 32 rows tall.
+// Within the block the intra products (P, Aqk) are 2 x 2 blocks of 16 x 16, each anchored at its
+// row sub-chunk's start B_a (B_0 = 0, B_1 = Gamma[15]) so that no exponent leaves e^{16 |g|}:
+//   block (a, b):  X_a = x e^{Gamma - B_a} (rows of sub-chunk a)    Kc_ab = k e^{B_a - Gamma} (rows of b)
+// and the (1, 0) block's column operand is made from the (0, 0) one, Kc_10 = bf16(Kc_0 (.) e^{B_1})
+// (a bf16 product in registers; e^{B_1} <= 1), the same bf16 values in dGamma's terms, so that each
+// pair's two terms cancel in dg's reverse sum (the fifteenth session's finding).
+// M = (I + Diag(beta) P)^-1 by 16 x 16 blocks: the diagonal ones by the fp32 substitution, M_10 =
+// -(M_11 L_10) M_00 by two bf16 products (model::kda::unit_lower_inverse_by_blocks).
+//
+// Work split: 16 warps; warp w owns the 16 x 16 tile (rows 16 (w / 8), columns 16 (w % 8)) of every
+// [32][128] result - dq, dk and dGamma accumulate in its registers over the phases (no fp32
+// [32][128] arrays in shared memory), and it makes that tile of dV', W, U, V', dW, dv. The 32 x 32
+// products (P, Aqk, G, H, dAqk, the M and dL chains) are tasks of warps 10-15. Eight barriers a block.
+#pragma once
+
+namespace odyssey::kernels {
+namespace {
+
+constexpr int kBlock = 32;             // tokens a pass-3 item
+constexpr int kBlockSubChunks = kBlock / kChunk;
+static_assert(kBlockSubChunks == 2, "the (1, 0) block is the only one below the diagonal");
+
+template <int K, int V>
+struct alignas(16) BlockShared {
+  static constexpr int kRowK = K + 8, kRowV = V + 8, kRowC = kBlock + 8, kPadK = K + 4, kPadC = kBlock + 4;
+  static constexpr int kSlices = kGradientThreads / (K / 2);  // of the V rows (d_decay), of Gamma's rows
+  bf16 s_t[V][kRowK];   // S^T entering the block
+  bf16 ds_t[V][kRowK];  // dS'^T leaving it
+  struct Inputs {
+    bf16 q[kBlock][kRowK], k[kBlock][kRowK];
+  };
+  struct Middle {
+    bf16 w[kBlock][kRowK];    // W = M Diag(beta) K^      (phases 4-5)
+    bf16 d_w[kBlock][kRowK];  // dW = -dV' S^T           (phases 4-5)
+  };
+  union alignas(16) {
+    Inputs in;                        // phases 0-2
+    Middle mid;                       // phases 4-5
+    float d_gamma[kBlock][kPadK];     // phases 7-8
+  };
+  bf16 v[kBlock][kRowV], d_o[kBlock][kRowV];
+  float gamma[kBlock][kPadK];  // g as loaded, then Gamma (from the block's start)
+  bf16 x_q[kBlock][kRowK];     // scale q e^{Gamma - B_a}
+  bf16 x_k[kBlock][kRowK];     // k e^{Gamma - B_a}
+  bf16 k_c[kBlock][kRowK];     // k e^{B_a - Gamma}
+  bf16 k_hat[kBlock][kRowK];   // K^ = k e^Gamma
+  bf16 k_bar[kBlock][kRowK];   // K_ = k e^{gamma - Gamma}
+  bf16 v_new[kBlock][kRowV];   // V'
+  bf16 d_v_new[kBlock][kRowV]; // dV'
+  float p[kBlock][kPadC];      // strictly_lower(P)
+  float gh[kBlock][kPadC];     // G + H (lower, diagonal included)
+  float m[kBlock][kPadC];      // M
+  bf16 a_qk[kBlock][kRowC];    // Aqk (lower, diagonal included)
+  bf16 m_b[kBlock][kRowC];     // M
+  bf16 mb_b[kBlock][kRowC];    // M Diag(beta)
+  bf16 d_aqk[kBlock][kRowC];   // dAqk
+  bf16 d_p[kBlock][kRowC];     // dP = Diag(beta) dL
+  bf16 t1[kBlock][kRowC];      // dM M^T (the dL chain's)
+  alignas(16) float l_t[kBlockSubChunks][kChunk][kChunk];  // the diagonal blocks' L^T
+  float part[kSlices][K];      // Gamma's partial sums (phase 0)
+  float d_decay[kSlices][K];   // sum_v dS' (.) S over slices of the V rows
+  float kbar_sum[2][K];        // column sums of dK_ (.) K_ over each row tile
+  float beta[kBlock];
+  float anchor[K];             // B_1 = Gamma[15]
+  float last[K];               // gamma = Gamma[31]
+  bf16 c10[K];                 // e^{B_1}: Kc_10 = Kc_0 (.) e^{B_1}
+  float dbeta_l[2][kBlock];    // sum_j dL_ij P_ij over the columns of tile 0 and tile 1
+  bf16 d_m[kBlock][kRowC];     // dM = (G + H) Diag(beta) below the diagonal
+};
+
+// KDA_PHASE_PROFILE: thread 0 adds the cycles between the kernel's barriers to g_phase_cycles[phase]
+// (scripts/kda_backward_driver.cu prints them per block), a phase's length at its slowest warp.
+#ifdef KDA_PHASE_PROFILE
+__device__ unsigned long long g_phase_cycles[16];
+#define BLOCK_PHASE_MARK(id)                                                      \
+  do {                                                                            \
+    if (tid == 0) {                                                               \
+      const long long now = clock64();                                            \
+      atomicAdd(&g_phase_cycles[id], static_cast<unsigned long long>(now - mark)); \
+      mark = now;                                                                 \
+    }                                                                             \
+  } while (0)
+#else
+#define BLOCK_PHASE_MARK(id) \
+  do {                       \
+  } while (0)
+#endif
+
+template <int K, int V>
+constexpr size_t block_shared_bytes() {
+  static_assert(sizeof(BlockShared<K, V>) <= 227 * 1024, "more than an SM's shared memory");
+  return sizeof(BlockShared<K, V>);
+}
+
+__device__ __forceinline__ uint32_t mul_bf16x2(uint32_t x, __nv_bfloat162 f) {
+  __nv_bfloat162 y = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&x), f);
+  return *reinterpret_cast<uint32_t*>(&y);
+}
+
+// Fragment sources for one m16n8k16 k-step (FragmentOffsets f, kernels/mma.cuh):
+//   A from rows (m, k contiguous)           a_rows(x, ld, m0, k0)
+//   A = X^T from X's rows (k, m contiguous) a_trans(x, ld, m0, k0)
+//   B of two n8 tiles, stored rows = n       b_rows(x, ld, n0, k0)
+//   B of two n8 tiles, stored rows = k       b_trans(x, ld, n0, k0)
+__device__ __forceinline__ void a_rows(uint32_t (&r)[4], const bf16* x, int ld, int m0, int k0,
+                                       const FragmentOffsets& f) {
+  ldmatrix_x4(r, x + (m0 + f.a_row) * ld + k0 + f.a_col);
+}
+__device__ __forceinline__ void a_trans(uint32_t (&r)[4], const bf16* x, int ld, int m0, int k0,
+                                        const FragmentOffsets& f) {
+  ldmatrix_x4_trans(r, x + (k0 + f.b_row) * ld + m0 + f.b_col);
+}
+__device__ __forceinline__ void b_rows(uint32_t (&r)[4], const bf16* x, int ld, int n0, int k0,
+                                       const FragmentOffsets& f) {
+  ldmatrix_x4(r, x + (n0 + f.b_row) * ld + k0 + f.b_col);
+}
+__device__ __forceinline__ void b_trans(uint32_t (&r)[4], const bf16* x, int ld, int n0, int k0,
+                                        const FragmentOffsets& f) {
+  ldmatrix_x4_trans(r, x + (k0 + f.t_row) * ld + n0 + f.t_col);
+}
+__device__ __forceinline__ void mma2(float (&acc)[2][4], const uint32_t (&a)[4], const uint32_t (&b)[4]) {
+  mma(acc[0], a, b[0], b[1]);
+  mma(acc[1], a, b[2], b[3]);
+}
+
+// Calls f(n, e, row, col) for the 8 entries a lane holds of a 16 x 16 accumulator tile acc[2][4]
+// at (m0, n0): row m0 + g (+8 for e >= 2), column n0 + 8 n + 2 t (+1 for odd e).
+template <typename F>
+__device__ __forceinline__ void for_tile(int m0, int n0, int lane, F&& f) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int n = 0; n < 2; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) f(n, e, m0 + g + (e >> 1) * 8, n0 + n * 8 + 2 * t + (e & 1));
+  }
+}
+
+// Persistent, as kda_chunk_gradient_kernel: CTA b takes the blocks b, b + gridDim.x, ... (items:
+// block + blocks (h + H seq)). Inputs bf16; S^T entering chunk 2 blk and dS'^T leaving chunk
+// min(2 blk + 1, chunks - 1) from passes 1 and 2's [N, H, chunks, V, K].
+template <int K, int V, bool kPrefetch = false>
+__global__ void __launch_bounds__(kGradientThreads, 1) kda_block_gradient_kernel(const ChunkGradientArgs a) {
+  static_assert(K == 128 && V == 128, "one 16 x 16 tile a warp of every [32][128] result");
+  using Shared = BlockShared<K, V>;
+  constexpr int kRowK = Shared::kRowK, kRowV = Shared::kRowV, kRowC = Shared::kRowC, kSlices = Shared::kSlices;
+  extern __shared__ __align__(16) unsigned char shared_raw[];
+  Shared& sh = *reinterpret_cast<Shared*>(shared_raw);
+  const int tid = threadIdx.x, lane = tid & 31, warp = warp_index();
+  const FragmentOffsets f(lane);
+  const int g = lane >> 2, t = lane & 3;
+  const int H = a.heads;
+  const int64_t num_chunks = (a.length + kChunk - 1) / kChunk;
+  const int64_t num_blocks = (a.length + kBlock - 1) / kBlock;
+  const bf16* q = static_cast<const bf16*>(a.q);
+  const bf16* k = static_cast<const bf16*>(a.k);
+  const bf16* v = static_cast<const bf16*>(a.v);
+  const bf16* d_o = static_cast<const bf16*>(a.d_o);
+  const bf16* beta = static_cast<const bf16*>(a.beta);
+  // This warp's tile of every [32][128] result.
+  const int rt = warp / 8, m0 = 16 * rt, n0 = 16 * (warp % 8);
+
+  struct Item {
+    int64_t blk, row0;  // row0: the block's first row in [B * L]
+    int h, seq, valid;
+  };
+  auto item_at = [&](int64_t w) {
+    Item it;
+    it.blk = w % num_blocks;
+    const int64_t head_seq = w / num_blocks;
+    it.h = static_cast<int>(head_seq % H), it.seq = static_cast<int>(head_seq / H);
+    it.row0 = static_cast<int64_t>(it.seq) * a.length + it.blk * kBlock;
+    it.valid = static_cast<int>(min64(kBlock, a.length - it.blk * kBlock));
+    return it;
+  };
+  // An item's loads by cp.async (rows past the sequence's end zero), in parts: with kPrefetch the
+  // next item's S^T, dS'^T, v, dO and g are issued in phase 8 by the warps it leaves idle (those
+  // arrays are dead by then), and only q and k (in the space of dGamma, which phase 8 reads) at
+  // the top; otherwise everything at the top.
+  auto real_row = [&](const Item& it, int i) { return (it.row0 + (i < it.valid ? i : it.valid - 1)) * H + it.h; };
+  auto issue_states_and_values = [&](const Item& it, int me, int stride) {
+    const int64_t pair = static_cast<int64_t>(it.seq) * H + it.h;
+    const bf16* s = a.chunk_states + (pair * num_chunks + 2 * it.blk) * V * K;
+    const bf16* ds = a.chunk_d_states + (pair * num_chunks + min64(2 * it.blk + 1, num_chunks - 1)) * V * K;
+    for (int e = me; e < V * K / 8; e += stride) {
+      const int row = e / (K / 8), col = (e % (K / 8)) * 8;
+      cp_async16(&sh.s_t[row][col], s + static_cast<int64_t>(e) * 8);
+      cp_async16(&sh.ds_t[row][col], ds + static_cast<int64_t>(e) * 8);
+    }
+    for (int e = me; e < kBlock * V / 8; e += stride) {
+      const int i = e / (V / 8), col = (e % (V / 8)) * 8;
+      const int64_t at = real_row(it, i) * V + col;
+      cp_async16_or_zero(&sh.v[i][col], v + at, i < it.valid);
+      cp_async16_or_zero(&sh.d_o[i][col], d_o + at, i < it.valid);
+    }
+    cp_async_commit();
+  };
+  auto issue_gates = [&](const Item& it, int me, int stride) {
+    for (int e = me; e < kBlock * K / 4; e += stride) {
+      const int i = e / (K / 4), col = (e % (K / 4)) * 4;
+      cp_async16_or_zero(&sh.gamma[i][col], a.g + real_row(it, i) * K + col, i < it.valid);
+    }
+    cp_async_commit();
+  };
+  auto issue_keys = [&](const Item& it) {
+    for (int e = tid; e < kBlock * K / 8; e += kGradientThreads) {
+      const int i = e / (K / 8), col = (e % (K / 8)) * 8;
+      const int64_t at = real_row(it, i) * K + col;
+      cp_async16_or_zero(&sh.in.q[i][col], q + at, i < it.valid);
+      cp_async16_or_zero(&sh.in.k[i][col], k + at, i < it.valid);
+    }
+    cp_async_commit();
+  };
+
+#ifdef KDA_PHASE_PROFILE
+  long long mark = clock64();
+#endif
+  bool first = true;
+  for (int64_t w = blockIdx.x; w < a.items; w += gridDim.x, first = false) {
+    const Item cur = item_at(w);
+    const int64_t next_w = w + gridDim.x;
+    const bool more = next_w < a.items;
+    const Item next = more ? item_at(next_w) : cur;
+    const int valid = cur.valid;
+    auto token = [&](int i) { return (cur.row0 + i) * H + cur.h; };  // [B, L, H] index of row i
+
+    if (first || !kPrefetch) {
+      issue_states_and_values(cur, tid, kGradientThreads);
+      issue_gates(cur, tid, kGradientThreads);
+    }
+    issue_keys(cur);
+    if (tid < kBlock) sh.beta[tid] = tid < valid ? __bfloat162float(beta[token(tid)]) : 0.0f;
+    cp_async_wait<0>();
+    __syncthreads();
+    BLOCK_PHASE_MARK(0);
+
+    // Phase 0: Gamma's partial sums (column pair cp, rows 4 rg .. 4 rg + 3), and d(e^gamma)'s
+    // partial sums sum_v dS' (.) S over 16 V rows a thread.
+    const int cp = 2 * (tid % (K / 2)), rg = tid / (K / 2);
+    constexpr int kRows = kBlock / kSlices;  // 4
+    float2 local[kRows];
+    {
+      float2 acc = make_float2(0.0f, 0.0f);
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        const float2 x = *reinterpret_cast<const float2*>(&sh.gamma[rg * kRows + r][cp]);
+        acc.x += x.x, acc.y += x.y;
+        local[r] = acc;
+      }
+      *reinterpret_cast<float2*>(&sh.part[rg][cp]) = acc;
+      constexpr int kVRows = V / kSlices;
+      float2 dd = make_float2(0.0f, 0.0f);
+#pragma unroll 4
+      for (int r = rg * kVRows; r < (rg + 1) * kVRows; ++r) {
+        const float2 s = load_bf16x2(&sh.s_t[r][cp]), ds = load_bf16x2(&sh.ds_t[r][cp]);
+        dd.x += s.x * ds.x, dd.y += s.y * ds.y;
+      }
+      *reinterpret_cast<float2*>(&sh.d_decay[rg][cp]) = dd;
+    }
+    __syncthreads();
+    BLOCK_PHASE_MARK(1);
+
+    // Phase 1: Gamma, and the operands of every product, per element (the same thread's rows).
+    {
+      float2 offset = make_float2(0.0f, 0.0f), b1 = offset, last = offset;
+#pragma unroll
+      for (int r = 0; r < kSlices; ++r) {
+        const float2 x = *reinterpret_cast<const float2*>(&sh.part[r][cp]);
+        if (r < rg) offset.x += x.x, offset.y += x.y;
+        if (r < kSlices / 2) b1.x += x.x, b1.y += x.y;
+        last.x += x.x, last.y += x.y;
+      }
+      if (rg == 0) {
+        *reinterpret_cast<float2*>(&sh.anchor[cp]) = b1;
+        *reinterpret_cast<float2*>(&sh.last[cp]) = last;
+        store_bf16x2(&sh.c10[cp], exp_ftz(b1.x), exp_ftz(b1.y));
+      }
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        const int i = rg * kRows + r;
+        const float2 gam = make_float2(local[r].x + offset.x, local[r].y + offset.y);
+        *reinterpret_cast<float2*>(&sh.gamma[i][cp]) = gam;
+        const float2 anchor = i < kChunk ? make_float2(0.0f, 0.0f) : b1;
+        const float2 qi = load_bf16x2(&sh.in.q[i][cp]), ki = load_bf16x2(&sh.in.k[i][cp]);
+        float2 up, down;
+        exp_both(gam.x - anchor.x, up.x, down.x);
+        exp_both(gam.y - anchor.y, up.y, down.y);
+        store_bf16x2(&sh.x_q[i][cp], a.scale * qi.x * up.x, a.scale * qi.y * up.y);
+        store_bf16x2(&sh.x_k[i][cp], ki.x * up.x, ki.y * up.y);
+        store_bf16x2(&sh.k_c[i][cp], ki.x * down.x, ki.y * down.y);
+        store_bf16x2(&sh.k_hat[i][cp], ki.x * exp_ftz(gam.x), ki.y * exp_ftz(gam.y));
+        store_bf16x2(&sh.k_bar[i][cp], ki.x * exp_ftz(last.x - gam.x), ki.y * exp_ftz(last.y - gam.y));
+      }
+    }
+    __syncthreads();
+    BLOCK_PHASE_MARK(2);
+
+    float dq[2][4] = {}, dk[2][4] = {}, dgam[2][4] = {};
+
+    // Phase 2: dQ^ = dO S^T (into dq and dGamma) on every warp's tile; the intra blocks of P and
+    // Aqk (warps 10-15), and the diagonal blocks' inverses M_00, M_11 by the warps that made P_00
+    // and P_11 (10 and 12; a column a lane, from L^T of their own block).
+    {
+      float acc[2][4] = {};
+#pragma unroll
+      for (int k0 = 0; k0 < V; k0 += 16) {
+        uint32_t af[4], bf[4];
+        a_rows(af, &sh.d_o[0][0], kRowV, m0, k0, f);
+        b_trans(bf, &sh.s_t[0][0], kRowK, n0, k0, f);
+        mma2(acc, af, bf);
+      }
+      for_tile(m0, n0, lane, [&](int n, int e, int i, int c) {
+        const float term = a.scale * exp_ftz(sh.gamma[i][c]) * acc[n][e];  // dQ^ (.) scale e^Gamma
+        dq[n][e] += term;
+        dgam[n][e] += term * __bfloat162float(sh.in.q[i][c]);              // dQ^ (.) Q^
+      });
+    }
+    if (warp >= 10) {
+      // Tasks 0-2: P_00, P_10, P_11; 3-5: Aqk_00, Aqk_10, Aqk_11.
+      const int task = warp - 10, ab = task % 3, ra = ab == 0 ? 0 : 1, cb = ab == 2 ? 1 : 0;
+      const bool is_p = task < 3;
+      const bf16* x = is_p ? &sh.x_k[0][0] : &sh.x_q[0][0];
+      float acc[2][4] = {};
+#pragma unroll
+      for (int k0 = 0; k0 < K; k0 += 16) {
+        uint32_t af[4], bf[4];
+        a_rows(af, x, kRowK, 16 * ra, k0, f);
+        b_rows(bf, &sh.k_c[0][0], kRowK, 16 * cb, k0, f);
+        if (ra != cb) {  // Kc_10 = Kc_0 (.) e^{B_1}: channels k0 + 2t (+1) and k0 + 8 + 2t (+1)
+          const __nv_bfloat162 f0 = *reinterpret_cast<const __nv_bfloat162*>(&sh.c10[k0 + 2 * t]);
+          const __nv_bfloat162 f1 = *reinterpret_cast<const __nv_bfloat162*>(&sh.c10[k0 + 8 + 2 * t]);
+          bf[0] = mul_bf16x2(bf[0], f0), bf[1] = mul_bf16x2(bf[1], f1);
+          bf[2] = mul_bf16x2(bf[2], f0), bf[3] = mul_bf16x2(bf[3], f1);
+        }
+        mma2(acc, af, bf);
+      }
+      for_tile(16 * ra, 16 * cb, lane, [&](int n, int e, int i, int j) {
+        const bool below = ra != cb || j < i;
+        if (is_p) {
+          sh.p[i][j] = below ? acc[n][e] : 0.0f;
+          if (ra == cb) sh.l_t[ra][j - 16 * cb][i - 16 * ra] = below ? sh.beta[i] * acc[n][e] : 0.0f;
+          if (ab == 0) sh.p[i][j + kChunk] = 0.0f;  // the block above the diagonal
+        } else {
+          sh.a_qk[i][j] = __float2bfloat16_rn(below || i == j ? acc[n][e] : 0.0f);
+          if (ab == 0) sh.a_qk[i][j + kChunk] = __float2bfloat16_rn(0.0f);
+        }
+      });
+      if (is_p && ra == cb) {
+        __syncwarp();
+        if (lane < kChunk) {
+          const int c = lane, o = kChunk * ra;
+          float col[kChunk];
+          unit_lower_inverse_column_t(sh.l_t[ra], c, col);
+#pragma unroll
+          for (int i = 0; i < kChunk; ++i) {
+            sh.m[o + i][o + c] = col[i];
+            sh.m_b[o + i][o + c] = __float2bfloat16_rn(col[i]);
+            sh.mb_b[o + i][o + c] = __float2bfloat16_rn(col[i] * sh.beta[o + c]);
+            if (ra == 0) {  // the block above the diagonal
+              sh.m[i][kChunk + c] = 0.0f;
+              sh.m_b[i][kChunk + c] = __float2bfloat16_rn(0.0f);
+              sh.mb_b[i][kChunk + c] = __float2bfloat16_rn(0.0f);
+            }
+          }
+        }
+      }
+    }
+    __syncthreads();
+    BLOCK_PHASE_MARK(3);
+
+    // Phase 3: M_10 = -(M_11 L_10) M_00 (warp 0); dV' = K_ dS' + Aqk^T dO on every warp's tile,
+    // stored bf16.
+    if (warp == 0) {
+      // Y = M_11 L_10 (L_10[j][c] = beta_{16+j} P[16+j][c] as B from registers), then M_10 = -Y M_00.
+      float y[2][4] = {};
+      {
+        uint32_t af[4], bf[4];
+        a_rows(af, &sh.m_b[0][0], kRowC, kChunk, kChunk, f);
+        auto l10 = [&](int j, int col) { return sh.beta[kChunk + j] * sh.p[kChunk + j][col]; };
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+          bf[2 * n] = pack_bf16(l10(2 * t, 8 * n + g), l10(2 * t + 1, 8 * n + g));
+          bf[2 * n + 1] = pack_bf16(l10(2 * t + 8, 8 * n + g), l10(2 * t + 9, 8 * n + g));
+        }
+        mma2(y, af, bf);
+      }
+      float m10[2][4] = {};
+      {
+        const uint32_t af[4] = {pack_bf16(y[0][0], y[0][1]), pack_bf16(y[0][2], y[0][3]),
+                                pack_bf16(y[1][0], y[1][1]), pack_bf16(y[1][2], y[1][3])};
+        uint32_t bf[4];
+        b_trans(bf, &sh.m_b[0][0], kRowC, 0, 0, f);
+        mma2(m10, af, bf);
+      }
+      for_tile(kChunk, 0, lane, [&](int n, int e, int i, int c) {
+        const float x = -m10[n][e];
+        sh.m[i][c] = x;
+        sh.m_b[i][c] = __float2bfloat16_rn(x);
+        sh.mb_b[i][c] = __float2bfloat16_rn(x * sh.beta[c]);
+      });
+    }
+    {
+      float dvn[2][4] = {};
+#pragma unroll
+      for (int k0 = 0; k0 < K; k0 += 16) {
+        uint32_t af[4], bf[4];
+        a_rows(af, &sh.k_bar[0][0], kRowK, m0, k0, f);
+        b_rows(bf, &sh.ds_t[0][0], kRowK, n0, k0, f);
+        mma2(dvn, af, bf);
+      }
+      // (Aqk^T)[i][t] = Aqk[t][i], nonzero for t >= i: k-steps from this tile's rows on.
+      for (int k0 = m0; k0 < kBlock; k0 += 16) {
+        uint32_t af[4], bf[4];
+        a_trans(af, &sh.a_qk[0][0], kRowC, m0, k0, f);
+        b_trans(bf, &sh.d_o[0][0], kRowV, n0, k0, f);
+        mma2(dvn, af, bf);
+      }
+      for_tile(m0, n0, lane, [&](int n, int e, int i, int c) {
+        if ((e & 1) == 0) store_bf16x2(&sh.d_v_new[i][c], dvn[n][e], dvn[n][e + 1]);
+      });
+    }
+    __syncthreads();
+    BLOCK_PHASE_MARK(4);
+
+    // Phase 4: W = M Diag(beta) K^ (stored), U = M Diag(beta) V (kept), dW = -dV' S^T (stored);
+    // G = dV' V^T (warps 13-15, the lower blocks).
+    float u[2][4] = {};
+    {
+      float wt[2][4] = {};
+      for (int k0 = 0; k0 <= m0; k0 += 16) {  // M is lower: columns up to this tile's rows
+        uint32_t af[4], bf[4], bv[4];
+        a_rows(af, &sh.mb_b[0][0], kRowC, m0, k0, f);
+        b_trans(bf, &sh.k_hat[0][0], kRowK, n0, k0, f);
+        b_trans(bv, &sh.v[0][0], kRowV, n0, k0, f);
+        mma2(wt, af, bf);
+        mma2(u, af, bv);
+      }
+      for_tile(m0, n0, lane, [&](int n, int e, int i, int c) {
+        if ((e & 1) == 0) store_bf16x2(&sh.mid.w[i][c], wt[n][e], wt[n][e + 1]);
+      });
+      float dw[2][4] = {};
+#pragma unroll
+      for (int k0 = 0; k0 < V; k0 += 16) {
+        uint32_t af[4], bf[4];
+        a_rows(af, &sh.d_v_new[0][0], kRowV, m0, k0, f);
+        b_trans(bf, &sh.s_t[0][0], kRowK, n0, k0, f);
+        mma2(dw, af, bf);
+      }
+      for_tile(m0, n0, lane, [&](int n, int e, int i, int c) {
+        if ((e & 1) == 0) store_bf16x2(&sh.mid.d_w[i][c], -dw[n][e], -dw[n][e + 1]);
+      });
+    }
+    if (warp >= 13) {
+      const int ab = warp - 13, ra = ab == 0 ? 0 : 1, cb = ab == 2 ? 1 : 0;
+      float acc[2][4] = {};
+#pragma unroll
+      for (int k0 = 0; k0 < V; k0 += 16) {
+        uint32_t af[4], bf[4];
+        a_rows(af, &sh.d_v_new[0][0], kRowV, 16 * ra, k0, f);
+        b_rows(bf, &sh.v[0][0], kRowV, 16 * cb, k0, f);
+        mma2(acc, af, bf);
+      }
+      for_tile(16 * ra, 16 * cb, lane, [&](int n, int e, int i, int j) {
+        sh.gh[i][j] = ra != cb || j <= i ? acc[n][e] : 0.0f;
+        if (ab == 0) sh.gh[i][j + kChunk] = 0.0f;
+      });
+    }
+    __syncthreads();
+    BLOCK_PHASE_MARK(5);
+
+    // Phase 5: V' = U - W S (stored); dK^ = Diag(beta) M^T dW (into dk, dGamma); dv = Diag(beta)
+    // M^T dV' (stored to global); H = dW K^^T added to G (warps 13-15, the same entries).
+    {
+      float ws[2][4] = {};
+#pragma unroll
+      for (int k0 = 0; k0 < K; k0 += 16) {
+        uint32_t af[4], bf[4];
+        a_rows(af, &sh.mid.w[0][0], kRowK, m0, k0, f);
+        b_rows(bf, &sh.s_t[0][0], kRowK, n0, k0, f);
+        mma2(ws, af, bf);
+      }
+      for_tile(m0, n0, lane, [&](int n, int e, int i, int c) {
+        if ((e & 1) == 0) store_bf16x2(&sh.v_new[i][c], u[n][e] - ws[n][e], u[n][e + 1] - ws[n][e + 1]);
+      });
+      float dkb[2][4] = {}, dvb[2][4] = {};
+      for (int k0 = m0; k0 < kBlock; k0 += 16) {  // (M^T)[i][t] = M[t][i], nonzero for t >= i
+        uint32_t af[4], bf[4], bv[4];
+        a_trans(af, &sh.m_b[0][0], kRowC, m0, k0, f);
+        b_trans(bf, &sh.mid.d_w[0][0], kRowK, n0, k0, f);
+        b_trans(bv, &sh.d_v_new[0][0], kRowV, n0, k0, f);
+        mma2(dkb, af, bf);
+        mma2(dvb, af, bv);
+      }
+      for_tile(m0, n0, lane, [&](int n, int e, int i, int c) {
+        const float dkh = sh.beta[i] * dkb[n][e];  // dK^
+        dk[n][e] += dkh * exp_ftz(sh.gamma[i][c]);
+        dgam[n][e] += dkh * __bfloat162float(sh.k_hat[i][c]);
+        if ((e & 1) == 0 && i < valid) {
+          store_pair(static_cast<bf16*>(a.dv) + token(i) * V + c, sh.beta[i] * dvb[n][e], sh.beta[i] * dvb[n][e + 1]);
+        }
+      });
+    }
+    if (warp >= 13) {
+      const int ab = warp - 13, ra = ab == 0 ? 0 : 1, cb = ab == 2 ? 1 : 0;
+      float acc[2][4] = {};
+#pragma unroll
+      for (int k0 = 0; k0 < K; k0 += 16) {
+        uint32_t af[4], bf[4];
+        a_rows(af, &sh.mid.d_w[0][0], kRowK, 16 * ra, k0, f);
+        b_rows(bf, &sh.k_hat[0][0], kRowK, 16 * cb, k0, f);
+        mma2(acc, af, bf);
+      }
+      for_tile(16 * ra, 16 * cb, lane, [&](int n, int e, int i, int j) {
+        if (ra != cb || j <= i) sh.gh[i][j] += acc[n][e];
+        // dM[t][s] = beta_s (G + H)[t][s], below the diagonal (the only entries dL depends on)
+        sh.d_m[i][j] = __float2bfloat16_rn(i > j ? sh.beta[j] * sh.gh[i][j] : 0.0f);
+        if (ab == 0) sh.d_m[i][j + kChunk] = __float2bfloat16_rn(0.0f);
+      });
+    }
+    __syncthreads();
+    BLOCK_PHASE_MARK(6);
+
+    // Phase 6: dK_ = V' dS'^T (into dk, dGamma and dgamma's column sums); dAqk = dO V'^T (warps
+    // 10-12); dL = -M^T (dM M^T) M ... with dM[t][s] = beta_s (G + H)[t][s] below the diagonal
+    // (warp 15), then dP = Diag(beta) dL and dbeta's sum_j dL_ij P_ij.
+    {
+      float acc[2][4] = {};
+#pragma unroll
+      for (int k0 = 0; k0 < V; k0 += 16) {
+        uint32_t af[4], bf[4];
+        a_rows(af, &sh.v_new[0][0], kRowV, m0, k0, f);
+        b_trans(bf, &sh.ds_t[0][0], kRowK, n0, k0, f);
+        mma2(acc, af, bf);
+      }
+      float colsum[2][2] = {};
+      for_tile(m0, n0, lane, [&](int n, int e, int i, int c) {
+        const float kb = __bfloat162float(sh.k_bar[i][c]), x = acc[n][e] * kb;
+        dk[n][e] += acc[n][e] * exp_ftz(sh.last[c] - sh.gamma[i][c]);
+        dgam[n][e] -= x;
+        colsum[n][e & 1] += x;
+      });
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+#pragma unroll
+        for (int x = 0; x < 2; ++x) {
+          float s = colsum[n][x];
+          s += __shfl_xor_sync(0xffffffffu, s, 4);
+          s += __shfl_xor_sync(0xffffffffu, s, 8);
+          s += __shfl_xor_sync(0xffffffffu, s, 16);
+          if (g == 0) sh.kbar_sum[rt][n0 + 8 * n + 2 * t + x] = s;
+        }
+      }
+    }
+    if (warp >= 9 && warp < 12) {
+      const int ab = warp - 9, ra = ab == 0 ? 0 : 1, cb = ab == 2 ? 1 : 0;
+      float acc[2][4] = {};
+#pragma unroll
+      for (int k0 = 0; k0 < V; k0 += 16) {
+        uint32_t af[4], bf[4];
+        a_rows(af, &sh.d_o[0][0], kRowV, 16 * ra, k0, f);
+        b_rows(bf, &sh.v_new[0][0], kRowV, 16 * cb, k0, f);
+        mma2(acc, af, bf);
+      }
+      for_tile(16 * ra, 16 * cb, lane, [&](int n, int e, int i, int j) {
+        sh.d_aqk[i][j] = __float2bfloat16_rn(ra != cb || j <= i ? acc[n][e] : 0.0f);
+        if (ab == 0) sh.d_aqk[i][j + kChunk] = __float2bfloat16_rn(0.0f);
+      });
+    } else if (warp >= 12) {
+      // T1 = dM M^T, a 16 x 16 tile a warp (B[s][j] = M[j][s]: M's rows), then (warps 12-14)
+      // dL = -M^T T1 on the tiles below the diagonal; dP = Diag(beta) dL, and sum_j dL_ij P_ij.
+      const int x = warp - 12, ti = x / 2, tj = x % 2;
+      {
+        float acc[2][4] = {};
+#pragma unroll
+        for (int k0 = 0; k0 < kBlock; k0 += 16) {
+          uint32_t af[4], bf[4];
+          a_rows(af, &sh.d_m[0][0], kRowC, 16 * ti, k0, f);
+          b_rows(bf, &sh.m_b[0][0], kRowC, 16 * tj, k0, f);
+          mma2(acc, af, bf);
+        }
+        for_tile(16 * ti, 16 * tj, lane, [&](int n, int e, int i, int j) {
+          if ((e & 1) == 0) store_bf16x2(&sh.t1[i][j], acc[n][e], acc[n][e + 1]);
+        });
+      }
+      asm volatile("bar.sync 1, 128;\n" ::: "memory");  // warps 12-15: T1 complete
+      if (x < 3) {
+        const int li = x == 0 ? 0 : 1, lj = x == 2 ? 1 : 0;  // dL tiles (0, 0), (1, 0), (1, 1)
+        float acc[2][4] = {};
+        for (int k0 = 16 * li; k0 < kBlock; k0 += 16) {
+          uint32_t af[4], bf[4];
+          a_trans(af, &sh.m_b[0][0], kRowC, 16 * li, k0, f);
+          b_trans(bf, &sh.t1[0][0], kRowC, 16 * lj, k0, f);
+          mma2(acc, af, bf);
+        }
+        float row_sum[2] = {};  // rows 16 li + g, + 8
+        for_tile(16 * li, 16 * lj, lane, [&](int n, int e, int i, int j) {
+          const float dl = i > j ? -acc[n][e] : 0.0f;
+          sh.d_p[i][j] = __float2bfloat16_rn(sh.beta[i] * dl);
+          if (x == 0) sh.d_p[i][j + kChunk] = __float2bfloat16_rn(0.0f);
+          row_sum[e >> 1] += dl * sh.p[i][j];
+        });
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          float sum = row_sum[r];
+          sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+          sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+          if (t == 0) sh.dbeta_l[lj][16 * li + g + 8 * r] = sum;
+        }
+      }
+    }
+    __syncthreads();
+    BLOCK_PHASE_MARK(7);
+
+    // Phase 7: the intra blocks' gradients. Rows (this tile's sub-chunk a = rt): dX_a = sum_{b <= a}
+    // dA_ab Kc_ab for Aqk (into dq) and P (into dk); columns (b = rt): dKc_ab = dAqk_ab^T Xq_a +
+    // dP_ab^T Xk_a for a >= b (into dk). dGamma's factors are the bf16 operands the products saw.
+    {
+      float dxq[2][4] = {}, dxk[2][4] = {};
+      for (int b = 0; b <= rt; ++b) {
+        uint32_t aq[4], ap[4], bf[4];
+        a_rows(aq, &sh.d_aqk[0][0], kRowC, m0, 16 * b, f);
+        a_rows(ap, &sh.d_p[0][0], kRowC, m0, 16 * b, f);
+        b_trans(bf, &sh.k_c[0][0], kRowK, n0, 16 * b, f);
+        if (b != rt) {  // Kc_10 = Kc_0 (.) e^{B_1}: channel n0 + g (b0, b1), n0 + 8 + g (b2, b3)
+          const bf16 c0 = sh.c10[n0 + g], c1 = sh.c10[n0 + 8 + g];
+          const __nv_bfloat162 f0 = __halves2bfloat162(c0, c0), f1 = __halves2bfloat162(c1, c1);
+          bf[0] = mul_bf16x2(bf[0], f0), bf[1] = mul_bf16x2(bf[1], f0);
+          bf[2] = mul_bf16x2(bf[2], f1), bf[3] = mul_bf16x2(bf[3], f1);
+        }
+        mma2(dxq, aq, bf);
+        mma2(dxk, ap, bf);
+      }
+      // dKc_ab for a = b = rt (dkc) and, in row tile 0, for the (1, 0) block (dkc10).
+      float dkc[2][4] = {}, dkc10[2][4] = {};
+      auto column_block = [&](int ra, float (&acc)[2][4]) {
+        uint32_t aq[4], ap[4], bq[4], bk[4];
+        a_trans(aq, &sh.d_aqk[0][0], kRowC, m0, 16 * ra, f);
+        a_trans(ap, &sh.d_p[0][0], kRowC, m0, 16 * ra, f);
+        b_trans(bq, &sh.x_q[0][0], kRowK, n0, 16 * ra, f);
+        b_trans(bk, &sh.x_k[0][0], kRowK, n0, 16 * ra, f);
+        mma2(acc, aq, bq);
+        mma2(acc, ap, bk);
+      };
+      column_block(rt, dkc);
+      if (rt == 0) column_block(1, dkc10);
+      for_tile(m0, n0, lane, [&](int n, int e, int i, int c) {
+        const float gam = sh.gamma[i][c], b_own = rt == 0 ? 0.0f : sh.anchor[c];
+        float up, down;
+        exp_both(gam - b_own, up, down);  // e^{Gamma - B_rt}, e^{B_rt - Gamma}
+        dq[n][e] += a.scale * up * dxq[n][e];
+        dgam[n][e] += dxq[n][e] * __bfloat162float(sh.x_q[i][c]);
+        dk[n][e] += up * dxk[n][e];
+        dgam[n][e] += dxk[n][e] * __bfloat162float(sh.x_k[i][c]);
+        const bf16 kc = sh.k_c[i][c];
+        dk[n][e] += down * dkc[n][e];
+        dgam[n][e] -= dkc[n][e] * __bfloat162float(kc);
+        if (rt == 0) {  // the (1, 0) block: Kc_10 = bf16(Kc_0 e^{B_1}), its factor e^{B_1 - Gamma}
+          const float kc10 = __bfloat162float(__hmul(kc, sh.c10[c]));
+          dk[n][e] += exp_ftz(sh.anchor[c] - gam) * dkc10[n][e];
+          dgam[n][e] -= dkc10[n][e] * kc10;
+        }
+      });
+      // dq and dk are final: stored; dGamma to shared memory for the reverse sum.
+      for_tile(m0, n0, lane, [&](int n, int e, int i, int c) {
+        if ((e & 1) != 0) return;
+        if (i < valid) {
+          store_pair(static_cast<bf16*>(a.dq) + token(i) * K + c, dq[n][e], dq[n][e + 1]);
+          store_pair(static_cast<bf16*>(a.dk) + token(i) * K + c, dk[n][e], dk[n][e + 1]);
+        }
+        *reinterpret_cast<float2*>(&sh.d_gamma[i][c]) = make_float2(dgam[n][e], dgam[n][e + 1]);
+      });
+    }
+    __syncthreads();
+    BLOCK_PHASE_MARK(8);
+
+    // Phase 8 (threads 160-511, idle here): the next item's loads.
+    constexpr int kPrefetchThread0 = K + kBlock;
+    if (kPrefetch && more && tid >= kPrefetchThread0) {
+      issue_states_and_values(next, tid - kPrefetchThread0, kGradientThreads - kPrefetchThread0);
+      issue_gates(next, tid - kPrefetchThread0, kGradientThreads - kPrefetchThread0);
+    }
+
+    // Phase 8: dg = reverse cumulative sum of dGamma + dgamma (threads 0 .. K - 1); dbeta (threads
+    // K .. K + 31): sum_t M[t][i] (G + H)[t][i] + sum_j dL_ij P_ij.
+    if (tid < K) {
+      const int c = tid;
+      float acc = sh.kbar_sum[0][c] + sh.kbar_sum[1][c], dd = 0.0f;
+#pragma unroll
+      for (int s = 0; s < kSlices; ++s) dd += sh.d_decay[s][c];
+      acc += exp_ftz(sh.last[c]) * dd;
+      float sum[kBlock];
+#pragma unroll
+      for (int i = kBlock - 1; i >= 0; --i) {
+        acc += sh.d_gamma[i][c];
+        sum[i] = acc;
+      }
+      float* out = a.dg + token(0) * K + c;
+      const int64_t stride = static_cast<int64_t>(H) * K;
+#pragma unroll
+      for (int i = 0; i < kBlock; ++i, out += stride) {
+        if (i < valid) *out = sum[i];
+      }
+    } else if (tid < K + kBlock && tid - K < valid) {
+      const int i = tid - K;
+      float acc = sh.dbeta_l[0][i] + (i >= kChunk ? sh.dbeta_l[1][i] : 0.0f);
+      for (int r = i; r < kBlock; ++r) acc += sh.m[r][i] * sh.gh[r][i];
+      a.dbeta[token(i)] = acc;
+    }
+    __syncthreads();  // phase 8's reads before the next block's loads
+    BLOCK_PHASE_MARK(9);
+  }
+}
+
+template <int K, int V, bool kPrefetch = false>
+cudaError_t launch_block_gradients(ChunkGradientArgs a, int64_t batch, cudaStream_t stream) {
+  constexpr size_t shared = block_shared_bytes<K, V>();
+  const auto kernel = kda_block_gradient_kernel<K, V, kPrefetch>;
+  cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(shared));
+  if (error != cudaSuccess) return error;
+  int device = 0, sms = 0, per_sm = 0;
+  if ((error = cudaGetDevice(&device)) != cudaSuccess ||
+      (error = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess ||
+      (error = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kGradientThreads, shared)) !=
+          cudaSuccess) {
+    return error;
+  }
+  a.items = (a.length + kBlock - 1) / kBlock * a.heads * batch;
+  const int64_t ctas = std::min<int64_t>(a.items, static_cast<int64_t>(sms) * (per_sm > 0 ? per_sm : 1));
+  kernel<<<static_cast<unsigned>(ctas), kGradientThreads, shared, stream>>>(a);
+  return cudaGetLastError();
+}
+
+}  // namespace
+}  // namespace odyssey::kernels
