@@ -158,8 +158,8 @@ size_t kda_chunked_backward_workspace_bytes(int64_t batch, int64_t length, int64
 struct KdaBackwardOptions {
   // Pass 3 by blocks of 32 tokens, two exponent-anchored 16-token sub-chunks each
   // (kda_block_gradient.cuh; bf16 with K = V = 128, ignored otherwise): the base of the blocked
-  // backward (kernels/README.md, "Blocked pass 3"). Off by default: today it is slower than the
-  // 16-token pass (8.1 against 6.6 ms at B=2 T=16K H=64 on an H100).
+  // backward (kernels/README.md, "Sixteenth session"). Off by default: today it is slower than
+  // the 16-token pass (7.9-8.2 against 6.5-6.6 ms at B=2 T=16K H=64 on an H100).
   bool pass3_blocks = false;
 };
 

@@ -1231,7 +1231,8 @@ cudaError_t run_backward(const StateGradientArgs& sa, const ChunkGradientArgs& c
   const cudaError_t error = launch_state_gradients<T, K, kTile>(sa, batch, value_dim, stream);
   if (error != cudaSuccess) return error;
   if constexpr (std::is_same_v<T, bf16> && K == 128) {
-    if (value_dim == 128 && options.pass3_blocks) return launch_block_gradients<128, 128>(ca, batch, stream);
+    // The producer-warp variant (the same time as loads at the top; kernels/README.md).
+    if (value_dim == 128 && options.pass3_blocks) return launch_block_gradients<128, 128, true>(ca, batch, stream);
   }
   return with_head_width(value_dim, [&](auto value) {
     return launch_chunk_gradients<T, K, value()>(ca, batch, chunks, stream);

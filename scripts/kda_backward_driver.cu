@@ -98,9 +98,9 @@ int main(int argc, char** argv) {
   };
 
   // Pass 3 by 32-token blocks (kda_block_gradient.cuh, KdaBackwardOptions::pass3_blocks), bf16 K = V
-  // = 128; and with the next block's loads issued in phase 8 (kPrefetch, measured slower).
-  auto pass3_blocks = [&]() -> cudaError_t { return launch_block_gradients<128, 128>(ca, B, 0); };
-  auto pass3_blocks_prefetch = [&]() -> cudaError_t { return launch_block_gradients<128, 128, true>(ca, B, 0); };
+  // = 128; with the loads issued at the top of every block, and by a producer warp (kProducer).
+  auto pass3_blocks = [&]() -> cudaError_t { return launch_block_gradients<128, 128, false>(ca, B, 0); };
+  auto pass3_blocks_producer = [&]() -> cudaError_t { return launch_block_gradients<128, 128, true>(ca, B, 0); };
   check(backward(), "backward");
   check(cudaDeviceSynchronize(), "backward (sync)");
   cudaEvent_t a, b;
@@ -122,20 +122,24 @@ int main(int argc, char** argv) {
   time("pass 3 (chunk gradients)", pass3);
   if (K == 128 && V == 128) {
     time("pass 3 (32-token blocks)", pass3_blocks);
-    time("pass 3 (blocks, prefetch)", pass3_blocks_prefetch);
+    time("pass 3 (blocks, producer warp)", pass3_blocks_producer);
   }
   check(backward(), "backward");
   check(cudaDeviceSynchronize(), "backward (sync)");
 #ifdef KDA_PHASE_PROFILE
-  {  // -DKDA_PHASE_PROFILE: g_phase_cycles[16] (kda_block_gradient.cuh; clock64 between its barriers, thread 0)
-    unsigned long long zero[16] = {}, cycles[16];
-    cudaMemcpyToSymbol(g_phase_cycles, zero, sizeof(zero));
-    check(pass3_blocks(), "pass 3");  // pass 3 by 32-token blocks (the 16-token pass has no marks)
+  {  // -DKDA_PHASE_PROFILE: g_phase_cycles[16] (kda_block_gradient.cuh; clock64 between its barriers,
+     // thread 0), for pass 3 by 32-token blocks with its loads at the top, then by a producer warp
     const double items = static_cast<double>(B * H * ((T + kBlock - 1) / kBlock));
-    const char* unit = "32-token block";
-    cudaMemcpyFromSymbol(cycles, g_phase_cycles, sizeof(cycles));
-    for (int i = 0; i < 16; ++i) {
-      if (cycles[i]) std::printf("  pass 3 phase mark %2d: %8.0f cycles per %s\n", i, cycles[i] / items, unit);
+    const std::pair<const char*, std::function<cudaError_t()>> variants[] = {
+        {"loads at the top", pass3_blocks}, {"producer warp", pass3_blocks_producer}};
+    for (const auto& [name, run] : variants) {
+      unsigned long long zero[16] = {}, cycles[16];
+      cudaMemcpyToSymbol(g_phase_cycles, zero, sizeof(zero));
+      check(run(), "pass 3");
+      cudaMemcpyFromSymbol(cycles, g_phase_cycles, sizeof(cycles));
+      for (int i = 0; i < 16; ++i) {
+        if (cycles[i]) std::printf("  pass 3 (%s) phase mark %2d: %8.0f cycles per 32-token block\n", name, i, cycles[i] / items);
+      }
     }
   }
 #endif
