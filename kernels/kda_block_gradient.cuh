@@ -132,6 +132,30 @@ __device__ __forceinline__ void mma2(float (&acc)[2][4], const uint32_t (&a)[4],
   mma(acc[1], a, b[2], b[3]);
 }
 
+// acc += A[m0 .. m0 + 15][0 .. kDepth) B[0 .. kDepth)[n0 .. n0 + 15]: A from its rows, B stored
+// rows = n (kBTrans false) or rows = k (true).
+template <int kDepth, bool kBTrans>
+__device__ __forceinline__ void tile_product(float (&acc)[2][4], const bf16* a, int lda, int m0, const bf16* b,
+                                             int ldb, int n0, const FragmentOffsets& f) {
+#pragma unroll
+  for (int k0 = 0; k0 < kDepth; k0 += 16) {
+    uint32_t af[4], bf[4];
+    a_rows(af, a, lda, m0, k0, f);
+    if constexpr (kBTrans) {
+      b_trans(bf, b, ldb, n0, k0, f);
+    } else {
+      b_rows(bf, b, ldb, n0, k0, f);
+    }
+    mma2(acc, af, bf);
+  }
+}
+
+// The lower 16 x 16 blocks of a 32 x 32 product, (0, 0), (1, 0), (1, 1), by task index 0-2.
+struct LowerBlock {
+  int ra, cb;  // row block, column block
+  __device__ explicit LowerBlock(int index) : ra(index == 0 ? 0 : 1), cb(index == 2 ? 1 : 0) {}
+};
+
 // Calls f(n, e, row, col) for the 8 entries a lane holds of a 16 x 16 accumulator tile acc[2][4]
 // at (m0, n0): row m0 + g (+8 for e >= 2), column n0 + 8 n + 2 t (+1 for odd e).
 template <typename F>
@@ -351,13 +375,7 @@ __global__ void __launch_bounds__(block_gradient_threads<kProducer>(), 1)
     // and P_11 (10 and 12; a column a lane, from L^T of their own block).
     {
       float acc[2][4] = {};
-#pragma unroll
-      for (int k0 = 0; k0 < V; k0 += 16) {
-        uint32_t af[4], bf[4];
-        a_rows(af, &sh.d_o[0][0], kRowV, m0, k0, f);
-        b_trans(bf, &sh.s_t[0][0], kRowK, n0, k0, f);
-        mma2(acc, af, bf);
-      }
+      tile_product<V, true>(acc, &sh.d_o[0][0], kRowV, m0, &sh.s_t[0][0], kRowK, n0, f);
       for_tile(m0, n0, lane, [&](int n, int e, int i, int c) {
         const float term = a.scale * exp_ftz(sh.gamma[i][c]) * acc[n][e];  // dQ^ (.) scale e^Gamma
         dq[n][e] += term;
@@ -366,7 +384,9 @@ __global__ void __launch_bounds__(block_gradient_threads<kProducer>(), 1)
     }
     if (warp >= 10) {
       // Tasks 0-2: P_00, P_10, P_11; 3-5: Aqk_00, Aqk_10, Aqk_11.
-      const int task = warp - 10, ab = task % 3, ra = ab == 0 ? 0 : 1, cb = ab == 2 ? 1 : 0;
+      const int task = warp - 10, ab = task % 3;
+      const LowerBlock blk(ab);
+      const int ra = blk.ra, cb = blk.cb;
       const bool is_p = task < 3;
       const bf16* x = is_p ? &sh.x_k[0][0] : &sh.x_q[0][0];
       float acc[2][4] = {};
@@ -450,13 +470,7 @@ __global__ void __launch_bounds__(block_gradient_threads<kProducer>(), 1)
     }
     {
       float dvn[2][4] = {};
-#pragma unroll
-      for (int k0 = 0; k0 < K; k0 += 16) {
-        uint32_t af[4], bf[4];
-        a_rows(af, &sh.k_bar[0][0], kRowK, m0, k0, f);
-        b_rows(bf, &sh.ds_t[0][0], kRowK, n0, k0, f);
-        mma2(dvn, af, bf);
-      }
+      tile_product<K, false>(dvn, &sh.k_bar[0][0], kRowK, m0, &sh.ds_t[0][0], kRowK, n0, f);
       // (Aqk^T)[i][t] = Aqk[t][i], nonzero for t >= i: k-steps from this tile's rows on.
       for (int k0 = m0; k0 < kBlock; k0 += 16) {
         uint32_t af[4], bf[4];
@@ -488,27 +502,17 @@ __global__ void __launch_bounds__(block_gradient_threads<kProducer>(), 1)
         if ((e & 1) == 0) store_bf16x2(&sh.mid.w[i][c], wt[n][e], wt[n][e + 1]);
       });
       float dw[2][4] = {};
-#pragma unroll
-      for (int k0 = 0; k0 < V; k0 += 16) {
-        uint32_t af[4], bf[4];
-        a_rows(af, &sh.d_v_new[0][0], kRowV, m0, k0, f);
-        b_trans(bf, &sh.s_t[0][0], kRowK, n0, k0, f);
-        mma2(dw, af, bf);
-      }
+      tile_product<V, true>(dw, &sh.d_v_new[0][0], kRowV, m0, &sh.s_t[0][0], kRowK, n0, f);
       for_tile(m0, n0, lane, [&](int n, int e, int i, int c) {
         if ((e & 1) == 0) store_bf16x2(&sh.mid.d_w[i][c], -dw[n][e], -dw[n][e + 1]);
       });
     }
     if (warp >= 13) {
-      const int ab = warp - 13, ra = ab == 0 ? 0 : 1, cb = ab == 2 ? 1 : 0;
+      const int ab = warp - 13;
+      const LowerBlock blk(ab);
+      const int ra = blk.ra, cb = blk.cb;
       float acc[2][4] = {};
-#pragma unroll
-      for (int k0 = 0; k0 < V; k0 += 16) {
-        uint32_t af[4], bf[4];
-        a_rows(af, &sh.d_v_new[0][0], kRowV, 16 * ra, k0, f);
-        b_rows(bf, &sh.v[0][0], kRowV, 16 * cb, k0, f);
-        mma2(acc, af, bf);
-      }
+      tile_product<V, false>(acc, &sh.d_v_new[0][0], kRowV, 16 * ra, &sh.v[0][0], kRowV, 16 * cb, f);
       for_tile(16 * ra, 16 * cb, lane, [&](int n, int e, int i, int j) {
         sh.gh[i][j] = ra != cb || j <= i ? acc[n][e] : 0.0f;
         if (ab == 0) sh.gh[i][j + kChunk] = 0.0f;
@@ -521,13 +525,7 @@ __global__ void __launch_bounds__(block_gradient_threads<kProducer>(), 1)
     // M^T dV' (stored to global); H = dW K^^T added to G (warps 13-15, the same entries).
     {
       float ws[2][4] = {};
-#pragma unroll
-      for (int k0 = 0; k0 < K; k0 += 16) {
-        uint32_t af[4], bf[4];
-        a_rows(af, &sh.mid.w[0][0], kRowK, m0, k0, f);
-        b_rows(bf, &sh.s_t[0][0], kRowK, n0, k0, f);
-        mma2(ws, af, bf);
-      }
+      tile_product<K, false>(ws, &sh.mid.w[0][0], kRowK, m0, &sh.s_t[0][0], kRowK, n0, f);
       for_tile(m0, n0, lane, [&](int n, int e, int i, int c) {
         if ((e & 1) == 0) store_bf16x2(&sh.v_new[i][c], u[n][e] - ws[n][e], u[n][e + 1] - ws[n][e + 1]);
       });
@@ -550,15 +548,11 @@ __global__ void __launch_bounds__(block_gradient_threads<kProducer>(), 1)
       });
     }
     if (warp >= 13) {
-      const int ab = warp - 13, ra = ab == 0 ? 0 : 1, cb = ab == 2 ? 1 : 0;
+      const int ab = warp - 13;
+      const LowerBlock blk(ab);
+      const int ra = blk.ra, cb = blk.cb;
       float acc[2][4] = {};
-#pragma unroll
-      for (int k0 = 0; k0 < K; k0 += 16) {
-        uint32_t af[4], bf[4];
-        a_rows(af, &sh.mid.d_w[0][0], kRowK, 16 * ra, k0, f);
-        b_rows(bf, &sh.k_hat[0][0], kRowK, 16 * cb, k0, f);
-        mma2(acc, af, bf);
-      }
+      tile_product<K, false>(acc, &sh.mid.d_w[0][0], kRowK, 16 * ra, &sh.k_hat[0][0], kRowK, 16 * cb, f);
       for_tile(16 * ra, 16 * cb, lane, [&](int n, int e, int i, int j) {
         if (ra != cb || j <= i) sh.gh[i][j] += acc[n][e];
         // dM[t][s] = beta_s (G + H)[t][s], below the diagonal (the only entries dL depends on)
@@ -574,13 +568,7 @@ __global__ void __launch_bounds__(block_gradient_threads<kProducer>(), 1)
     // (warp 15), then dP = Diag(beta) dL and dbeta's sum_j dL_ij P_ij.
     {
       float acc[2][4] = {};
-#pragma unroll
-      for (int k0 = 0; k0 < V; k0 += 16) {
-        uint32_t af[4], bf[4];
-        a_rows(af, &sh.v_new[0][0], kRowV, m0, k0, f);
-        b_trans(bf, &sh.ds_t[0][0], kRowK, n0, k0, f);
-        mma2(acc, af, bf);
-      }
+      tile_product<V, true>(acc, &sh.v_new[0][0], kRowV, m0, &sh.ds_t[0][0], kRowK, n0, f);
       float colsum[2][2] = {};
       for_tile(m0, n0, lane, [&](int n, int e, int i, int c) {
         const float kb = __bfloat162float(sh.k_bar[i][c]), x = acc[n][e] * kb;
@@ -601,15 +589,11 @@ __global__ void __launch_bounds__(block_gradient_threads<kProducer>(), 1)
       }
     }
     if (warp >= 9 && warp < 12) {
-      const int ab = warp - 9, ra = ab == 0 ? 0 : 1, cb = ab == 2 ? 1 : 0;
+      const int ab = warp - 9;
+      const LowerBlock blk(ab);
+      const int ra = blk.ra, cb = blk.cb;
       float acc[2][4] = {};
-#pragma unroll
-      for (int k0 = 0; k0 < V; k0 += 16) {
-        uint32_t af[4], bf[4];
-        a_rows(af, &sh.d_o[0][0], kRowV, 16 * ra, k0, f);
-        b_rows(bf, &sh.v_new[0][0], kRowV, 16 * cb, k0, f);
-        mma2(acc, af, bf);
-      }
+      tile_product<V, false>(acc, &sh.d_o[0][0], kRowV, 16 * ra, &sh.v_new[0][0], kRowV, 16 * cb, f);
       for_tile(16 * ra, 16 * cb, lane, [&](int n, int e, int i, int j) {
         sh.d_aqk[i][j] = __float2bfloat16_rn(ra != cb || j <= i ? acc[n][e] : 0.0f);
         if (ab == 0) sh.d_aqk[i][j + kChunk] = __float2bfloat16_rn(0.0f);
@@ -620,13 +604,7 @@ __global__ void __launch_bounds__(block_gradient_threads<kProducer>(), 1)
       const int x = warp - 12, ti = x / 2, tj = x % 2;
       {
         float acc[2][4] = {};
-#pragma unroll
-        for (int k0 = 0; k0 < kBlock; k0 += 16) {
-          uint32_t af[4], bf[4];
-          a_rows(af, &sh.d_m[0][0], kRowC, 16 * ti, k0, f);
-          b_rows(bf, &sh.m_b[0][0], kRowC, 16 * tj, k0, f);
-          mma2(acc, af, bf);
-        }
+        tile_product<kBlock, false>(acc, &sh.d_m[0][0], kRowC, 16 * ti, &sh.m_b[0][0], kRowC, 16 * tj, f);
         for_tile(16 * ti, 16 * tj, lane, [&](int n, int e, int i, int j) {
           if ((e & 1) == 0) store_bf16x2(&sh.t1[i][j], acc[n][e], acc[n][e + 1]);
         });
