@@ -338,6 +338,22 @@ struct ChunkGradientArgs {
   float scale;
 };
 
+// A pass-3 item: `tokens` consecutive rows of one (sequence, head) - a chunk, or a block of
+// kda_block_gradient.cuh - with items numbered (sequence H + head) per_head + index.
+struct GradientItem {
+  int64_t index, row0;  // index: the item's place in its head; row0: its first row in [B * L]
+  int h, seq, valid;    // valid: its rows before the sequence's end
+  __device__ static GradientItem at(int64_t w, int64_t per_head, int tokens, int heads, int64_t length) {
+    GradientItem it;
+    it.index = w % per_head;
+    const int64_t head_seq = w / per_head;
+    it.h = static_cast<int>(head_seq % heads), it.seq = static_cast<int>(head_seq / heads);
+    it.row0 = static_cast<int64_t>(it.seq) * length + it.index * tokens;
+    it.valid = static_cast<int>(min64(tokens, length - it.index * tokens));
+    return it;
+  }
+};
+
 // A 16 x 16 matrix as a bf16 mma operand, written once by the warp that makes it and read as A
 // fragments by ldmatrix (.trans for its transpose) by every task that multiplies by it. Rows of 24:
 // ldmatrix rows in distinct banks.
@@ -619,19 +635,8 @@ __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>()
   const T* v = static_cast<const T*>(a.v);
   const T* d_o = static_cast<const T*>(a.d_o);
 
-  struct Item {
-    int64_t chunk, row0;  // row0: the chunk's first row in [B * L]
-    int h, seq, valid;
-  };
-  auto item_at = [&](int64_t w) {
-    Item it;
-    it.chunk = w % num_chunks;
-    const int64_t head_seq = w / num_chunks;
-    it.h = static_cast<int>(head_seq % H), it.seq = static_cast<int>(head_seq / H);
-    it.row0 = static_cast<int64_t>(it.seq) * a.length + it.chunk * kChunk;
-    it.valid = static_cast<int>(min64(kChunk, a.length - it.chunk * kChunk));
-    return it;
-  };
+  using Item = GradientItem;
+  auto item_at = [&](int64_t w) { return GradientItem::at(w, num_chunks, kChunk, H, a.length); };
   int64_t w = blockIdx.x;
   if (w >= a.items) return;
   Item cur = item_at(w);
@@ -669,7 +674,7 @@ __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>()
   constexpr int kIssuers = kGradientThreads - kSkip;
   const int me = tid - kSkip;
   auto issue = [&](const Item& it) {
-    const int64_t offset = ((static_cast<int64_t>(it.seq) * H + it.h) * num_chunks + it.chunk) * V * K;
+    const int64_t offset = ((static_cast<int64_t>(it.seq) * H + it.h) * num_chunks + it.index) * V * K;
     const bf16* s = a.chunk_states + offset;
     const bf16* ds = a.chunk_d_states + offset;
     auto real = [&](int i) { return (it.row0 + (i < it.valid ? i : it.valid - 1)) * H + it.h; };

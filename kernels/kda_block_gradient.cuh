@@ -200,19 +200,8 @@ __global__ void __launch_bounds__(block_gradient_threads<kProducer>(), 1)
   // This warp's tile of every [32][128] result.
   const int rt = warp / 8, m0 = 16 * rt, n0 = 16 * (warp % 8);
 
-  struct Item {
-    int64_t blk, row0;  // row0: the block's first row in [B * L]
-    int h, seq, valid;
-  };
-  auto item_at = [&](int64_t w) {
-    Item it;
-    it.blk = w % num_blocks;
-    const int64_t head_seq = w / num_blocks;
-    it.h = static_cast<int>(head_seq % H), it.seq = static_cast<int>(head_seq / H);
-    it.row0 = static_cast<int64_t>(it.seq) * a.length + it.blk * kBlock;
-    it.valid = static_cast<int>(min64(kBlock, a.length - it.blk * kBlock));
-    return it;
-  };
+  using Item = GradientItem;
+  auto item_at = [&](int64_t w) { return GradientItem::at(w, num_blocks, kBlock, H, a.length); };
   // An item's loads by cp.async (rows past the sequence's end zero), in three parts. kProducer (what
   // KdaBackwardOptions::pass3_blocks runs): a 17th warp issues them, each part as soon as the
   // previous item frees its arrays (S^T, dS'^T, v, dO after phase 6, g after phase 7, q and k - in
@@ -225,8 +214,8 @@ __global__ void __launch_bounds__(block_gradient_threads<kProducer>(), 1)
   auto real_row = [&](const Item& it, int i) { return (it.row0 + (i < it.valid ? i : it.valid - 1)) * H + it.h; };
   auto issue_states_and_values = [&](const Item& it, int me, int stride) {
     const int64_t pair = static_cast<int64_t>(it.seq) * H + it.h;
-    const bf16* s = a.chunk_states + (pair * num_chunks + 2 * it.blk) * V * K;
-    const bf16* ds = a.chunk_d_states + (pair * num_chunks + min64(2 * it.blk + 1, num_chunks - 1)) * V * K;
+    const bf16* s = a.chunk_states + (pair * num_chunks + 2 * it.index) * V * K;
+    const bf16* ds = a.chunk_d_states + (pair * num_chunks + min64(2 * it.index + 1, num_chunks - 1)) * V * K;
     for (int e = me; e < V * K / 8; e += stride) {
       const int row = e / (K / 8), col = (e % (K / 8)) * 8;
       cp_async16(&sh.s_t[row][col], s + static_cast<int64_t>(e) * 8);
