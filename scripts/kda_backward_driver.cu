@@ -3,7 +3,7 @@
 // forward's (pass 1 is kda_chunked_forward):
 //   nvcc -O3 -std=c++17 -arch=sm_90 [-Ivariant] -I. scripts/kda_backward_driver.cu kernels/kda.cu \
 //       -o /tmp/kda_bwd
-//   /tmp/kda_bwd B T H [K V [save.bin | compare.bin]]      (defaults 2 16384 64 128 128)
+//   /tmp/kda_bwd B T H [K V [save.bin | compare.bin [blocks]]]      (defaults 2 16384 64 128 128)
 // -Ivariant first: a folder holding a modified kernels/kda_backward.cu is used instead.
 // Random inputs (bf16 q, k, v, beta, d_o; g in [-0.3, 0]; a d final state); prints the best and
 // median of the whole backward and of pass 1 (states), pass 2 (reverse walk) and pass 3 (chunk
@@ -34,6 +34,8 @@ int main(int argc, char** argv) {
                 H = argc > 3 ? atoll(argv[3]) : 64, K = argc > 4 ? atoll(argv[4]) : 128,
                 V = argc > 5 ? atoll(argv[5]) : 128;
   const std::string file = argc > 6 ? argv[6] : "";
+  KdaBackwardOptions options;  // "blocks" after the file: the whole backward with pass 3 by 32-token blocks
+  options.pass3_blocks = argc > 7 && std::string(argv[7]) == "blocks";
   const int64_t n = B * T * H, chunks = (T + kChunk - 1) / kChunk;
   bf16 *q, *k, *v, *beta, *d_o, *dq, *dk, *dv; float *g, *d_final, *dg, *dbeta, *d_init;
   cudaMalloc(&q, n * K * 2); cudaMalloc(&k, n * K * 2); cudaMalloc(&v, n * V * 2);
@@ -53,7 +55,8 @@ int main(int argc, char** argv) {
 
   auto backward = [&] {
     return kda_chunked_backward(KdaDtype::kBFloat16, q, k, v, g, beta, nullptr, d_o, d_final, dq, dk, dv,
-                                dg, dbeta, d_init, B, T, H, K, V, scale, /*chunk_states=*/nullptr, workspace, bytes, 0);
+                                dg, dbeta, d_init, B, T, H, K, V, scale, /*chunk_states=*/nullptr, workspace, bytes, 0,
+                                options);
   };
   // The passes alone, on the workspace the whole backward fills (as kda_chunked_backward lays it out).
   const BackwardLayout layout(B, T, H, K, V);
