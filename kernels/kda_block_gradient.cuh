@@ -1,7 +1,7 @@
 // Pass 3 of the KDA backward by blocks of 32 tokens (bf16, K = V = 128): included by
 // kda_backward.cu, whose derivation (the comment block at its top) this follows, with the
 // intra-chunk products anchored per 16-token sub-chunk (model::kda::chunked_reference(..., chunk
-// = 32, anchor = 16), FLA's sub-chunking); plan and numbers: kernels/README.md, "Blocked pass 3".
+// = 32, anchor = 16), FLA's sub-chunking); design and numbers: kernels/README.md, "Sixteenth session".
 //
 // Why blocks: pass 3 by 16-token chunks (kda_chunk_gradient_kernel) pays its fixed costs - the S and
 // dS' loads (32 KB each), nine barriers, the elementwise passes - once per 16 tokens, and its
@@ -19,7 +19,8 @@
 // Work split: 16 warps; warp w owns the 16 x 16 tile (rows 16 (w / 8), columns 16 (w % 8)) of every
 // [32][128] result - dq, dk and dGamma accumulate in its registers over the phases (no fp32
 // [32][128] arrays in shared memory), and it makes that tile of dV', W, U, V', dW, dv. The 32 x 32
-// products (P, Aqk, G, H, dAqk, the M and dL chains) are tasks of warps 10-15. Eight barriers a block.
+// products (P, Aqk, G, H, dAqk, M's blocks, dL's tiles) are tasks of warps 9-15. Nine barriers a
+// block after the loads (kProducer: a 17th warp issues those).
 #pragma once
 
 namespace odyssey::kernels {
@@ -553,8 +554,9 @@ __global__ void __launch_bounds__(block_gradient_threads<kProducer>(), 1)
     BLOCK_PHASE_MARK(6);
 
     // Phase 6: dK_ = V' dS'^T (into dk, dGamma and dgamma's column sums); dAqk = dO V'^T (warps
-    // 10-12); dL = -M^T (dM M^T) M ... with dM[t][s] = beta_s (G + H)[t][s] below the diagonal
-    // (warp 15), then dP = Diag(beta) dL and dbeta's sum_j dL_ij P_ij.
+    // 9-11); dL = -M^T (dM M^T), strictly lower, with dM = (G + H) Diag(beta) below the diagonal
+    // (T1 = dM M^T on warps 12-15, dL's tiles on 12-14), then dP = Diag(beta) dL and dbeta's
+    // sum_j dL_ij P_ij.
     {
       float acc[2][4] = {};
       tile_product<V, true>(acc, &sh.v_new[0][0], kRowV, m0, &sh.ds_t[0][0], kRowK, n0, f);
