@@ -170,14 +170,17 @@ __device__ void walk_chunk(const ChunkedArgs& a, const Slot& slot,
 }
 
 // The state entering chunk `chunk` of sequence `seq` (this warp's 16 rows of S^T, as bf16) into
-// a.chunk_states [N, H, chunks, V, K] (transposed: row = value column, K contiguous).
+// a.chunk_states [N, H, ceil(chunks / i), V, K] (transposed: row = value column, K contiguous),
+// when the chunk is one of every i = a.state_interval (chunks 0, i, 2i, ...; a warp-uniform skip).
 template <int K>
 __device__ __forceinline__ void store_chunk_state(const ChunkedArgs& a, const float (&state)[K / 8][4],
                                                   int seq, int h, int64_t chunk, int v_col,
                                                   int lane) {
-  const int64_t chunks = (a.length + kChunk - 1) / kChunk;
+  const int interval = a.state_interval;
+  if (chunk % interval != 0) return;
+  const int64_t stored = ((a.length + kChunk - 1) / kChunk + interval - 1) / interval;
   bf16* base = static_cast<bf16*>(a.chunk_states) +
-               ((static_cast<int64_t>(seq) * a.heads + h) * chunks + chunk) * a.value_dim * K;
+               ((static_cast<int64_t>(seq) * a.heads + h) * stored + chunk / interval) * a.value_dim * K;
   store_state_rows<K>(base + static_cast<int64_t>(v_col) * K, state, lane);
 }
 
@@ -873,7 +876,8 @@ cudaError_t kda_chunked_forward(KdaDtype dtype, const void* q, const void* k, co
   }
   if (q == nullptr || k == nullptr || v == nullptr || g == nullptr || beta == nullptr ||
       (o == nullptr && options.chunk_states == nullptr) ||
-      (options.chunk_states != nullptr && cu_seqlens != nullptr)) {
+      (options.chunk_states != nullptr && cu_seqlens != nullptr) ||
+      (options.chunk_state_interval != 1 && options.chunk_state_interval != 2)) {
     return cudaErrorInvalidValue;
   }
   const bool whole_heads = walks_whole_heads(dtype, key_dim, value_dim, options);
@@ -901,6 +905,7 @@ cudaError_t kda_chunked_forward(KdaDtype dtype, const void* q, const void* k, co
   a.prefetch = options.prefetch;
   a.head_walk = whole_heads;
   a.chunk_states = options.chunk_states;
+  a.state_interval = options.chunk_state_interval;
   cudaError_t error =
       with_walk_types(dtype, key_dim, value_dim, [&](auto type, auto key, auto tile) {
         return run_chunked<typename decltype(type)::type, key(), tile()>(

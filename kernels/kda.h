@@ -100,6 +100,11 @@ struct KdaChunkedOptions {
   // kda_chunked_backward's chunk_states; o is the same bit for bit); o nullptr: the states alone.
   // Not with cu_seqlens (cudaErrorInvalidValue).
   void* chunk_states = nullptr;
+  // Keep the state entering one chunk in every `chunk_state_interval` (1 or 2; else
+  // cudaErrorInvalidValue): chunks 0, i, 2i, ... into [N, H, ceil(ceil(length / 16) / i), V, K].
+  // 2 is what pass 3 by 32-token blocks reads (KdaBackwardOptions::pass3_blocks): half the bytes
+  // written, the same values bit for bit.
+  int chunk_state_interval = 1;
 };
 
 // Bytes of workspace kda_chunked_forward needs with these options on the current device (0 when
@@ -145,14 +150,14 @@ cudaError_t kda_chunked_forward(KdaDtype dtype, const void* q, const void* k, co
 // passes, which is how the forward's matmuls saw them. g must lie in [-5, 0].
 // chunk_states: nullptr (the states are recomputed, as above), or the states the forward kept:
 // KdaChunkedOptions::chunk_states of a kda_chunked_forward on these inputs and initial_state
-// (bf16 [N, H, ceil(L / 16), V, K], 16-byte aligned); the first pass (their recompute) is then
+// (bf16 [N, H, ceil(L / 16), V, K], 16-byte aligned; or every second one, with
+// KdaBackwardOptions::chunk_states_interval = 2); the first pass (their recompute) is then
 // skipped, with the same gradients bit for bit.
 // Workspace: kda_chunked_backward_workspace_bytes() bytes (states_given: chunk_states will be
 // passed, and there is no room for them: about half), 16-byte aligned, used only within the stream
 // order of the call (two bf16 [B, H, ceil(L / 16), K, V], one of them when the states are given,
-// and one fp32 state); nullptr: taken from cudaMallocAsync / cudaFreeAsync on the stream.
-size_t kda_chunked_backward_workspace_bytes(int64_t batch, int64_t length, int64_t heads,
-                                            int64_t key_dim, int64_t value_dim, bool states_given = false);
+// and one fp32 state; with pass3_blocks two of [B, H, ceil(ceil(L / 16) / 2), K, V]);
+// nullptr: taken from cudaMallocAsync / cudaFreeAsync on the stream.
 
 // Choices of kda_chunked_backward that change how, not what, it computes (within bf16 rounding).
 struct KdaBackwardOptions {
@@ -161,7 +166,19 @@ struct KdaBackwardOptions {
   // backward (kernels/README.md, "Sixteenth session"). Off by default: today it is slower than
   // the 16-token pass (7.9-8.2 against 6.5-6.6 ms at B=2 T=16K H=64 on an H100).
   bool pass3_blocks = false;
+  // The interval of the chunk_states given (KdaChunkedOptions::chunk_state_interval of the forward
+  // that kept them): 1, or 2 with pass3_blocks (which reads only the states entering its blocks);
+  // anything else is cudaErrorInvalidValue. Without chunk_states the backward chooses: pass 3 by
+  // blocks has passes 1 and 2 store every second state and state gradient (half the workspace).
+  int chunk_states_interval = 1;
 };
+
+size_t kda_chunked_backward_workspace_bytes(int64_t batch, int64_t length, int64_t heads,
+                                            int64_t key_dim, int64_t value_dim, bool states_given = false);
+// The same for the call with these options and dtype (pass3_blocks: half the states' bytes).
+size_t kda_chunked_backward_workspace_bytes(KdaDtype dtype, int64_t batch, int64_t length, int64_t heads,
+                                            int64_t key_dim, int64_t value_dim, bool states_given,
+                                            const KdaBackwardOptions& options);
 
 cudaError_t kda_chunked_backward(KdaDtype dtype, const void* q, const void* k, const void* v,
                                  const float* g, const void* beta, const float* initial_state,

@@ -99,8 +99,25 @@ struct StateGradientArgs {
   const void* d_o;               // T [N, L, H, V]
   const float* d_final_state;    // [N, H, K, V] or nullptr (zeros)
   float* d_initial_state;        // [N, H, K, V] or nullptr (not written)
-  bf16* chunk_d_states;          // [N, H, chunks, V, K]: dS' of every chunk (written)
+  bf16* chunk_d_states;          // [N, H, ceil(chunks / i), V, K]: dS' leaving chunks i - 1, 2i - 1, ...
+                                 // and the last (i = forward.state_interval; written)
 };
+
+// Chunks of one head's stored states (or state gradients) at one in every `interval`.
+__device__ __forceinline__ int64_t stored_chunks(int64_t num_chunks, int interval) {
+  return (num_chunks + interval - 1) / interval;
+}
+
+// dS' leaving chunk `chunk` (the warp's 16 rows of dS'^T, v_col its first) into its head's
+// [ceil(chunks / i), V, K] at chunk / i, when the chunk ends a group of i = interval or is the last:
+// the gradient of the state leaving each of pass 3's items. A warp-uniform skip otherwise.
+template <int K>
+__device__ __forceinline__ void store_d_state(bf16* head_d_states, int interval, int64_t chunk, int64_t num_chunks,
+                                              int value_dim, int v_col, const float (&d_state)[K / 8][4], int lane) {
+  if ((chunk + 1) % interval != 0 && chunk != num_chunks - 1) return;
+  bf16* out = head_d_states + (chunk / interval) * value_dim * K;
+  store_state_rows<K>(out + static_cast<int64_t>(v_col) * K, d_state, lane);
+}
 
 // One chunk walked backwards by one warp on its 16 rows of dS^T (d_state[K / 8][4]: n-tile j
 // holds dS^T[v_row + g (+8)][8j + 2t (+1)], the forward's state layout). slot.v holds this CTA's
@@ -180,7 +197,9 @@ __global__ void __launch_bounds__(Walk<kTile>::kThreads, 2)
   float d_state[K / 8][4];
   load_state_tile<K>(d_state, b.d_final_state, state_offset, V, v_col, lane);
 
-  bf16* d_states = b.chunk_d_states + (static_cast<int64_t>(seq) * H + h) * num_chunks * V * K;
+  const int interval = a.state_interval;
+  bf16* d_states =
+      b.chunk_d_states + (static_cast<int64_t>(seq) * H + h) * stored_chunks(num_chunks, interval) * V * K;
   for (int64_t group = (num_chunks - 1) / kWarps * kWarps; group >= 0; group -= kWarps) {
     const int64_t mine = group + warp;
     if (mine < num_chunks) {
@@ -194,8 +213,7 @@ __global__ void __launch_bounds__(Walk<kTile>::kThreads, 2)
     const int count = static_cast<int>(min64(kWarps, num_chunks - group));
     for (int s = count - 1; s >= 0; --s) {
       // dS' of this chunk (the gradient of the state leaving it), as pass 3 reads it.
-      bf16* out = d_states + (group + s) * V * K;
-      store_state_rows<K>(out + static_cast<int64_t>(v_col) * K, d_state, lane);
+      store_d_state<K>(d_states, interval, group + s, num_chunks, V, v_col, d_state, lane);
       reverse_walk_chunk<K, kTile>(slots[s], d_state, v_col - v0, lane);
     }
     __syncthreads();
@@ -263,7 +281,9 @@ __global__ void __launch_bounds__(kHeadThreads, 1) kda_head_state_gradient_kerne
       load_state_tile<K>(d_state, b.d_final_state, state_offset, V, v_col, lane);
     }
   }
-  bf16* d_states = b.chunk_d_states + (static_cast<int64_t>(seq) * H + h) * num_chunks * V * K;
+  const int interval = a.state_interval;
+  bf16* d_states =
+      b.chunk_d_states + (static_cast<int64_t>(seq) * H + h) * stored_chunks(num_chunks, interval) * V * K;
   // Preparing pairs.
   const int pair = (warp - kHeadWalkWarps) >> 1, member = warp & 1;
   float beta = 0.0f;  // the staged chunk's beta (member 0, lanes 0-15)
@@ -274,8 +294,7 @@ __global__ void __launch_bounds__(kHeadThreads, 1) kda_head_state_gradient_kerne
       [&](int slot, int64_t i) {
         if constexpr (!kTransition) {
           // dS' of this chunk (the gradient of the state leaving it), as pass 3 reads it.
-          bf16* out = d_states + (chunk_end - 1 - i) * V * K;
-          store_state_rows<K>(out + static_cast<int64_t>(v_col) * K, d_state, lane);
+          store_d_state<K>(d_states, interval, chunk_end - 1 - i, num_chunks, V, v_col, d_state, lane);
         }
         reverse_walk_chunk<K, V>(sh.slot[slot], d_state, v_col, lane);
       },
@@ -328,8 +347,11 @@ constexpr int kGradientThreads = kGradientWarps * 32;
 struct ChunkGradientArgs {
   const void *q, *k, *v, *beta, *d_o;
   const float* g;
-  const bf16* chunk_states;    // [N, H, chunks, V, K] S entering each chunk
-  const bf16* chunk_d_states;  // [N, H, chunks, V, K] dS' leaving each chunk
+  // S entering chunks 0, i, 2i, ... and dS' leaving chunks i - 1, 2i - 1, ... and the last, at
+  // [N, H, ceil(chunks / i), V, K] with their own intervals i (1 for the 16-token pass).
+  const bf16* chunk_states;
+  const bf16* chunk_d_states;
+  int states_interval, d_states_interval;
   void *dq, *dk, *dv;          // T, as q, k, v
   float *dg, *dbeta;
   int64_t length;
@@ -1142,11 +1164,12 @@ struct BackwardLayout {
   ReversePlan reverse;
   size_t segment_states = 0, transition_a = 0, transition_b = 0;
   // states_given: the forward kept the chunk states (no room for them, nor for pass 1's final state).
+  // interval: passes 1 and 2 store one state and state gradient in every `interval` chunks.
   BackwardLayout(int64_t batch, int64_t length, int64_t heads, int64_t key, int64_t value,
-                 bool states_given = false)
+                 bool states_given = false, int interval = 1)
       : reverse(reverse_plan(batch, length, heads, key, value)) {
     auto aligned = [](size_t n) { return (n + 255) / 256 * 256; };
-    const size_t chunks = static_cast<size_t>((length + kChunk - 1) / kChunk);
+    const size_t chunks = static_cast<size_t>(((length + kChunk - 1) / kChunk + interval - 1) / interval);
     const size_t per_chunk = static_cast<size_t>(batch * heads) * chunks * key * value * sizeof(bf16);
     d_states = states_given ? 0 : aligned(per_chunk);
     final_state = d_states + aligned(per_chunk);
@@ -1239,6 +1262,7 @@ cudaError_t run_backward(const StateGradientArgs& sa, const ChunkGradientArgs& c
     // The producer-warp variant (the same time as loads at the top; kernels/README.md).
     if (value_dim == 128 && options.pass3_blocks) return launch_block_gradients<128, 128, true>(ca, batch, stream);
   }
+  if (ca.states_interval != 1 || ca.d_states_interval != 1) return cudaErrorInvalidValue;
   return with_head_width(value_dim, [&](auto value) {
     return launch_chunk_gradients<T, K, value()>(ca, batch, chunks, stream);
   });
@@ -1251,15 +1275,28 @@ bool backward_sizes_supported(int64_t batch, int64_t length, int64_t heads, int6
          (length + kChunk - 1) / kChunk <= 0x7fffffff;
 }
 
+// Pass 3 by 32-token blocks: what KdaBackwardOptions::pass3_blocks asks for, where it applies.
+bool blocked_pass3(KdaDtype dtype, int64_t key_dim, int64_t value_dim, const KdaBackwardOptions& options) {
+  return options.pass3_blocks && dtype == KdaDtype::kBFloat16 && key_dim == 128 && value_dim == 128;
+}
+
 }  // namespace
 
-size_t kda_chunked_backward_workspace_bytes(int64_t batch, int64_t length, int64_t heads,
-                                            int64_t key_dim, int64_t value_dim, bool states_given) {
+size_t kda_chunked_backward_workspace_bytes(KdaDtype dtype, int64_t batch, int64_t length, int64_t heads,
+                                            int64_t key_dim, int64_t value_dim, bool states_given,
+                                            const KdaBackwardOptions& options) {
   if (!backward_sizes_supported(batch, length, heads, key_dim, value_dim) || batch == 0 ||
       length == 0) {
     return 0;
   }
-  return BackwardLayout(batch, length, heads, key_dim, value_dim, states_given).bytes;
+  const int interval = blocked_pass3(dtype, key_dim, value_dim, options) ? 2 : 1;
+  return BackwardLayout(batch, length, heads, key_dim, value_dim, states_given, interval).bytes;
+}
+
+size_t kda_chunked_backward_workspace_bytes(int64_t batch, int64_t length, int64_t heads,
+                                            int64_t key_dim, int64_t value_dim, bool states_given) {
+  return kda_chunked_backward_workspace_bytes(KdaDtype::kBFloat16, batch, length, heads, key_dim, value_dim,
+                                              states_given, KdaBackwardOptions{});
 }
 
 cudaError_t kda_chunked_backward(KdaDtype dtype, const void* q, const void* k, const void* v,
@@ -1289,7 +1326,13 @@ cudaError_t kda_chunked_backward(KdaDtype dtype, const void* q, const void* k, c
   }
   const bool states_given = chunk_states != nullptr;
   if (states_given && reinterpret_cast<uintptr_t>(chunk_states) % 16 != 0) return cudaErrorInvalidValue;
-  const BackwardLayout layout(batch, length, heads, key_dim, value_dim, states_given);
+  // Passes 1 and 2 store what pass 3 reads: with 32-token blocks the state entering every block and
+  // the gradient of the state leaving it (every second chunk's), else every chunk's.
+  const bool blocks = blocked_pass3(dtype, key_dim, value_dim, options);
+  const int interval = blocks ? 2 : 1;
+  const int given_interval = states_given ? options.chunk_states_interval : interval;
+  if (given_interval != 1 && !(blocks && given_interval == 2)) return cudaErrorInvalidValue;
+  const BackwardLayout layout(batch, length, heads, key_dim, value_dim, states_given, interval);
   unsigned char* scratch = static_cast<unsigned char*>(workspace);
   bool allocated = false;
   if (scratch == nullptr) {
@@ -1309,6 +1352,7 @@ cudaError_t kda_chunked_backward(KdaDtype dtype, const void* q, const void* k, c
     bf16* recomputed = reinterpret_cast<bf16*>(scratch + layout.states);
     KdaChunkedOptions forward_options;
     forward_options.chunk_states = recomputed;
+    forward_options.chunk_state_interval = interval;
     error = kda_chunked_forward(dtype, q, k, v, g, beta, initial_state, /*o=*/nullptr,
                                 reinterpret_cast<float*>(scratch + layout.final_state), /*cu_seqlens=*/nullptr,
                                 batch, length, heads, key_dim, value_dim, scale, forward_options, stream);
@@ -1329,9 +1373,11 @@ cudaError_t kda_chunked_backward(KdaDtype dtype, const void* q, const void* k, c
     }
     sa.d_o = d_o, sa.d_final_state = d_final_state, sa.d_initial_state = d_initial_state;
     sa.chunk_d_states = d_states;
+    sa.forward.state_interval = interval;
     ChunkGradientArgs ca{};
     ca.q = q, ca.k = k, ca.v = v, ca.beta = beta, ca.d_o = d_o, ca.g = g;
     ca.chunk_states = states, ca.chunk_d_states = d_states;
+    ca.states_interval = given_interval, ca.d_states_interval = interval;
     ca.dq = dq, ca.dk = dk, ca.dv = dv, ca.dg = dg, ca.dbeta = dbeta;
     ca.length = length, ca.heads = static_cast<int>(heads), ca.scale = scale;
     error = with_walk_types(dtype, key_dim, value_dim, [&](auto type, auto key, auto tile) {

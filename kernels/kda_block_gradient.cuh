@@ -171,7 +171,8 @@ __device__ __forceinline__ void for_tile(int m0, int n0, int lane, F&& f) {
 
 // Persistent, as kda_chunk_gradient_kernel: CTA b takes the blocks b, b + gridDim.x, ... (items:
 // block + blocks (h + H seq)). Inputs bf16; S^T entering chunk 2 blk and dS'^T leaving chunk
-// min(2 blk + 1, chunks - 1) from passes 1 and 2's [N, H, chunks, V, K].
+// min(2 blk + 1, chunks - 1) from passes 1 and 2's [N, H, ceil(chunks / i), V, K] (i = 1 or 2:
+// ChunkGradientArgs' intervals).
 // Named barriers (0 is __syncthreads): 1 the dL tiles' warps; with kProducer, 2 the 16 compute warps,
 // 3-5 an item's arrays free for the next item's loads, 6 those loads landed.
 constexpr int kBlockComputeBarrier = 2, kValuesFree = 3, kGatesFree = 4, kKeysFree = 5, kLoaded = 6;
@@ -215,8 +216,10 @@ __global__ void __launch_bounds__(block_gradient_threads<kProducer>(), 1)
   auto real_row = [&](const Item& it, int i) { return (it.row0 + (i < it.valid ? i : it.valid - 1)) * H + it.h; };
   auto issue_states_and_values = [&](const Item& it, int me, int stride) {
     const int64_t pair = static_cast<int64_t>(it.seq) * H + it.h;
-    const bf16* s = a.chunk_states + (pair * num_chunks + 2 * it.index) * V * K;
-    const bf16* ds = a.chunk_d_states + (pair * num_chunks + min64(2 * it.index + 1, num_chunks - 1)) * V * K;
+    const int si = a.states_interval, di = a.d_states_interval;
+    const bf16* s = a.chunk_states + (pair * stored_chunks(num_chunks, si) + 2 * it.index / si) * V * K;
+    const bf16* ds = a.chunk_d_states +
+                     (pair * stored_chunks(num_chunks, di) + min64(2 * it.index + 1, num_chunks - 1) / di) * V * K;
     for (int e = me; e < V * K / 8; e += stride) {
       const int row = e / (K / 8), col = (e % (K / 8)) * 8;
       cp_async16(&sh.s_t[row][col], s + static_cast<int64_t>(e) * 8);

@@ -314,9 +314,11 @@ struct ChunkedArgs {
   float* transition_b;          // transition pass: [N, P - 1, H, K, V], B_seg
   bool prefetch;                // L2 prefetch of the next group's inputs during the walk
   bool head_walk;               // whole heads (kda_head_kernel): bf16, K = V = 128, the option, the device fits it
-  // Forward pass, for the backward: bf16 [N, H, ceil(length / 16), V, K], the state entering
-  // every chunk, transposed (nullptr: not kept). Not with cu_seqlens.
+  // Forward pass, for the backward: bf16 [N, H, ceil(chunks / state_interval), V, K], the state
+  // entering chunks 0, i, 2i, ... (i = state_interval), transposed (nullptr: not kept). Not with
+  // cu_seqlens.
   void* chunk_states;
+  int state_interval;
 };
 
 // The kernels built from the prepare/walk code: the forward (outputs, state from the initial or

@@ -146,7 +146,7 @@ KdaChunkedOutput kda_chunked(const at::Tensor& q, const at::Tensor& k, const at:
                              const at::Tensor& initial_state, double scale,
                              const at::Tensor& cu_seqlens, int64_t segment_length,
                              bool prefetch, bool head_walk, int64_t lead_length,
-                             bool keep_chunk_states) {
+                             bool keep_chunk_states, int64_t chunk_state_interval) {
   constexpr const char* where = "kernels::kda_chunked";
   const auto [batch, length, heads, key, value] =
       check_kda_sequence(where, q, k, v, g, beta, /*d_o=*/at::Tensor());
@@ -194,8 +194,12 @@ KdaChunkedOutput kda_chunked(const at::Tensor& q, const at::Tensor& k, const at:
   at::Tensor chunk_states;
   if (keep_chunk_states) {
     TORCH_CHECK(!offsets.defined(), where, ": keep_chunk_states is not supported with cu_seqlens");
-    chunk_states = at::empty({sequences, heads, (length + 15) / 16, value, key}, q.options().dtype(at::kBFloat16));
+    TORCH_CHECK(chunk_state_interval == 1 || chunk_state_interval == 2, where,
+                ": chunk_state_interval must be 1 or 2, got ", chunk_state_interval);
+    const int64_t kept = ((length + 15) / 16 + chunk_state_interval - 1) / chunk_state_interval;
+    chunk_states = at::empty({sequences, heads, kept, value, key}, q.options().dtype(at::kBFloat16));
     options.chunk_states = chunk_states.data_ptr();
+    options.chunk_state_interval = static_cast<int>(chunk_state_interval);
   }
   // The context-parallel path's scratch (none for the serial walk), from the caching allocator.
   const size_t workspace_bytes = kda_chunked_forward_workspace_bytes(
@@ -233,11 +237,21 @@ KdaChunkedGradients kda_chunked_backward(const at::Tensor& q, const at::Tensor& 
                                                  "[B, H, K, V]", state_shape, device);
   const at::Tensor d_state_out = kda_state_argument(where, "d_final_state", d_final_state,
                                                     "[B, H, K, V]", state_shape, device);
+  kernels::KdaBackwardOptions options;
+  options.pass3_blocks = pass3_blocks;
   if (chunk_states.defined()) {
-    const std::vector<int64_t> kept_shape = {batch, heads, (length + 15) / 16, value, key};
-    TORCH_CHECK(chunk_states.sizes() == at::IntArrayRef(kept_shape), where,
+    const int64_t chunks = (length + 15) / 16;
+    const std::vector<int64_t> kept_shape = {batch, heads, chunks, value, key};
+    const std::vector<int64_t> every_second = {batch, heads, (chunks + 1) / 2, value, key};
+    const bool second = pass3_blocks && chunks > 1 && chunk_states.sizes() == at::IntArrayRef(every_second);
+    TORCH_CHECK(second || chunk_states.sizes() == at::IntArrayRef(kept_shape), where,
                 ": chunk_states must be [B, H, ceil(T / 16), V, K] = ", at::IntArrayRef(kept_shape),
+                pass3_blocks ? " (or every second chunk's, [B, H, ceil(ceil(T / 16) / 2), V, K])" : "",
                 " (kda_chunked's, kept on these inputs), got ", chunk_states.sizes());
+    TORCH_CHECK(!second || (q.scalar_type() == at::kBFloat16 && key == 128 && value == 128), where,
+                ": chunk_states of every second chunk need pass 3 by blocks, which runs bf16 with K = V = 128; got ",
+                q.scalar_type(), " with K = ", key, ", V = ", value, " (keep every chunk's state instead)");
+    if (second) options.chunk_states_interval = 2;
     TORCH_CHECK(chunk_states.scalar_type() == at::kBFloat16, where,
                 ": chunk_states must be bf16 (kda_chunked's), got ", chunk_states.scalar_type());
     check_cuda(where, "chunk_states", chunk_states, device);
@@ -256,13 +270,12 @@ KdaChunkedGradients kda_chunked_backward(const at::Tensor& q, const at::Tensor& 
   at::Tensor dbeta = at::empty(beta.sizes(), f32);
   at::Tensor d_initial = at::empty(state_shape, f32);
   const size_t workspace_bytes = kernels::kda_chunked_backward_workspace_bytes(
-      batch, length, heads, key, value, /*states_given=*/chunk_states.defined());
+      kernel_dtype(q.scalar_type()), batch, length, heads, key, value,
+      /*states_given=*/chunk_states.defined(), options);
   at::Tensor workspace;
   if (workspace_bytes > 0) {
     workspace = at::empty({static_cast<int64_t>(workspace_bytes)}, q.options().dtype(at::kByte));
   }
-  kernels::KdaBackwardOptions options;
-  options.pass3_blocks = pass3_blocks;
   check_launch(
       kernels::kda_chunked_backward(
           kernel_dtype(q.scalar_type()), c.q.data_ptr(), c.k.data_ptr(), c.v.data_ptr(),

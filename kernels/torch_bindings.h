@@ -15,8 +15,9 @@ namespace odyssey::kernels {
 struct KdaChunkedOutput {
   at::Tensor o;            // [B, T, H, V], q's dtype
   at::Tensor final_state;  // [N, H, K, V], fp32
-  // bf16 [N, H, ceil(T / 16), V, K]: the state entering every chunk, when kda_chunked was asked
-  // to keep them (for kda_chunked_backward's chunk_states); else undefined.
+  // bf16 [N, H, ceil(ceil(T / 16) / i), V, K]: the state entering chunks 0, i, 2i, ... (i =
+  // chunk_state_interval, 1 or 2), when kda_chunked was asked to keep them (for
+  // kda_chunked_backward's chunk_states); else undefined.
   at::Tensor chunk_states;
 };
 
@@ -44,7 +45,7 @@ KdaChunkedOutput kda_chunked(const at::Tensor& q, const at::Tensor& k, const at:
                              const at::Tensor& cu_seqlens = at::Tensor(),
                              int64_t segment_length = 0, bool prefetch = true,
                              bool head_walk = true, int64_t lead_length = 0,
-                             bool keep_chunk_states = false);
+                             bool keep_chunk_states = false, int64_t chunk_state_interval = 1);
 
 // The gradients of kda_chunked (no cu_seqlens, no context-parallel options) with respect to its
 // inputs, from the gradients of its outputs: d_o [B, T, H, V] (any float dtype; converted to q's),
@@ -54,7 +55,8 @@ KdaChunkedOutput kda_chunked(const at::Tensor& q, const at::Tensor& k, const at:
 // undefined). g must lie in [-5, 0]. The workspace comes from the caching allocator.
 // chunk_states: kda_chunked's, kept by the forward on these inputs (keep_chunk_states): the
 // states are not recomputed (the same gradients bit for bit, one pass less, half the workspace);
-// undefined: recomputed. pass3_blocks: kernels/kda.h's KdaBackwardOptions::pass3_blocks.
+// undefined: recomputed. pass3_blocks: kernels/kda.h's KdaBackwardOptions::pass3_blocks (which
+// also takes states kept at chunk_state_interval 2, told apart by their shape).
 struct KdaChunkedGradients {
   at::Tensor dq, dk, dv, dg, dbeta, d_initial_state;
 };

@@ -63,12 +63,15 @@ int main(int argc, char** argv) {
   bf16* states = reinterpret_cast<bf16*>(workspace + layout.states);
   bf16* d_states = reinterpret_cast<bf16*>(workspace + layout.d_states);
   float* final_state = reinterpret_cast<float*>(workspace + layout.final_state);
-  auto pass1 = [&] {
+  // interval: the state entering one chunk in every `interval` (2: what pass 3 by blocks reads).
+  auto pass1_every = [&](int interval) {
     KdaChunkedOptions options;
     options.chunk_states = states;
+    options.chunk_state_interval = interval;
     return kda_chunked_forward(KdaDtype::kBFloat16, q, k, v, g, beta, nullptr, nullptr, final_state,
                                nullptr, B, T, H, K, V, scale, options, 0);
   };
+  auto pass1 = [&] { return pass1_every(1); };
   StateGradientArgs sa{};
   sa.forward.q = q, sa.forward.k = k, sa.forward.v = v, sa.forward.beta = beta, sa.forward.g = g;
   sa.forward.length = T, sa.forward.heads = static_cast<int>(H), sa.forward.value_dim = static_cast<int>(V);
@@ -82,7 +85,9 @@ int main(int argc, char** argv) {
     std::printf("reverse walk: %d segments of %ld tokens\n", layout.reverse.segments, (long)layout.reverse.segment_length);
   }
   sa.d_o = d_o, sa.d_final_state = d_final, sa.d_initial_state = d_init, sa.chunk_d_states = d_states;
+  sa.forward.state_interval = 1;
   ChunkGradientArgs ca{};
+  ca.states_interval = ca.d_states_interval = 1;
   ca.q = q, ca.k = k, ca.v = v, ca.beta = beta, ca.d_o = d_o, ca.g = g;
   ca.chunk_states = states, ca.chunk_d_states = d_states;
   ca.dq = dq, ca.dk = dk, ca.dv = dv, ca.dg = dg, ca.dbeta = dbeta;
@@ -91,6 +96,17 @@ int main(int argc, char** argv) {
     return with_walk_types(KdaDtype::kBFloat16, K, V, [&](auto type, auto key, auto tile) {
       return launch_state_gradients<typename decltype(type)::type, key(), tile()>(sa, B, V, 0);
     });
+  };
+  // Passes 1, 2 and 3 as pass3_blocks runs them: every second state and state gradient stored.
+  auto every_second = [&](bool on) {
+    sa.forward.state_interval = ca.states_interval = ca.d_states_interval = on ? 2 : 1;
+  };
+  auto pass1_second = [&] { return pass1_every(2); };
+  auto pass2_second = [&]() -> cudaError_t {
+    every_second(true);
+    const cudaError_t e = pass2();
+    every_second(false);
+    return e;
   };
   auto pass3 = [&]() -> cudaError_t {
     return with_head_width(K, [&](auto key) {
@@ -102,8 +118,18 @@ int main(int argc, char** argv) {
 
   // Pass 3 by 32-token blocks (kda_block_gradient.cuh, KdaBackwardOptions::pass3_blocks), bf16 K = V
   // = 128; with the loads issued at the top of every block, and by a producer warp (kProducer).
-  auto pass3_blocks = [&]() -> cudaError_t { return launch_block_gradients<128, 128, false>(ca, B, 0); };
-  auto pass3_blocks_producer = [&]() -> cudaError_t { return launch_block_gradients<128, 128, true>(ca, B, 0); };
+  auto pass3_blocks = [&]() -> cudaError_t {
+    every_second(true);
+    const cudaError_t e = launch_block_gradients<128, 128, false>(ca, B, 0);
+    every_second(false);
+    return e;
+  };
+  auto pass3_blocks_producer = [&]() -> cudaError_t {
+    every_second(true);
+    const cudaError_t e = launch_block_gradients<128, 128, true>(ca, B, 0);
+    every_second(false);
+    return e;
+  };
   check(backward(), "backward");
   check(cudaDeviceSynchronize(), "backward (sync)");
   cudaEvent_t a, b;
@@ -124,6 +150,8 @@ int main(int argc, char** argv) {
   time("pass 2 (reverse walk)", pass2);
   time("pass 3 (chunk gradients)", pass3);
   if (K == 128 && V == 128) {
+    time("pass 1 (every 2nd state)", pass1_second);
+    time("pass 2 (every 2nd dS')", pass2_second);
     time("pass 3 (32-token blocks)", pass3_blocks);
     time("pass 3 (blocks, producer warp)", pass3_blocks_producer);
   }

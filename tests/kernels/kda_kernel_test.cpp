@@ -769,6 +769,96 @@ TEST_F(KdaKernel, KeptChunkStatesEqualTheRecomputeBitForBit) {
   }
 }
 
+// Pass 3 by 32-token blocks reads the state entering every block and the gradient of the state
+// leaving it, so its passes 1 and 2 store every second chunk's (KdaChunkedOptions::
+// chunk_state_interval = 2; half the bytes written and half the workspace). The states kept at
+// interval 2 are every second one of interval 1's, bit for bit (the whole-head walk, its context-
+// parallel path with the lead at 4133 tokens, one chunk, partly filled last blocks), and the
+// blocked backward gives the same gradients bit for bit from either, or recomputing them. Wrong
+// intervals are refused by name.
+TEST_F(KdaKernel, StatesOfEverySecondChunkFeedTheBlockedPassBitForBit) {
+  for (const int64_t length : {16, 17, 33, 100, 4133}) {
+    const int64_t batch = length == 4133 ? 1 : 2;
+    const Inputs in = make_inputs(batch, length, 2, 128, 128, at::kBFloat16, Gates::kRandom, true, 970 + length);
+    const std::string name = shape_name(batch, length, 2, 128, 128, at::kBFloat16);
+    auto forward = [&](int64_t interval) {
+      return kda_chunked(in.q, in.k, in.v, in.g, in.beta, in.state, in.scale, at::Tensor(), 0, true, true, 0,
+                         /*keep_chunk_states=*/true, interval);
+    };
+    const KdaChunkedOutput every = forward(1), second = forward(2);
+    const int64_t chunks = (length + 15) / 16;
+    ASSERT_EQ(second.chunk_states.size(2), (chunks + 1) / 2) << name;
+    EXPECT_TRUE(at::equal(second.o, every.o)) << name << ": o";
+    EXPECT_TRUE(at::equal(second.chunk_states,
+                          every.chunk_states.index({at::indexing::Slice(), at::indexing::Slice(),
+                                                    at::indexing::Slice(at::indexing::None, at::indexing::None, 2)})))
+        << name << ": every second chunk state";
+
+    const auto [d_o, d_final] = output_gradients(in, /*with_final=*/true, 990 + length);
+    auto backward = [&](const at::Tensor& states) {
+      return kda_chunked_backward(in.q, in.k, in.v, in.g, in.beta, in.state, d_o, d_final, in.scale, states,
+                                  /*pass3_blocks=*/true);
+    };
+    const KdaChunkedGradients recomputed = backward(at::Tensor()), from_every = backward(every.chunk_states),
+                              from_second = backward(second.chunk_states);
+    for (const auto& [what, a, b, c] :
+         {std::tuple{"dq", recomputed.dq, from_every.dq, from_second.dq},
+          std::tuple{"dk", recomputed.dk, from_every.dk, from_second.dk},
+          std::tuple{"dv", recomputed.dv, from_every.dv, from_second.dv},
+          std::tuple{"dg", recomputed.dg, from_every.dg, from_second.dg},
+          std::tuple{"dbeta", recomputed.dbeta, from_every.dbeta, from_second.dbeta},
+          std::tuple{"dS0", recomputed.d_initial_state, from_every.d_initial_state, from_second.d_initial_state}}) {
+      EXPECT_TRUE(at::equal(a, b)) << name << ": " << what << " from every chunk's states, max diff " << max_error(a, b);
+      EXPECT_TRUE(at::equal(a, c)) << name << ": " << what << " from every second one, max diff " << max_error(a, c);
+    }
+    std::printf("  %-28s %ld of %ld chunk states kept; the blocked gradients from them, from all, recomputed: "
+                "bit for bit\n", name.c_str(), static_cast<long>(second.chunk_states.size(2)),
+                static_cast<long>(chunks));
+  }
+
+  const Inputs in = make_inputs(1, 40, 2, 128, 128, at::kBFloat16, Gates::kRandom, false, 1000);
+  const auto [d_o, d_final] = output_gradients(in, /*with_final=*/false, 1001);
+  const at::Tensor second = kda_chunked(in.q, in.k, in.v, in.g, in.beta, at::Tensor(), in.scale, at::Tensor(), 0,
+                                        true, true, 0, true, 2).chunk_states;
+  try {
+    kda_chunked_backward(in.q, in.k, in.v, in.g, in.beta, at::Tensor(), d_o, d_final, in.scale, second);
+    ADD_FAILURE() << "every second chunk's states accepted by the 16-token pass 3";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("chunk_states must be [B, H, ceil(T / 16), V, K]"), std::string::npos)
+        << e.what();
+  }
+  try {
+    kda_chunked(in.q, in.k, in.v, in.g, in.beta, at::Tensor(), in.scale, at::Tensor(), 0, true, true, 0, true, 3);
+    ADD_FAILURE() << "chunk_state_interval 3 accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("chunk_state_interval must be 1 or 2"), std::string::npos) << e.what();
+  }
+  // The launchers themselves: an interval other than 1 or 2, and states of every second chunk for
+  // the 16-token pass, are cudaErrorInvalidValue before anything runs.
+  at::Tensor states = at::empty({1, 2, 2, 128, 128}, in.q.options()), final_state = at::empty({1, 2, 128, 128},
+                                                                                               in.g.options());
+  KdaChunkedOptions options;
+  options.chunk_states = states.data_ptr();
+  options.chunk_state_interval = 3;
+  EXPECT_EQ(kda_chunked_forward(KdaDtype::kBFloat16, in.q.data_ptr(), in.k.data_ptr(), in.v.data_ptr(),
+                                in.g.data_ptr<float>(), in.beta.data_ptr(), nullptr, nullptr,
+                                final_state.data_ptr<float>(), nullptr, 1, 40, 2, 128, 128,
+                                static_cast<float>(in.scale), options, nullptr),
+            cudaErrorInvalidValue);
+  at::Tensor grads = at::empty({6, 1, 40, 2, 128}, in.g.options()), dbeta = at::empty({1, 40, 2}, in.g.options());
+  KdaBackwardOptions backward_options;
+  backward_options.chunk_states_interval = 2;  // without pass3_blocks
+  const at::Tensor d_o16 = d_o.to(at::kBFloat16).contiguous();
+  EXPECT_EQ(kda_chunked_backward(KdaDtype::kBFloat16, in.q.data_ptr(), in.k.data_ptr(), in.v.data_ptr(),
+                                 in.g.data_ptr<float>(), in.beta.data_ptr(), nullptr, d_o16.data_ptr(), nullptr,
+                                 grads[0].data_ptr(), grads[1].data_ptr(), grads[2].data_ptr(),
+                                 grads[3].data_ptr<float>(), dbeta.data_ptr<float>(), nullptr, 1, 40, 2, 128, 128,
+                                 static_cast<float>(in.scale), second.data_ptr(), nullptr, 0, nullptr,
+                                 backward_options),
+            cudaErrorInvalidValue);
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+}
+
 TEST_F(KdaKernel, BackwardOfAnEmptySequencePassesTheStateGradientThrough) {
   const Inputs in = make_inputs(2, 0, 2, 64, 64, at::kBFloat16, Gates::kRandom, true, 1);
   const auto [d_o, d_final] = output_gradients(in, /*with_final=*/true, 2);
