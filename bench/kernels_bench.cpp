@@ -170,8 +170,8 @@ double bench_backward(const KernelsBenchOptions& o, int64_t batch, int64_t lengt
   at::Tensor dg = at::empty(in.q.sizes(), f32), dv = at::empty_like(in.v);
   at::Tensor dbeta = at::empty(in.beta.sizes(), f32);
   at::Tensor d_state = at::empty({batch, heads, key, value}, f32);
-  const size_t workspace_bytes =
-      kernels::kda_chunked_backward_workspace_bytes(batch, length, heads, key, value);
+  const size_t workspace_bytes = kernels::kda_chunked_backward_workspace_bytes(
+      kernels::KdaDtype::kBFloat16, batch, length, heads, key, value, /*states_given=*/false, {});
   const at::Tensor workspace =
       at::empty({static_cast<int64_t>(workspace_bytes)}, in.q.options().dtype(at::kByte));
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
@@ -194,38 +194,46 @@ double bench_backward(const KernelsBenchOptions& o, int64_t batch, int64_t lengt
               static_cast<long>(batch), static_cast<long>(length), static_cast<long>(heads),
               kernel.best_ms, kernel.median_ms, kernel.best_ms / forward_ms, forward_ms,
               workspace_bytes / 1e9);
-  // Pass 3 by 32-token blocks (KdaBackwardOptions::pass3_blocks; off by default), against the
-  // backward above in the same run.
+  // Pass 3 by 16-token chunks (KdaBackwardOptions::pass3_blocks = false; the default until the
+  // seventeenth session: passes 1 and 2 store every chunk's state and state gradient, twice the
+  // workspace), against the backward above (32-token blocks) in the same run.
   {
-    kernels::KdaBackwardOptions blocks;
-    blocks.pass3_blocks = true;
-    // Passes 1 and 2 then store every second chunk's state and state gradient: half the workspace.
-    const size_t blocked_bytes = kernels::kda_chunked_backward_workspace_bytes(
-        kernels::KdaDtype::kBFloat16, batch, length, heads, key, value, /*states_given=*/false, blocks);
-    const Timing blocked = time_cuda(
+    kernels::KdaBackwardOptions chunks;
+    chunks.pass3_blocks = false;
+    const size_t chunks_bytes = kernels::kda_chunked_backward_workspace_bytes(
+        kernels::KdaDtype::kBFloat16, batch, length, heads, key, value, /*states_given=*/false, chunks);
+    const at::Tensor chunks_workspace =
+        at::empty({static_cast<int64_t>(chunks_bytes)}, in.q.options().dtype(at::kByte));
+    const Timing by_chunks = time_cuda(
         [&] {
           const cudaError_t e = kernels::kda_chunked_backward(
               kernels::KdaDtype::kBFloat16, in.q.data_ptr(), in.k.data_ptr(), in.v.data_ptr(),
               in.g.data_ptr<float>(), in.beta.data_ptr(), nullptr, d_o.data_ptr(), nullptr, dq.data_ptr(),
               dk.data_ptr(), dv.data_ptr(), dg.data_ptr<float>(), dbeta.data_ptr<float>(), d_state.data_ptr<float>(),
               batch, length, heads, key, value, static_cast<float>(in.scale), /*chunk_states=*/nullptr,
-              workspace.data_ptr(), blocked_bytes, stream, blocks);
+              chunks_workspace.data_ptr(), chunks_bytes, stream, chunks);
           if (e != cudaSuccess) error = e;
         },
         o.warmup, o.repeats);
-    TORCH_CHECK(error == cudaSuccess, "kda_chunked_backward (pass3_blocks): ", cudaGetErrorString(error));
-    std::printf("kda backward, pass 3 by 32-token blocks: kernel best %8.3f ms  median %8.3f ms  -> %.2fx the"
-                " forward, %.3fx the default backward's %.3f ms; workspace %.2f GB\n",
-                blocked.best_ms, blocked.median_ms, blocked.best_ms / forward_ms, blocked.best_ms / kernel.best_ms,
-                kernel.best_ms, blocked_bytes / 1e9);
+    TORCH_CHECK(error == cudaSuccess, "kda_chunked_backward (pass3_blocks = false): ", cudaGetErrorString(error));
+    std::printf("kda backward, pass 3 by 16-token chunks: kernel best %8.3f ms  median %8.3f ms  -> %.2fx the"
+                " forward; the default (32-token blocks) %.3f ms is %.3fx of it; workspace %.2f GB\n",
+                by_chunks.best_ms, by_chunks.median_ms, by_chunks.best_ms / forward_ms, kernel.best_ms,
+                kernel.best_ms / by_chunks.best_ms, chunks_bytes / 1e9);
   }
   // A training step's forward keeping the chunk states (KdaChunkedOptions::chunk_states with o) and
   // the backward from them (no state recompute), against the forward and backward above.
   {
     at::Tensor out = at::empty_like(in.v), final_state = at::empty({batch, heads, key, value}, f32);
-    at::Tensor states = at::empty({batch, heads, (length + 15) / 16, value, key}, in.q.options().dtype(at::kBFloat16));
+    // Every second chunk's with the default pass 3 by blocks (kda_backward_state_interval).
+    const int interval = kernels::kda_backward_state_interval(kernels::KdaDtype::kBFloat16, key, value);
+    const int64_t kept = ((length + 15) / 16 + interval - 1) / interval;
+    at::Tensor states = at::empty({batch, heads, kept, value, key}, in.q.options().dtype(at::kBFloat16));
     kernels::KdaChunkedOptions keep;
     keep.chunk_states = states.data_ptr();
+    keep.chunk_state_interval = interval;
+    kernels::KdaBackwardOptions given;
+    given.chunk_states_interval = interval;
     const Timing forward_keeping = time_cuda(
         [&] {
           const cudaError_t e = kernels::kda_chunked_forward(
@@ -235,8 +243,8 @@ double bench_backward(const KernelsBenchOptions& o, int64_t batch, int64_t lengt
           if (e != cudaSuccess) error = e;
         },
         o.warmup, o.repeats);
-    const size_t given_bytes =
-        kernels::kda_chunked_backward_workspace_bytes(batch, length, heads, key, value, /*states_given=*/true);
+    const size_t given_bytes = kernels::kda_chunked_backward_workspace_bytes(
+        kernels::KdaDtype::kBFloat16, batch, length, heads, key, value, /*states_given=*/true, given);
     const Timing from_states = time_cuda(
         [&] {
           const cudaError_t e = kernels::kda_chunked_backward(
@@ -244,7 +252,7 @@ double bench_backward(const KernelsBenchOptions& o, int64_t batch, int64_t lengt
               in.g.data_ptr<float>(), in.beta.data_ptr(), nullptr, d_o.data_ptr(), nullptr,
               dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), dg.data_ptr<float>(), dbeta.data_ptr<float>(),
               d_state.data_ptr<float>(), batch, length, heads, key, value, static_cast<float>(in.scale),
-              states.data_ptr(), workspace.data_ptr(), given_bytes, stream);
+              states.data_ptr(), workspace.data_ptr(), given_bytes, stream, given);
           if (e != cudaSuccess) error = e;
         },
         o.warmup, o.repeats);

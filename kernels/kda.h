@@ -162,10 +162,12 @@ cudaError_t kda_chunked_forward(KdaDtype dtype, const void* q, const void* k, co
 // Choices of kda_chunked_backward that change how, not what, it computes (within bf16 rounding).
 struct KdaBackwardOptions {
   // Pass 3 by blocks of 32 tokens, two exponent-anchored 16-token sub-chunks each
-  // (kda_block_gradient.cuh; bf16 with K = V = 128, ignored otherwise): the base of the blocked
-  // backward (kernels/README.md, "Sixteenth session"). Off by default: today it is slower than
-  // the 16-token pass (7.9-8.2 against 6.5-6.6 ms at B=2 T=16K H=64 on an H100).
-  bool pass3_blocks = false;
+  // (kda_block_gradient.cuh; bf16 with K = V = 128, ignored otherwise), reading the state entering
+  // every block and the gradient of the state leaving it, so that passes 1 and 2 store every second
+  // chunk's (kernels/README.md, "Seventeenth session"). On by default: at B=2 T=16K H=64 on an H100
+  // the backward takes 10.94 ms against 11.57 with 16-token chunks, in half the workspace (4.3
+  // against 8.6 GB). false: pass 3 by 16-token chunks (the same gradients within bf16 rounding).
+  bool pass3_blocks = true;
   // The interval of the chunk_states given (KdaChunkedOptions::chunk_state_interval of the forward
   // that kept them): 1, or 2 with pass3_blocks (which reads only the states entering its blocks);
   // anything else is cudaErrorInvalidValue. Without chunk_states the backward chooses: pass 3 by
@@ -173,12 +175,19 @@ struct KdaBackwardOptions {
   int chunk_states_interval = 1;
 };
 
+// Enough for any dtype and options (every chunk's states):
 size_t kda_chunked_backward_workspace_bytes(int64_t batch, int64_t length, int64_t heads,
                                             int64_t key_dim, int64_t value_dim, bool states_given = false);
-// The same for the call with these options and dtype (pass3_blocks: half the states' bytes).
+// Exactly what the call with this dtype and these options needs (pass 3 by blocks: half the states).
 size_t kda_chunked_backward_workspace_bytes(KdaDtype dtype, int64_t batch, int64_t length, int64_t heads,
                                             int64_t key_dim, int64_t value_dim, bool states_given,
                                             const KdaBackwardOptions& options);
+
+// The interval at which the backward with these options reads chunk states (1: every chunk's; 2:
+// every second one's, pass 3 by blocks): what a training step's forward should keep
+// (KdaChunkedOptions::chunk_state_interval) for kda_chunked_backward's chunk_states.
+int kda_backward_state_interval(KdaDtype dtype, int64_t key_dim, int64_t value_dim,
+                                const KdaBackwardOptions& options = {});
 
 cudaError_t kda_chunked_backward(KdaDtype dtype, const void* q, const void* k, const void* v,
                                  const float* g, const void* beta, const float* initial_state,

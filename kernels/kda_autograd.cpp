@@ -2,6 +2,8 @@
 
 #include <torch/autograd.h>
 
+#include "kernels/kda.h"
+
 namespace odyssey::kernels {
 namespace {
 
@@ -19,9 +21,12 @@ class KdaChunkedFunction : public torch::autograd::Function<KdaChunkedFunction> 
                                const at::Tensor& initial_state_or_empty, double scale,
                                bool keep_chunk_states) {
     const at::Tensor initial_state = state_or_undefined(initial_state_or_empty);
+    // The states the backward reads: every second chunk's where pass 3 goes by 32-token blocks.
+    const int interval = kda_backward_state_interval(
+        q.scalar_type() == at::kBFloat16 ? KdaDtype::kBFloat16 : KdaDtype::kFloat32, q.size(3), v.size(3));
     KdaChunkedOutput out = kda_chunked(q, k, v, g, beta, initial_state, scale, at::Tensor(),
                                        /*segment_length=*/0, /*prefetch=*/true, /*head_walk=*/true,
-                                       /*lead_length=*/0, keep_chunk_states);
+                                       /*lead_length=*/0, keep_chunk_states, interval);
     ctx->save_for_backward({q, k, v, g, beta, initial_state_or_empty});
     ctx->saved_data["scale"] = scale;
     // Not an input or an output: held by the context until the backward (or the graph) is freed.

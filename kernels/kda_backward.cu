@@ -1293,9 +1293,15 @@ size_t kda_chunked_backward_workspace_bytes(KdaDtype dtype, int64_t batch, int64
   return BackwardLayout(batch, length, heads, key_dim, value_dim, states_given, interval).bytes;
 }
 
+int kda_backward_state_interval(KdaDtype dtype, int64_t key_dim, int64_t value_dim,
+                                const KdaBackwardOptions& options) {
+  return blocked_pass3(dtype, key_dim, value_dim, options) ? 2 : 1;
+}
+
 size_t kda_chunked_backward_workspace_bytes(int64_t batch, int64_t length, int64_t heads,
                                             int64_t key_dim, int64_t value_dim, bool states_given) {
-  return kda_chunked_backward_workspace_bytes(KdaDtype::kBFloat16, batch, length, heads, key_dim, value_dim,
+  // Enough for either dtype: fp32 stores every chunk's states.
+  return kda_chunked_backward_workspace_bytes(KdaDtype::kFloat32, batch, length, heads, key_dim, value_dim,
                                               states_given, KdaBackwardOptions{});
 }
 

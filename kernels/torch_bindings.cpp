@@ -243,14 +243,13 @@ KdaChunkedGradients kda_chunked_backward(const at::Tensor& q, const at::Tensor& 
     const int64_t chunks = (length + 15) / 16;
     const std::vector<int64_t> kept_shape = {batch, heads, chunks, value, key};
     const std::vector<int64_t> every_second = {batch, heads, (chunks + 1) / 2, value, key};
-    const bool second = pass3_blocks && chunks > 1 && chunk_states.sizes() == at::IntArrayRef(every_second);
+    // Pass 3 by blocks (bf16, K = V = 128) also reads every second chunk's states.
+    const bool blocks = kernels::kda_backward_state_interval(kernel_dtype(q.scalar_type()), key, value, options) == 2;
+    const bool second = blocks && chunks > 1 && chunk_states.sizes() == at::IntArrayRef(every_second);
     TORCH_CHECK(second || chunk_states.sizes() == at::IntArrayRef(kept_shape), where,
                 ": chunk_states must be [B, H, ceil(T / 16), V, K] = ", at::IntArrayRef(kept_shape),
-                pass3_blocks ? " (or every second chunk's, [B, H, ceil(ceil(T / 16) / 2), V, K])" : "",
+                blocks ? " (or every second chunk's, [B, H, ceil(ceil(T / 16) / 2), V, K])" : "",
                 " (kda_chunked's, kept on these inputs), got ", chunk_states.sizes());
-    TORCH_CHECK(!second || (q.scalar_type() == at::kBFloat16 && key == 128 && value == 128), where,
-                ": chunk_states of every second chunk need pass 3 by blocks, which runs bf16 with K = V = 128; got ",
-                q.scalar_type(), " with K = ", key, ", V = ", value, " (keep every chunk's state instead)");
     if (second) options.chunk_states_interval = 2;
     TORCH_CHECK(chunk_states.scalar_type() == at::kBFloat16, where,
                 ": chunk_states must be bf16 (kda_chunked's), got ", chunk_states.scalar_type());

@@ -55,8 +55,9 @@ KdaChunkedOutput kda_chunked(const at::Tensor& q, const at::Tensor& k, const at:
 // undefined). g must lie in [-5, 0]. The workspace comes from the caching allocator.
 // chunk_states: kda_chunked's, kept by the forward on these inputs (keep_chunk_states): the
 // states are not recomputed (the same gradients bit for bit, one pass less, half the workspace);
-// undefined: recomputed. pass3_blocks: kernels/kda.h's KdaBackwardOptions::pass3_blocks (which
-// also takes states kept at chunk_state_interval 2, told apart by their shape).
+// undefined: recomputed. pass3_blocks: kernels/kda.h's KdaBackwardOptions::pass3_blocks (on by
+// default, where it applies: bf16, K = V = 128; it also takes states kept at chunk_state_interval
+// 2, told apart by their shape, which kda_backward_state_interval says to keep).
 struct KdaChunkedGradients {
   at::Tensor dq, dk, dv, dg, dbeta, d_initial_state;
 };
@@ -65,7 +66,7 @@ KdaChunkedGradients kda_chunked_backward(const at::Tensor& q, const at::Tensor& 
                                          const at::Tensor& beta, const at::Tensor& initial_state,
                                          const at::Tensor& d_o, const at::Tensor& d_final_state,
                                          double scale, const at::Tensor& chunk_states = at::Tensor(),
-                                         bool pass3_blocks = false);
+                                         bool pass3_blocks = true);
 
 // Whether kda_step can run these: CUDA, q k v of one dtype bf16 / fp32, K in {32, 64, 128}, V a
 // multiple of 32 up to 256, state fp32 and contiguous (it is updated in place).

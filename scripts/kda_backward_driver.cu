@@ -3,12 +3,13 @@
 // forward's (pass 1 is kda_chunked_forward):
 //   nvcc -O3 -std=c++17 -arch=sm_90 [-Ivariant] -I. scripts/kda_backward_driver.cu kernels/kda.cu \
 //       -o /tmp/kda_bwd
-//   /tmp/kda_bwd B T H [K V [save.bin | compare.bin [blocks]]]      (defaults 2 16384 64 128 128)
+//   /tmp/kda_bwd B T H [K V [save.bin | compare.bin [blocks | chunks]]]  (defaults 2 16384 64 128 128)
 // -Ivariant first: a folder holding a modified kernels/kda_backward.cu is used instead.
 // Random inputs (bf16 q, k, v, beta, d_o; g in [-0.3, 0]; a d final state); prints the best and
 // median of the whole backward and of pass 1 (states), pass 2 (reverse walk) and pass 3 (chunk
-// gradients) alone, and at K = V = 128 pass 3 by 32-token blocks (kda_block_gradient.cuh), with
-// -DKDA_PHASE_PROFILE its cycles per block between barriers. `save.bin` writes the gradients; a later run (another build) given the same
+// gradients) alone, and at K = V = 128 passes 1 and 2 storing every second state and pass 3 by
+// 32-token blocks (kda_block_gradient.cuh), with -DKDA_PHASE_PROFILE its cycles per block between
+// barriers. `save.bin` writes the gradients; a later run (another build) given the same
 // file as `compare.bin` prints each gradient's largest difference relative to its largest
 // magnitude: a quick check of a variant between parity-test runs (kernels_tests is the real one).
 #include "kernels/kda_backward.cu"
@@ -34,8 +35,10 @@ int main(int argc, char** argv) {
                 H = argc > 3 ? atoll(argv[3]) : 64, K = argc > 4 ? atoll(argv[4]) : 128,
                 V = argc > 5 ? atoll(argv[5]) : 128;
   const std::string file = argc > 6 ? argv[6] : "";
-  KdaBackwardOptions options;  // "blocks" after the file: the whole backward with pass 3 by 32-token blocks
-  options.pass3_blocks = argc > 7 && std::string(argv[7]) == "blocks";
+  // After the file, "chunks": the whole backward with pass 3 by 16-token chunks; "blocks" (the
+  // default): by 32-token blocks.
+  KdaBackwardOptions options;
+  if (argc > 7) options.pass3_blocks = std::string(argv[7]) != "chunks";
   const int64_t n = B * T * H, chunks = (T + kChunk - 1) / kChunk;
   bf16 *q, *k, *v, *beta, *d_o, *dq, *dk, *dv; float *g, *d_final, *dg, *dbeta, *d_init;
   cudaMalloc(&q, n * K * 2); cudaMalloc(&k, n * K * 2); cudaMalloc(&v, n * V * 2);

@@ -568,7 +568,7 @@ void expect_gradients(const std::string& what, const Gradients& got, const Gradi
 }
 
 Gradients kernel_gradients(const Inputs& in, const at::Tensor& d_o, const at::Tensor& d_final,
-                           bool pass3_blocks = false) {
+                           bool pass3_blocks = true) {
   const KdaChunkedGradients d = kda_chunked_backward(in.q, in.k, in.v, in.g, in.beta, in.state, d_o, d_final,
                                                      in.scale, at::Tensor(), pass3_blocks);
   return {d.dq, d.dk, d.dv, d.dg, d.dbeta, in.state.defined() ? d.d_initial_state : at::Tensor()};
@@ -653,7 +653,7 @@ TEST_F(KdaKernel, BackwardByThirtyTwoTokenBlocksMatches) {
       const std::string name = shape_name(2, length, 2, 128, 128, at::kBFloat16) + gate_names[static_cast<int>(gates)];
       const Gradients expected = reference_gradients(in, d_o, d_final);
       expect_gradients(name + " 32-token blocks", kernel_gradients(in, d_o, d_final, /*pass3_blocks=*/true), expected);
-      expect_gradients(name + " 16-token chunks", kernel_gradients(in, d_o, d_final), expected);
+      expect_gradients(name + " 16-token chunks", kernel_gradients(in, d_o, d_final, /*pass3_blocks=*/false), expected);
     }
   }
 }
@@ -821,7 +821,8 @@ TEST_F(KdaKernel, StatesOfEverySecondChunkFeedTheBlockedPassBitForBit) {
   const at::Tensor second = kda_chunked(in.q, in.k, in.v, in.g, in.beta, at::Tensor(), in.scale, at::Tensor(), 0,
                                         true, true, 0, true, 2).chunk_states;
   try {
-    kda_chunked_backward(in.q, in.k, in.v, in.g, in.beta, at::Tensor(), d_o, d_final, in.scale, second);
+    kda_chunked_backward(in.q, in.k, in.v, in.g, in.beta, at::Tensor(), d_o, d_final, in.scale, second,
+                         /*pass3_blocks=*/false);
     ADD_FAILURE() << "every second chunk's states accepted by the 16-token pass 3";
   } catch (const c10::Error& e) {
     EXPECT_NE(std::string(e.what()).find("chunk_states must be [B, H, ceil(T / 16), V, K]"), std::string::npos)
@@ -847,6 +848,7 @@ TEST_F(KdaKernel, StatesOfEverySecondChunkFeedTheBlockedPassBitForBit) {
             cudaErrorInvalidValue);
   at::Tensor grads = at::empty({6, 1, 40, 2, 128}, in.g.options()), dbeta = at::empty({1, 40, 2}, in.g.options());
   KdaBackwardOptions backward_options;
+  backward_options.pass3_blocks = false;
   backward_options.chunk_states_interval = 2;  // without pass3_blocks
   const at::Tensor d_o16 = d_o.to(at::kBFloat16).contiguous();
   EXPECT_EQ(kda_chunked_backward(KdaDtype::kBFloat16, in.q.data_ptr(), in.k.data_ptr(), in.v.data_ptr(),
