@@ -1260,7 +1260,11 @@ cudaError_t run_backward(const StateGradientArgs& sa, const ChunkGradientArgs& c
   if (error != cudaSuccess) return error;
   if constexpr (std::is_same_v<T, bf16> && K == 128) {
     // The producer-warp variant (the same time as loads at the top; kernels/README.md).
-    if (value_dim == 128 && options.pass3_blocks) return launch_block_gradients<128, 128, true>(ca, batch, stream);
+    if (value_dim == 128 && options.pass3_blocks) {
+      // The loads by a producer warp: faster than by the tensor-memory accelerator (BlockLoads::kTma,
+      // the same gradients bit for bit; kernels/README.md, "Seventeenth session").
+      return launch_block_gradients<128, 128, BlockLoads::kProducer>(ca, batch, stream);
+    }
   }
   if (ca.states_interval != 1 || ca.d_states_interval != 1) return cudaErrorInvalidValue;
   return with_head_width(value_dim, [&](auto value) {

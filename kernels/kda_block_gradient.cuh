@@ -20,8 +20,12 @@
 // [32][128] result - dq, dk and dGamma accumulate in its registers over the phases (no fp32
 // [32][128] arrays in shared memory), and it makes that tile of dV', W, U, V', dW, dv. The 32 x 32
 // products (P, Aqk, G, H, dAqk, M's blocks, dL's tiles) are tasks of warps 9-15. Nine barriers a
-// block after the loads (kProducer: a 17th warp issues those).
+// block after the loads (BlockLoads: how those reach shared memory).
 #pragma once
+
+#include <cuda.h>  // CUtensorMap (BlockLoads::kTma); the encoder comes through the runtime
+
+#include <initializer_list>
 
 namespace odyssey::kernels {
 namespace {
@@ -31,11 +35,13 @@ constexpr int kBlockSubChunks = kBlock / kChunk;
 static_assert(kBlockSubChunks == 2, "the (1, 0) block is the only one below the diagonal");
 
 template <int K, int V>
-struct alignas(16) BlockShared {
+struct alignas(128) BlockShared {
   static constexpr int kRowK = K + 8, kRowV = V + 8, kRowC = kBlock + 8, kPadK = K + 4, kPadC = kBlock + 4;
   static constexpr int kSlices = kGradientThreads / (K / 2);  // of the V rows (d_decay), of Gamma's rows
-  bf16 s_t[V][kRowK];   // S^T entering the block
-  bf16 ds_t[V][kRowK];  // dS'^T leaving it
+  // The arrays an item loads (s_t .. gamma) start at multiples of 128 bytes (TMA destinations,
+  // BlockLoads::kTma: boxes padded to the rows' widths by the copies' zero fill).
+  alignas(128) bf16 s_t[V][kRowK];   // S^T entering the block
+  alignas(128) bf16 ds_t[V][kRowK];  // dS'^T leaving it
   struct Inputs {
     bf16 q[kBlock][kRowK], k[kBlock][kRowK];
   };
@@ -43,13 +49,14 @@ struct alignas(16) BlockShared {
     bf16 w[kBlock][kRowK];    // W = M Diag(beta) K^      (phases 4-5)
     bf16 d_w[kBlock][kRowK];  // dW = -dV' S^T           (phases 4-5)
   };
-  union alignas(16) {
+  union alignas(128) {
     Inputs in;                        // phases 0-2
     Middle mid;                       // phases 4-5
     float d_gamma[kBlock][kPadK];     // phases 7-8
   };
-  bf16 v[kBlock][kRowV], d_o[kBlock][kRowV];
-  float gamma[kBlock][kPadK];  // g as loaded, then Gamma (from the block's start)
+  alignas(128) bf16 v[kBlock][kRowV];
+  alignas(128) bf16 d_o[kBlock][kRowV];
+  alignas(128) float gamma[kBlock][kPadK];  // g as loaded, then Gamma (from the block's start)
   bf16 x_q[kBlock][kRowK];     // scale q e^{Gamma - B_a}
   bf16 x_k[kBlock][kRowK];     // k e^{Gamma - B_a}
   bf16 k_c[kBlock][kRowK];     // k e^{B_a - Gamma}
@@ -76,6 +83,7 @@ struct alignas(16) BlockShared {
   bf16 c10[K];                 // e^{B_1}: Kc_10 = Kc_0 (.) e^{B_1}
   float dbeta_l[2][kBlock];    // sum_j dL_ij P_ij over the columns of tile 0 and tile 1
   bf16 d_m[kBlock][kRowC];     // dM = (G + H) Diag(beta) below the diagonal
+  uint64_t loaded[3];          // BlockLoads::kTma: the mbarriers of an item's three load parts
 };
 
 // KDA_PHASE_PROFILE: thread 0 adds the cycles between the kernel's barriers to g_phase_cycles[phase]
@@ -173,16 +181,72 @@ __device__ __forceinline__ void for_tile(int m0, int n0, int lane, F&& f) {
 // block + blocks (h + H seq)). Inputs bf16; S^T entering chunk 2 blk and dS'^T leaving chunk
 // min(2 blk + 1, chunks - 1) from passes 1 and 2's [N, H, ceil(chunks / i), V, K] (i = 1 or 2:
 // ChunkGradientArgs' intervals).
-// Named barriers (0 is __syncthreads): 1 the dL tiles' warps; with kProducer, 2 the 16 compute warps,
-// 3-5 an item's arrays free for the next item's loads, 6 those loads landed.
-constexpr int kBlockComputeBarrier = 2, kValuesFree = 3, kGatesFree = 4, kKeysFree = 5, kLoaded = 6;
-template <bool kProducer>
-constexpr int block_gradient_threads() { return kGradientThreads + (kProducer ? 32 : 0); }
+// How an item's 112 KB of inputs reach shared memory:
+//   kTop       cp.async by every thread at the top of the item (nothing overlaps them);
+//   kProducer  cp.async by a 17th warp as the previous item frees each array (named barriers);
+//   kTma       the tensor-memory accelerator: one thread issues the next item's copies (one box an
+//              array: S^T, dS'^T, v, dO, g, q, k) as the previous item frees each array, and the
+//              threads wait on an mbarrier a part; no warp issues or waits for copies otherwise, and
+//              16 warps keep their 128 registers. The boxes are one column group wider than the
+//              arrays (K + 8, V + 8; K + 4 for g), so the copies' zero fill writes the padded rows
+//              that keep ldmatrix free of bank conflicts, and rows past a sequence's end are zero.
+enum class BlockLoads { kTop, kProducer, kTma };
 
-template <int K, int V, bool kProducer = false>
-__global__ void __launch_bounds__(block_gradient_threads<kProducer>(), 1)
-    kda_block_gradient_kernel(const ChunkGradientArgs a) {
-  constexpr int kThreads = block_gradient_threads<kProducer>();
+// Named barriers (0 is __syncthreads): 1 the dL tiles' warps; with kProducer, 2 the 16 compute warps,
+// 3-5 an item's arrays free for the next item's loads (S^T, dS'^T, v and dO after phase 6; Gamma
+// after 7; q and k after 8), 6 those loads landed. (Issuing S^T and v after phase 5, where they are
+// last read, was slower: 7.97 against 7.65-7.81 ms.)
+constexpr int kBlockComputeBarrier = 2, kValuesFree = 3, kGatesFree = 4, kKeysFree = 5, kLoaded = 6;
+template <BlockLoads kLoads>
+constexpr int block_gradient_threads() { return kGradientThreads + (kLoads == BlockLoads::kProducer ? 32 : 0); }
+
+// BlockLoads::kTma's tensor maps (kernel parameters, __grid_constant__): S^T and dS'^T as
+// {K, V, N H stored} with boxes {K + 8, V, 1}; v, dO, q, k as {width, H, L, N} with boxes
+// {width + 8, 1, 32, 1}; g (fp32) as {K, H, L, N} with boxes {K + 4, 1, 32, 1}.
+struct BlockTensorMaps {
+  CUtensorMap s, ds, v, d_o, q, k, g;
+};
+
+__device__ __forceinline__ void mbarrier_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(shared_address(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbarrier_expect_bytes(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(shared_address(bar)), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n"
+      "}\n" ::"r"(shared_address(bar)),
+      "r"(parity)
+      : "memory");
+}
+// One box of `map` at coordinates c (innermost first) into dst, completing on bar.
+__device__ __forceinline__ void tma_load(void* dst, const CUtensorMap& map, uint64_t* bar, int c0, int c1, int c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], "
+      "[%2];\n" ::"r"(shared_address(dst)),
+      "l"(reinterpret_cast<uint64_t>(&map)), "r"(shared_address(bar)), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
+__device__ __forceinline__ void tma_load(void* dst, const CUtensorMap& map, uint64_t* bar, int c0, int c1, int c2,
+                                         int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, "
+      "%6}], [%2];\n" ::"r"(shared_address(dst)),
+      "l"(reinterpret_cast<uint64_t>(&map)), "r"(shared_address(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+}
+
+template <int K, int V, BlockLoads kLoads = BlockLoads::kTop>
+__global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
+    kda_block_gradient_kernel(const ChunkGradientArgs a, const __grid_constant__ BlockTensorMaps maps) {
+  constexpr bool kProducer = kLoads == BlockLoads::kProducer, kTma = kLoads == BlockLoads::kTma;
+  constexpr int kThreads = block_gradient_threads<kLoads>();
   static_assert(K == 128 && V == 128, "one 16 x 16 tile a warp of every [32][128] result");
   using Shared = BlockShared<K, V>;
   constexpr int kRowK = Shared::kRowK, kRowV = Shared::kRowV, kRowC = Shared::kRowC, kSlices = Shared::kSlices;
@@ -249,6 +313,47 @@ __global__ void __launch_bounds__(block_gradient_threads<kProducer>(), 1)
     }
     cp_async_commit();
   };
+  // kTma: the same three parts, a box an array, issued by thread 0 (after the barrier that frees
+  // the arrays: the fence orders this thread's own earlier accesses before the copies' writes).
+  constexpr uint32_t kStateBytes = V * kRowK * sizeof(bf16), kValueRowsBytes = kBlock * kRowV * sizeof(bf16),
+                     kKeyRowsBytes = kBlock * kRowK * sizeof(bf16), kGateRowsBytes = kBlock * Shared::kPadK * sizeof(float);
+  auto tma_states_and_values = [&](const Item& it) {
+    const int64_t pair = static_cast<int64_t>(it.seq) * H + it.h;
+    const int si = a.states_interval, di = a.d_states_interval;
+    const int s_at = static_cast<int>(pair * stored_chunks(num_chunks, si) + 2 * it.index / si);
+    const int ds_at =
+        static_cast<int>(pair * stored_chunks(num_chunks, di) + min64(2 * it.index + 1, num_chunks - 1) / di);
+    const int row = static_cast<int>(it.index * kBlock);
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    mbarrier_expect_bytes(&sh.loaded[0], 2 * kStateBytes + 2 * kValueRowsBytes);
+    tma_load(&sh.s_t[0][0], maps.s, &sh.loaded[0], 0, 0, s_at);
+    tma_load(&sh.ds_t[0][0], maps.ds, &sh.loaded[0], 0, 0, ds_at);
+    tma_load(&sh.v[0][0], maps.v, &sh.loaded[0], 0, it.h, row, it.seq);
+    tma_load(&sh.d_o[0][0], maps.d_o, &sh.loaded[0], 0, it.h, row, it.seq);
+  };
+  auto tma_gates = [&](const Item& it) {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    mbarrier_expect_bytes(&sh.loaded[1], kGateRowsBytes);
+    tma_load(&sh.gamma[0][0], maps.g, &sh.loaded[1], 0, it.h, static_cast<int>(it.index * kBlock), it.seq);
+  };
+  auto tma_keys = [&](const Item& it) {
+    const int row = static_cast<int>(it.index * kBlock);
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    mbarrier_expect_bytes(&sh.loaded[2], 2 * kKeyRowsBytes);
+    tma_load(&sh.in.q[0][0], maps.q, &sh.loaded[2], 0, it.h, row, it.seq);
+    tma_load(&sh.in.k[0][0], maps.k, &sh.loaded[2], 0, it.h, row, it.seq);
+  };
+  if constexpr (kTma) {
+    if (tid == 0) {
+      for (int i = 0; i < 3; ++i) mbarrier_init(&sh.loaded[i], 1);
+      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+      const Item first = item_at(blockIdx.x);
+      tma_states_and_values(first);
+      tma_gates(first);
+      tma_keys(first);
+    }
+    __syncthreads();  // the mbarriers initialized before anyone waits on them
+  }
 
 #ifdef KDA_PHASE_PROFILE
   long long mark = clock64();
@@ -290,6 +395,11 @@ __global__ void __launch_bounds__(block_gradient_threads<kProducer>(), 1)
     if constexpr (kProducer) {
       if (tid < kBlock) sh.beta[tid] = tid < valid ? __bfloat162float(beta[token(tid)]) : 0.0f;
       named_sync(kLoaded);
+    } else if constexpr (kTma) {
+      if (tid < kBlock) sh.beta[tid] = tid < valid ? __bfloat162float(beta[token(tid)]) : 0.0f;
+      const uint32_t parity = static_cast<uint32_t>((w - blockIdx.x) / gridDim.x) & 1u;  // this CTA's item count
+      for (int part = 0; part < 3; ++part) mbarrier_wait(&sh.loaded[part], parity);
+      __syncthreads();
     } else {
       issue_states_and_values(cur, tid, kGradientThreads);
       issue_gates(cur, tid, kGradientThreads);
@@ -633,6 +743,8 @@ __global__ void __launch_bounds__(block_gradient_threads<kProducer>(), 1)
     BLOCK_PHASE_MARK(7);
     if constexpr (kProducer) {
       if (more) named_arrive(kValuesFree);  // S^T, dS'^T, v, dO: last read in phase 6
+    } else if constexpr (kTma) {
+      if (more && tid == 0) tma_states_and_values(item_at(next_w));
     }
 
     // Phase 7: the intra blocks' gradients. Rows (this tile's sub-chunk a = rt): dX_a = sum_{b <= a}
@@ -698,6 +810,8 @@ __global__ void __launch_bounds__(block_gradient_threads<kProducer>(), 1)
     BLOCK_PHASE_MARK(8);
     if constexpr (kProducer) {
       if (more) named_arrive(kGatesFree);  // Gamma: last read in phase 7
+    } else if constexpr (kTma) {
+      if (more && tid == 0) tma_gates(item_at(next_w));
     }
 
     // Phase 8: dg = reverse cumulative sum of dGamma + dgamma (threads 0 .. K - 1); dbeta (threads
@@ -730,15 +844,85 @@ __global__ void __launch_bounds__(block_gradient_threads<kProducer>(), 1)
     BLOCK_PHASE_MARK(9);
     if constexpr (kProducer) {
       if (more) named_arrive(kKeysFree);  // dGamma (q and k's space): read in phase 8
+    } else if constexpr (kTma) {
+      if (more && tid == 0) tma_keys(item_at(next_w));
     }
   }
 }
 
-template <int K, int V, bool kProducer = false>
+// cuTensorMapEncodeTiled from the driver (through the runtime: no libcuda link), once.
+using TensorMapEncoder = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                      const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                      CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+inline TensorMapEncoder tensor_map_encoder() {
+  static const TensorMapEncoder encoder = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) !=
+            cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();
+      return static_cast<TensorMapEncoder>(nullptr);
+    }
+    return reinterpret_cast<TensorMapEncoder>(fn);
+  }();
+  return encoder;
+}
+
+// A tiled map of a dense tensor (dims innermost first, rank 3 or 4) with boxes `box`; the box may
+// run past dim 0 (the padded rows) and past the rows (zero fill).
+inline bool encode_tensor_map(CUtensorMap& map, TensorMapEncoder encode, CUtensorMapDataType type, int element_bytes,
+                              const void* base, std::initializer_list<uint64_t> dims,
+                              std::initializer_list<uint32_t> box) {
+  const uint32_t rank = static_cast<uint32_t>(dims.size());
+  cuuint64_t size[5], stride[4];
+  cuuint32_t boxes[5], steps[5] = {1, 1, 1, 1, 1};
+  uint64_t bytes = static_cast<uint64_t>(element_bytes);
+  uint32_t i = 0;
+  for (const uint64_t d : dims) {
+    size[i] = d;
+    if (i > 0) stride[i - 1] = bytes;
+    bytes *= d;
+    ++i;
+  }
+  i = 0;
+  for (const uint32_t b : box) boxes[i++] = b;
+  return encode(&map, type, rank, const_cast<void*>(base), size, stride, boxes, steps, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+template <int K, int V>
+cudaError_t block_tensor_maps(BlockTensorMaps& maps, const ChunkGradientArgs& a, int64_t batch) {
+  const TensorMapEncoder encode = tensor_map_encoder();
+  if (encode == nullptr) return cudaErrorNotSupported;
+  const uint64_t chunks = static_cast<uint64_t>((a.length + kChunk - 1) / kChunk);
+  const uint64_t pairs = static_cast<uint64_t>(batch) * static_cast<uint64_t>(a.heads);
+  const uint64_t h = static_cast<uint64_t>(a.heads), n = static_cast<uint64_t>(batch), l = static_cast<uint64_t>(a.length);
+  auto stored = [&](int interval) { return pairs * ((chunks + interval - 1) / interval); };
+  constexpr auto kBf16 = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  const bool ok =
+      encode_tensor_map(maps.s, encode, kBf16, 2, a.chunk_states, {K, V, stored(a.states_interval)}, {K + 8, V, 1}) &&
+      encode_tensor_map(maps.ds, encode, kBf16, 2, a.chunk_d_states, {K, V, stored(a.d_states_interval)},
+                        {K + 8, V, 1}) &&
+      encode_tensor_map(maps.v, encode, kBf16, 2, a.v, {V, h, l, n}, {V + 8, 1, kBlock, 1}) &&
+      encode_tensor_map(maps.d_o, encode, kBf16, 2, a.d_o, {V, h, l, n}, {V + 8, 1, kBlock, 1}) &&
+      encode_tensor_map(maps.q, encode, kBf16, 2, a.q, {K, h, l, n}, {K + 8, 1, kBlock, 1}) &&
+      encode_tensor_map(maps.k, encode, kBf16, 2, a.k, {K, h, l, n}, {K + 8, 1, kBlock, 1}) &&
+      encode_tensor_map(maps.g, encode, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, a.g, {K, h, l, n}, {K + 4, 1, kBlock, 1});
+  return ok ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+template <int K, int V, BlockLoads kLoads = BlockLoads::kTop>
 cudaError_t launch_block_gradients(ChunkGradientArgs a, int64_t batch, cudaStream_t stream) {
   constexpr size_t shared = block_shared_bytes<K, V>();
-  constexpr int kThreads = block_gradient_threads<kProducer>();
-  const auto kernel = kda_block_gradient_kernel<K, V, kProducer>;
+  constexpr int kThreads = block_gradient_threads<kLoads>();
+  const auto kernel = kda_block_gradient_kernel<K, V, kLoads>;
+  BlockTensorMaps maps{};
+  if constexpr (kLoads == BlockLoads::kTma) {
+    const cudaError_t error = block_tensor_maps<K, V>(maps, a, batch);
+    if (error != cudaSuccess) return error;
+  }
   cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            static_cast<int>(shared));
   if (error != cudaSuccess) return error;
@@ -751,7 +935,7 @@ cudaError_t launch_block_gradients(ChunkGradientArgs a, int64_t batch, cudaStrea
   }
   a.items = (a.length + kBlock - 1) / kBlock * a.heads * batch;
   const int64_t ctas = std::min<int64_t>(a.items, static_cast<int64_t>(sms) * (per_sm > 0 ? per_sm : 1));
-  kernel<<<static_cast<unsigned>(ctas), kThreads, shared, stream>>>(a);
+  kernel<<<static_cast<unsigned>(ctas), kThreads, shared, stream>>>(a, maps);
   return cudaGetLastError();
 }
 

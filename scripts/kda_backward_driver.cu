@@ -123,13 +123,19 @@ int main(int argc, char** argv) {
   // = 128; with the loads issued at the top of every block, and by a producer warp (kProducer).
   auto pass3_blocks = [&]() -> cudaError_t {
     every_second(true);
-    const cudaError_t e = launch_block_gradients<128, 128, false>(ca, B, 0);
+    const cudaError_t e = launch_block_gradients<128, 128, BlockLoads::kTop>(ca, B, 0);
+    every_second(false);
+    return e;
+  };
+  auto pass3_blocks_tma = [&]() -> cudaError_t {
+    every_second(true);
+    const cudaError_t e = launch_block_gradients<128, 128, BlockLoads::kTma>(ca, B, 0);
     every_second(false);
     return e;
   };
   auto pass3_blocks_producer = [&]() -> cudaError_t {
     every_second(true);
-    const cudaError_t e = launch_block_gradients<128, 128, true>(ca, B, 0);
+    const cudaError_t e = launch_block_gradients<128, 128, BlockLoads::kProducer>(ca, B, 0);
     every_second(false);
     return e;
   };
@@ -157,6 +163,29 @@ int main(int argc, char** argv) {
     time("pass 2 (every 2nd dS')", pass2_second);
     time("pass 3 (32-token blocks)", pass3_blocks);
     time("pass 3 (blocks, producer warp)", pass3_blocks_producer);
+    time("pass 3 (blocks, TMA)", pass3_blocks_tma);
+  }
+  if (K == 128 && V == 128) {  // the load variants of pass 3 by blocks give the same bits
+    const size_t bytes_q = n * K * 2, bytes_g = n * K * 4;
+    std::vector<char> first(3 * bytes_q + bytes_g + n * 4), again(first.size());
+    auto snapshot = [&](std::vector<char>& out) {
+      char* p = out.data();
+      for (auto [src, len] : {std::pair<const void*, size_t>{dq, bytes_q}, {dk, bytes_q}, {dv, n * V * 2},
+                              {dg, bytes_g}, {dbeta, n * 4}}) {
+        cudaMemcpy(p, src, len, cudaMemcpyDeviceToHost);
+        p += len;
+      }
+    };
+    check(pass3_blocks(), "blocks (top)");
+    snapshot(first);
+    for (const auto& [name, run] : {std::pair<const char*, std::function<cudaError_t()>>{"producer warp",
+                                                                                        pass3_blocks_producer},
+                                    {"TMA", pass3_blocks_tma}}) {
+      check(run(), name);
+      snapshot(again);
+      std::printf("  pass 3 by blocks, %s against loads at the top: %s\n", name,
+                  first == again ? "bit for bit" : "DIFFERENT");
+    }
   }
   check(backward(), "backward");
   check(cudaDeviceSynchronize(), "backward (sync)");
@@ -165,7 +194,7 @@ int main(int argc, char** argv) {
      // thread 0), for pass 3 by 32-token blocks with its loads at the top, then by a producer warp
     const double items = static_cast<double>(B * H * ((T + kBlock - 1) / kBlock));
     const std::pair<const char*, std::function<cudaError_t()>> variants[] = {
-        {"loads at the top", pass3_blocks}, {"producer warp", pass3_blocks_producer}};
+        {"loads at the top", pass3_blocks}, {"producer warp", pass3_blocks_producer}, {"TMA", pass3_blocks_tma}};
     for (const auto& [name, run] : variants) {
       unsigned long long zero[16] = {}, cycles[16];
       cudaMemcpyToSymbol(g_phase_cycles, zero, sizeof(zero));
