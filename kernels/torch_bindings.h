@@ -38,7 +38,9 @@ bool kda_chunked_supported(const at::Tensor& q, const at::Tensor& k, const at::T
 // KdaChunkedOptions::lead_length (0 automatic, < 0 none, > 0 tokens, a multiple of 16).
 // keep_chunk_states: also return the state entering every chunk (KdaChunkedOptions::chunk_states,
 // written in the same walk; not with cu_seqlens), so that a training step's backward need not
-// recompute them: B T H K V 2 / 16 bytes (B=2 T=16K H=64 K=V=128: 4.3 GB) held until then.
+// recompute them: B T H K V 2 / 16 bytes (B=2 T=16K H=64 K=V=128: 4.3 GB) held until then; with
+// chunk_state_interval = 2 every second chunk's, half that (what the backward reads where pass 3
+// goes by blocks: kernels/kda.h, kda_backward_state_interval).
 KdaChunkedOutput kda_chunked(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              const at::Tensor& g, const at::Tensor& beta,
                              const at::Tensor& initial_state, double scale,
