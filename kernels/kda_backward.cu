@@ -56,13 +56,15 @@
 //   1. states: kda_chunked_forward with KdaChunkedOptions::chunk_states, no outputs: the state
 //      entering every chunk, bf16, transposed [N, H, chunks, V, K] (exactly the bf16 operand the
 //      forward's matmuls saw). Context parallel where the forward would be. Skipped when the
-//      caller gives them (a training step's forward kept them: kda.h, chunk_states).
+//      caller gives them (a training step's forward kept them: kda.h, chunk_states). Where pass 3
+//      goes by 32-token blocks (below) only every second chunk's: chunk_state_interval = 2.
 //   2. state gradients (kda_state_gradient_kernel): the forward's structure run backwards. One
 //      CTA of 4 warps per (sequence, head, 64 value columns), or of 2 warps per 32 columns when K
 //      or V is 32 (the forward's Walk tile); warp w holds 16 rows of dS^T in fp32 mma
 //      accumulators. Chunks in groups of one per warp, prepared in parallel with the forward's
 //      own prepare_chunk (Q^, W, K_, Aqk, e^gamma) plus this CTA's dO columns, then walked last to
-//      first: store dS' (bf16, transposed, [N, H, chunks, V, K]), then
+//      first: store dS' (bf16, transposed, [N, H, chunks, V, K]; every second chunk's, the
+//      gradient of the state leaving each 32-token block, where pass 3 goes by blocks), then
 //        dV'^T = dS'^T K_^T + dO^T Aqk,   dS^T = dS'^T Diag(e^gamma) + dO^T Q^ - dV'^T W
 //      (mma.sync m16n8k16, bf16 operands, fp32 accumulators). The last dS is d initial_state.
 //      bf16 with K = V = 128: kda_head_state_gradient_kernel, one CTA of 16 warps per (sequence,
@@ -77,7 +79,11 @@
 //      product on tensor cores - the five with the K x V matrices (W S, K_ dS', dO S^T, V' dS'^T,
 //      dV' S^T) and the 16 x 16 x {16, K, V} ones, all with bf16 operands and fp32 accumulators
 //      (dGamma's factors the bf16 operands: below) - then dq, dk, dv, dbeta, dg as above.
-// Workspace: two bf16 [N, H, chunks, K, V] (S and dS' per chunk) plus one fp32 state.
+//      bf16 with K = V = 128 (KdaBackwardOptions::pass3_blocks, the default): by blocks of 32
+//      tokens instead (kda_block_gradient_kernel, kda_block_gradient.cuh), reading S entering each
+//      block and dS' leaving it.
+// Workspace: two bf16 [N, H, chunks, K, V] (S and dS' per chunk; per block with pass 3 by blocks)
+// plus one fp32 state.
 #include "kernels/kda.h"
 
 #include <cuda_bf16.h>

@@ -1,12 +1,14 @@
 // Pass 3 of the KDA backward by blocks of 32 tokens (bf16, K = V = 128): included by
 // kda_backward.cu, whose derivation (the comment block at its top) this follows, with the
 // intra-chunk products anchored per 16-token sub-chunk (model::kda::chunked_reference(..., chunk
-// = 32, anchor = 16), FLA's sub-chunking); design and numbers: kernels/README.md, "Sixteenth session".
+// = 32, anchor = 16), FLA's sub-chunking); design and numbers: kernels/README.md, "Sixteenth session"
+// and "Seventeenth session" (the default since then, for bf16 with K = V = 128).
 //
 // Why blocks: pass 3 by 16-token chunks (kda_chunk_gradient_kernel) pays its fixed costs - the S and
 // dS' loads (32 KB each), nine barriers, the elementwise passes - once per 16 tokens, and its
-// products are 16 rows tall. A block of 32 reads S entering it and dS' leaving it once (the states
-// of every other chunk are never read), and every product with the K x V state is 32 rows tall.
+// products are 16 rows tall. A block of 32 reads S entering it and dS' leaving it once (passes 1
+// and 2 store only those: every second chunk's), and every product with the K x V state is 32 rows
+// tall.
 // Within the block the intra products (P, Aqk) are 2 x 2 blocks of 16 x 16, each anchored at its
 // row sub-chunk's start B_a (B_0 = 0, B_1 = Gamma[15]) so that no exponent leaves e^{16 |g|}:
 //   block (a, b):  X_a = x e^{Gamma - B_a} (rows of sub-chunk a)    Kc_ab = k e^{B_a - Gamma} (rows of b)

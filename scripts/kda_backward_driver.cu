@@ -5,6 +5,9 @@
 //       -o /tmp/kda_bwd
 //   /tmp/kda_bwd B T H [K V [save.bin | compare.bin [blocks | chunks]]]  (defaults 2 16384 64 128 128)
 // -Ivariant first: a folder holding a modified kernels/kda_backward.cu is used instead.
+// On the GPU machine kernels/kda.cu takes twice as long to compile as the backward: build it once
+// (nvcc ... -c kernels/kda.cu -o /tmp/kda.o, in parallel with the drivers' -c) and link each
+// variant's driver against it, when only the backward differs.
 // Random inputs (bf16 q, k, v, beta, d_o; g in [-0.3, 0]; a d final state); prints the best and
 // median of the whole backward and of pass 1 (states), pass 2 (reverse walk) and pass 3 (chunk
 // gradients) alone, and at K = V = 128 passes 1 and 2 storing every second state and pass 3 by
