@@ -1265,10 +1265,10 @@ cudaError_t run_backward(const StateGradientArgs& sa, const ChunkGradientArgs& c
   const cudaError_t error = launch_state_gradients<T, K, kTile>(sa, batch, value_dim, stream);
   if (error != cudaSuccess) return error;
   if constexpr (std::is_same_v<T, bf16> && K == 128) {
-    // The producer-warp variant (the same time as loads at the top; kernels/README.md).
     if (value_dim == 128 && options.pass3_blocks) {
-      // The loads by a producer warp: faster than by the tensor-memory accelerator (BlockLoads::kTma,
-      // the same gradients bit for bit; kernels/README.md, "Seventeenth session").
+      // The loads by a producer warp: faster than at the top of each block or by the tensor-memory
+      // accelerator (BlockLoads; the same gradients bit for bit; kernels/README.md, "Seventeenth
+      // session").
       return launch_block_gradients<128, 128, BlockLoads::kProducer>(ca, batch, stream);
     }
   }
