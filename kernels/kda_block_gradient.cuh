@@ -280,12 +280,19 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
   // during it (and 96 registers a thread with 17 warps, against 128): the same time, 7.9-8.0 ms.
   // Otherwise every part is issued at the top by every thread.
   auto real_row = [&](const Item& it, int i) { return (it.row0 + (i < it.valid ? i : it.valid - 1)) * H + it.h; };
-  auto issue_states_and_values = [&](const Item& it, int me, int stride) {
+  // The stored state entering item `it` and state gradient leaving it: their [V][K] matrices' indices
+  // in passes 1 and 2's [N, H, ceil(chunks / i), V, K].
+  auto state_indices = [&](const Item& it, int64_t& s_at, int64_t& ds_at) {
     const int64_t pair = static_cast<int64_t>(it.seq) * H + it.h;
     const int si = a.states_interval, di = a.d_states_interval;
-    const bf16* s = a.chunk_states + (pair * stored_chunks(num_chunks, si) + 2 * it.index / si) * V * K;
-    const bf16* ds = a.chunk_d_states +
-                     (pair * stored_chunks(num_chunks, di) + min64(2 * it.index + 1, num_chunks - 1) / di) * V * K;
+    s_at = pair * stored_chunks(num_chunks, si) + 2 * it.index / si;
+    ds_at = pair * stored_chunks(num_chunks, di) + min64(2 * it.index + 1, num_chunks - 1) / di;
+  };
+  auto issue_states_and_values = [&](const Item& it, int me, int stride) {
+    int64_t s_at, ds_at;
+    state_indices(it, s_at, ds_at);
+    const bf16* s = a.chunk_states + s_at * V * K;
+    const bf16* ds = a.chunk_d_states + ds_at * V * K;
     for (int e = me; e < V * K / 8; e += stride) {
       const int row = e / (K / 8), col = (e % (K / 8)) * 8;
       cp_async16(&sh.s_t[row][col], s + static_cast<int64_t>(e) * 8);
@@ -320,16 +327,13 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
   constexpr uint32_t kStateBytes = V * kRowK * sizeof(bf16), kValueRowsBytes = kBlock * kRowV * sizeof(bf16),
                      kKeyRowsBytes = kBlock * kRowK * sizeof(bf16), kGateRowsBytes = kBlock * Shared::kPadK * sizeof(float);
   auto tma_states_and_values = [&](const Item& it) {
-    const int64_t pair = static_cast<int64_t>(it.seq) * H + it.h;
-    const int si = a.states_interval, di = a.d_states_interval;
-    const int s_at = static_cast<int>(pair * stored_chunks(num_chunks, si) + 2 * it.index / si);
-    const int ds_at =
-        static_cast<int>(pair * stored_chunks(num_chunks, di) + min64(2 * it.index + 1, num_chunks - 1) / di);
+    int64_t s_at, ds_at;
+    state_indices(it, s_at, ds_at);
     const int row = static_cast<int>(it.index * kBlock);
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     mbarrier_expect_bytes(&sh.loaded[0], 2 * kStateBytes + 2 * kValueRowsBytes);
-    tma_load(&sh.s_t[0][0], maps.s, &sh.loaded[0], 0, 0, s_at);
-    tma_load(&sh.ds_t[0][0], maps.ds, &sh.loaded[0], 0, 0, ds_at);
+    tma_load(&sh.s_t[0][0], maps.s, &sh.loaded[0], 0, 0, static_cast<int>(s_at));
+    tma_load(&sh.ds_t[0][0], maps.ds, &sh.loaded[0], 0, 0, static_cast<int>(ds_at));
     tma_load(&sh.v[0][0], maps.v, &sh.loaded[0], 0, it.h, row, it.seq);
     tma_load(&sh.d_o[0][0], maps.d_o, &sh.loaded[0], 0, it.h, row, it.seq);
   };
