@@ -366,6 +366,26 @@ struct ChunkGradientArgs {
   float scale;
 };
 
+// dg of one key channel over an item's kRows rows: acc plus the reverse cumulative sum of the
+// channel's column (column[i * ld], i = kRows - 1 .. 0), stored down dg's rows (out: the item's
+// first, stride apart; rows < valid). The sums first, then the stores down one pointer: with each
+// row's address from its token (64-bit products) between the adds, the 16-token pass's phase 9
+// took ~1K cycles.
+template <int kRows>
+__device__ __forceinline__ void store_reverse_column_sum(float* out, int64_t stride, const float* column, int ld,
+                                                         float acc, int valid) {
+  float sum[kRows];
+#pragma unroll
+  for (int i = kRows - 1; i >= 0; --i) {
+    acc += column[i * ld];
+    sum[i] = acc;
+  }
+#pragma unroll
+  for (int i = 0; i < kRows; ++i, out += stride) {
+    if (i < valid) *out = sum[i];
+  }
+}
+
 // A pass-3 item: `tokens` consecutive rows of one (sequence, head) - a chunk, or a block of
 // kda_block_gradient.cuh - with items numbered (sequence H + head) per_head + index.
 struct GradientItem {
@@ -1100,19 +1120,8 @@ __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>()
   // The sums first, then the stores down one pointer at a token's stride: with each row's address
   // from token(i) (64-bit products) between the adds, phase 9 took ~1K cycles.
   for (int c = tid; c < K; c += kGradientThreads) {
-    float sum[kChunk];
-    float acc = sh.d_gamma[c];
-#pragma unroll
-    for (int i = kChunk - 1; i >= 0; --i) {
-      acc += sh.gamma[i][c];
-      sum[i] = acc;
-    }
-    float* out = a.dg + token(0) * K + c;
-    const int64_t stride = static_cast<int64_t>(H) * K;
-#pragma unroll
-    for (int i = 0; i < kChunk; ++i, out += stride) {
-      if (i < valid) *out = sum[i];
-    }
+    store_reverse_column_sum<kChunk>(a.dg + token(0) * K + c, static_cast<int64_t>(H) * K, &sh.gamma[0][c],
+                                     Shared::kPadK, sh.d_gamma[c], valid);
   }
   if (!more) break;
   gamma_prefix();   // the next chunk's, beside the dg and dbeta sums

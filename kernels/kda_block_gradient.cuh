@@ -828,18 +828,8 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
 #pragma unroll
       for (int s = 0; s < kSlices; ++s) dd += sh.d_decay[s][c];
       acc += exp_ftz(sh.last[c]) * dd;
-      float sum[kBlock];
-#pragma unroll
-      for (int i = kBlock - 1; i >= 0; --i) {
-        acc += sh.d_gamma[i][c];
-        sum[i] = acc;
-      }
-      float* out = a.dg + token(0) * K + c;
-      const int64_t stride = static_cast<int64_t>(H) * K;
-#pragma unroll
-      for (int i = 0; i < kBlock; ++i, out += stride) {
-        if (i < valid) *out = sum[i];
-      }
+      store_reverse_column_sum<kBlock>(a.dg + token(0) * K + c, static_cast<int64_t>(H) * K, &sh.d_gamma[0][c],
+                                       Shared::kPadK, acc, valid);
     } else if (tid < K + kBlock && tid - K < valid) {
       const int i = tid - K;
       float acc = sh.dbeta_l[0][i] + (i >= kChunk ? sh.dbeta_l[1][i] : 0.0f);
