@@ -194,32 +194,49 @@ double bench_backward(const KernelsBenchOptions& o, int64_t batch, int64_t lengt
               static_cast<long>(batch), static_cast<long>(length), static_cast<long>(heads),
               kernel.best_ms, kernel.median_ms, kernel.best_ms / forward_ms, forward_ms,
               workspace_bytes / 1e9);
-  // Pass 3 by 16-token chunks (KdaBackwardOptions::pass3_blocks = false; the default until the
-  // seventeenth session: passes 1 and 2 store every chunk's state and state gradient, twice the
-  // workspace), against the backward above (32-token blocks) in the same run.
-  {
-    kernels::KdaBackwardOptions chunks;
-    chunks.pass3_blocks = false;
-    const size_t chunks_bytes = kernels::kda_chunked_backward_workspace_bytes(
-        kernels::KdaDtype::kBFloat16, batch, length, heads, key, value, /*states_given=*/false, chunks);
-    const at::Tensor chunks_workspace =
-        at::empty({static_cast<int64_t>(chunks_bytes)}, in.q.options().dtype(at::kByte));
-    const Timing by_chunks = time_cuda(
+  // The backward with other options, its own workspace, against the default above in the same run.
+  auto time_variant = [&](const kernels::KdaBackwardOptions& options, size_t& bytes) {
+    bytes = kernels::kda_chunked_backward_workspace_bytes(kernels::KdaDtype::kBFloat16, batch, length, heads, key,
+                                                          value, /*states_given=*/false, options);
+    const at::Tensor scratch = at::empty({static_cast<int64_t>(bytes)}, in.q.options().dtype(at::kByte));
+    const Timing t = time_cuda(
         [&] {
           const cudaError_t e = kernels::kda_chunked_backward(
               kernels::KdaDtype::kBFloat16, in.q.data_ptr(), in.k.data_ptr(), in.v.data_ptr(),
               in.g.data_ptr<float>(), in.beta.data_ptr(), nullptr, d_o.data_ptr(), nullptr, dq.data_ptr(),
               dk.data_ptr(), dv.data_ptr(), dg.data_ptr<float>(), dbeta.data_ptr<float>(), d_state.data_ptr<float>(),
               batch, length, heads, key, value, static_cast<float>(in.scale), /*chunk_states=*/nullptr,
-              chunks_workspace.data_ptr(), chunks_bytes, stream, chunks);
+              scratch.data_ptr(), bytes, stream, options);
           if (e != cudaSuccess) error = e;
         },
         o.warmup, o.repeats);
-    TORCH_CHECK(error == cudaSuccess, "kda_chunked_backward (pass3_blocks = false): ", cudaGetErrorString(error));
+    TORCH_CHECK(error == cudaSuccess, "kda_chunked_backward (variant): ", cudaGetErrorString(error));
+    return t;
+  };
+  // Pass 3 by 16-token chunks (KdaBackwardOptions::pass3_blocks = false; the default until the
+  // seventeenth session: passes 1 and 2 store every chunk's state and state gradient, twice the
+  // workspace).
+  {
+    kernels::KdaBackwardOptions chunks;
+    chunks.pass3_blocks = false;
+    size_t bytes = 0;
+    const Timing by_chunks = time_variant(chunks, bytes);
     std::printf("kda backward, pass 3 by 16-token chunks: kernel best %8.3f ms  median %8.3f ms  -> %.2fx the"
                 " forward; the default (32-token blocks) %.3f ms is %.3fx of it; workspace %.2f GB\n",
                 by_chunks.best_ms, by_chunks.median_ms, by_chunks.best_ms / forward_ms, kernel.best_ms,
-                kernel.best_ms / by_chunks.best_ms, chunks_bytes / 1e9);
+                kernel.best_ms / by_chunks.best_ms, bytes / 1e9);
+  }
+  // Passes 1 and 2 keeping V' and dV' for pass 3 by blocks (KdaBackwardOptions::keep_values; the
+  // eighteenth session's option).
+  {
+    kernels::KdaBackwardOptions values;
+    values.keep_values = true;
+    size_t bytes = 0;
+    const Timing with_values = time_variant(values, bytes);
+    std::printf("kda backward, V' and dV' kept by the walks: kernel best %8.3f ms  median %8.3f ms  -> %.2fx the"
+                " forward; the default %.3f ms is %.3fx of it; workspace %.2f GB\n",
+                with_values.best_ms, with_values.median_ms, with_values.best_ms / forward_ms, kernel.best_ms,
+                kernel.best_ms / with_values.best_ms, bytes / 1e9);
   }
   // A training step's forward keeping the chunk states (KdaChunkedOptions::chunk_states with o) and
   // the backward from them (no state recompute), against the forward and backward above.

@@ -82,7 +82,9 @@ __device__ void prefetch_rows(const ChunkedArgs& a, int64_t row0, int rows, int 
 // j holds S^T[v_row + g (+8)][8j + 2t (+1)]). Writes the chunk's O for this warp's 16 value
 // columns through `stage` (this warp's private shared memory). Without kOutputs (transition
 // pass) only the state is updated; without values (A_seg columns) U is taken as zero.
-template <typename T, int K, int kTile, bool kOutputs, typename Slot = ChunkSlot<K, kTile>>
+// kKeepValues (the passes that keep chunk states): V' of this warp's 16 value columns into
+// a.new_values, where given.
+template <typename T, int K, int kTile, bool kOutputs, bool kKeepValues = false, typename Slot = ChunkSlot<K, kTile>>
 __device__ void walk_chunk(const ChunkedArgs& a, const Slot& slot,
                            float (&state)[K / 8][4], float* stage, int64_t row0, int valid,
                            int h, int v_col, bool with_values, int lane) {
@@ -122,6 +124,12 @@ __device__ void walk_chunk(const ChunkedArgs& a, const Slot& slot,
   }
   const uint32_t va[4] = {pack_bf16(vn[0][0], vn[0][1]), pack_bf16(vn[0][2], vn[0][3]),
                           pack_bf16(vn[1][0], vn[1][1]), pack_bf16(vn[1][2], vn[1][3])};
+  if constexpr (kKeepValues) {
+    if (a.new_values != nullptr) {
+      bf16* out = static_cast<bf16*>(a.new_values) + (row0 * a.heads + h) * static_cast<int64_t>(a.value_dim) + v_col;
+      store_transposed_tile(out, static_cast<int64_t>(a.heads) * a.value_dim, va, valid, lane);
+    }
+  }
 
   // O^T = P^T + V'^T Aqk^T.
   if constexpr (kOutputs) {
@@ -312,8 +320,8 @@ __device__ __forceinline__ void chunked_walk(const ChunkedArgs& a, int seq, int 
       if constexpr (pass_keeps_states(kPass)) {
         store_chunk_state<K>(a, state, seq, h, chunk_base + chunk, v_col, lane);
       }
-      walk_chunk<T, K, kTile, kOutputs>(a, slots[s], state, stage, row0 + chunk * kChunk, valid,
-                                        h, v_col, with_values, lane);
+      walk_chunk<T, K, kTile, kOutputs, pass_keeps_states(kPass)>(a, slots[s], state, stage, row0 + chunk * kChunk,
+                                                                  valid, h, v_col, with_values, lane);
     }
     __syncthreads();
   }
@@ -410,8 +418,9 @@ __device__ __forceinline__ void head_walk(const ChunkedArgs& a, int seq, int seg
       num_chunks, warp,
       [&](int slot, int64_t chunk) {
         if constexpr (pass_keeps_states(kPass)) store_chunk_state<K>(a, state, seq, h, chunk_base + chunk, v_col, lane);
-        walk_chunk<T, K, V, kOutputs>(a, sh.slot[slot], state, sh.stage[warp], row0 + chunk * kChunk,
-                                      valid_rows(chunk), h, v_col, with_values, lane);
+        walk_chunk<T, K, V, kOutputs, pass_keeps_states(kPass)>(a, sh.slot[slot], state, sh.stage[warp],
+                                                                row0 + chunk * kChunk, valid_rows(chunk), h, v_col,
+                                                                with_values, lane);
       },
       [&](int64_t chunk) {
         for (int part = 0; part < 4; ++part) {
@@ -877,7 +886,9 @@ cudaError_t kda_chunked_forward(KdaDtype dtype, const void* q, const void* k, co
   if (q == nullptr || k == nullptr || v == nullptr || g == nullptr || beta == nullptr ||
       (o == nullptr && options.chunk_states == nullptr) ||
       (options.chunk_states != nullptr && cu_seqlens != nullptr) ||
-      (options.chunk_state_interval != 1 && options.chunk_state_interval != 2)) {
+      (options.chunk_state_interval != 1 && options.chunk_state_interval != 2) ||
+      (options.new_values != nullptr &&
+       (options.chunk_states == nullptr || reinterpret_cast<uintptr_t>(options.new_values) % 16 != 0))) {
     return cudaErrorInvalidValue;
   }
   const bool whole_heads = walks_whole_heads(dtype, key_dim, value_dim, options);
@@ -906,6 +917,7 @@ cudaError_t kda_chunked_forward(KdaDtype dtype, const void* q, const void* k, co
   a.head_walk = whole_heads;
   a.chunk_states = options.chunk_states;
   a.state_interval = options.chunk_state_interval;
+  a.new_values = options.new_values;
   cudaError_t error =
       with_walk_types(dtype, key_dim, value_dim, [&](auto type, auto key, auto tile) {
         return run_chunked<typename decltype(type)::type, key(), tile()>(

@@ -105,6 +105,12 @@ struct KdaChunkedOptions {
   // 2 is what pass 3 by 32-token blocks reads (KdaBackwardOptions::pass3_blocks): half the bytes
   // written, the same values bit for bit.
   int chunk_state_interval = 1;
+  // With chunk_states: bf16 [B, L, H, V] receives every token's V' = U - W S, the value the walk
+  // adds to the state (FLA's v_new), as the walk rounds it for its products; 16-byte aligned (else
+  // cudaErrorInvalidValue, as without chunk_states). What pass 3 by 32-token blocks reads instead
+  // of recomputing it (KdaBackwardOptions::new_values): 2 B L H V bytes more, beside the states'
+  // B H L K V / 16 at interval 2.
+  void* new_values = nullptr;
 };
 
 // Bytes of workspace kda_chunked_forward needs with these options on the current device (0 when
@@ -173,6 +179,19 @@ struct KdaBackwardOptions {
   // anything else is cudaErrorInvalidValue. Without chunk_states the backward chooses: pass 3 by
   // blocks has passes 1 and 2 store every second state and state gradient (half the workspace).
   int chunk_states_interval = 1;
+  // Pass 3 by blocks reading V' and dV' instead of recomputing them (kernels/README.md, "Eighteenth
+  // session"): pass 1 keeps every token's V' (KdaChunkedOptions::new_values) and pass 2 every
+  // chunk's dV', bf16 [B, L, H, V] each in the workspace. Pass 3 then makes three of its five
+  // products with the state instead of five (7% faster), but passes 1 and 2, bound by memory
+  // traffic, write 537 MB more each at B=2 T=16K H=64 (15% slower): the backward 10.71 against
+  // 10.91 ms on an H100, in 1.07 GB more workspace. Off by default; ignored where pass 3 goes by
+  // 16-token chunks.
+  bool keep_values = false;
+  // With chunk_states and pass 3 by blocks: the V' the same forward kept
+  // (KdaChunkedOptions::new_values, bf16 [B, L, H, V], 16-byte aligned; given without chunk_states:
+  // cudaErrorInvalidValue); pass 2 then keeps dV' and pass 3 reads both, as with keep_values.
+  // nullptr with chunk_states: pass 3 recomputes them.
+  const void* new_values = nullptr;
 };
 
 // Enough for any dtype and options (every chunk's states):

@@ -107,6 +107,9 @@ struct StateGradientArgs {
   float* d_initial_state;        // [N, H, K, V] or nullptr (not written)
   bf16* chunk_d_states;          // [N, H, ceil(chunks / i), V, K]: dS' leaving chunks i - 1, 2i - 1, ...
                                  // and the last (i = forward.state_interval; written)
+  // bf16 [N, L, H, V]: every chunk's dV' = K_ dS' + Aqk^T dO, the gradient of V' within its chunk
+  // of 16 (written; nullptr: not kept). Pass 3 by blocks reads it instead of recomputing it.
+  bf16* d_new_values;
 };
 
 // Chunks of one head's stored states (or state gradients) at one in every `interval`.
@@ -127,10 +130,13 @@ __device__ __forceinline__ void store_d_state(bf16* head_d_states, int interval,
 
 // One chunk walked backwards by one warp on its 16 rows of dS^T (d_state[K / 8][4]: n-tile j
 // holds dS^T[v_row + g (+8)][8j + 2t (+1)], the forward's state layout). slot.v holds this CTA's
-// dO columns; v_local is the warp's first column within them.
+// dO columns; v_local is the warp's first column within them. d_new_values (nullptr: not kept):
+// where this warp's 16 columns of the chunk's dV' go (token 0's, rows `stride` apart, `valid` of
+// them), bf16.
 template <int K, int kTile, typename Slot = ChunkSlot<K, kTile>>
 __device__ void reverse_walk_chunk(const Slot& slot, float (&d_state)[K / 8][4],
-                                   int v_local, int lane) {
+                                   int v_local, int lane, bf16* d_new_values = nullptr, int64_t stride = 0,
+                                   int valid = 0) {
   const FragmentOffsets f(lane);
   const int t = lane & 3;
 
@@ -162,6 +168,11 @@ __device__ void reverse_walk_chunk(const Slot& slot, float (&d_state)[K / 8][4],
   // -dV'^T as an A operand (an accumulator pair is an m16k16 A fragment).
   const uint32_t neg_dv[4] = {pack_bf16(-x[0][0], -x[0][1]), pack_bf16(-x[0][2], -x[0][3]),
                               pack_bf16(-x[1][0], -x[1][1]), pack_bf16(-x[1][2], -x[1][3])};
+  if (d_new_values != nullptr) {  // dV' itself: the sign bits flipped back (exact)
+    const uint32_t dv[4] = {neg_dv[0] ^ 0x80008000u, neg_dv[1] ^ 0x80008000u, neg_dv[2] ^ 0x80008000u,
+                            neg_dv[3] ^ 0x80008000u};
+    store_transposed_tile(d_new_values, stride, dv, valid, lane);
+  }
 
   // dS^T = dS'^T Diag(e^gamma) + dO^T Q^ - dV'^T W.
 #pragma unroll
@@ -220,7 +231,11 @@ __global__ void __launch_bounds__(Walk<kTile>::kThreads, 2)
     for (int s = count - 1; s >= 0; --s) {
       // dS' of this chunk (the gradient of the state leaving it), as pass 3 reads it.
       store_d_state<K>(d_states, interval, group + s, num_chunks, V, v_col, d_state, lane);
-      reverse_walk_chunk<K, kTile>(slots[s], d_state, v_col - v0, lane);
+      const int64_t chunk_row = row0 + (group + s) * kChunk;
+      reverse_walk_chunk<K, kTile>(
+          slots[s], d_state, v_col - v0, lane,
+          b.d_new_values ? b.d_new_values + (chunk_row * H + h) * static_cast<int64_t>(V) + v_col : nullptr,
+          static_cast<int64_t>(H) * V, static_cast<int>(min64(kChunk, length - (group + s) * kChunk)));
     }
     __syncthreads();
   }
@@ -298,11 +313,17 @@ __global__ void __launch_bounds__(kHeadThreads, 1) kda_head_state_gradient_kerne
   head_pipeline(
       count, warp,
       [&](int slot, int64_t i) {
+        const int64_t chunk = chunk_end - 1 - i;
+        bf16* d_new_values = nullptr;  // this chunk's dV' rows, where kept
         if constexpr (!kTransition) {
           // dS' of this chunk (the gradient of the state leaving it), as pass 3 reads it.
-          store_d_state<K>(d_states, interval, chunk_end - 1 - i, num_chunks, V, v_col, d_state, lane);
+          store_d_state<K>(d_states, interval, chunk, num_chunks, V, v_col, d_state, lane);
+          if (b.d_new_values != nullptr) {
+            d_new_values = b.d_new_values + ((row0 + chunk * kChunk) * H + h) * static_cast<int64_t>(V) + v_col;
+          }
         }
-        reverse_walk_chunk<K, V>(sh.slot[slot], d_state, v_col, lane);
+        reverse_walk_chunk<K, V>(sh.slot[slot], d_state, v_col, lane, d_new_values, static_cast<int64_t>(H) * V,
+                                 valid_rows(chunk));
       },
       [&](int64_t i) {
         const int64_t chunk = chunk_end - 1 - i;
@@ -358,6 +379,10 @@ struct ChunkGradientArgs {
   const bf16* chunk_states;
   const bf16* chunk_d_states;
   int states_interval, d_states_interval;
+  // Pass 3 by blocks, where passes 1 and 2 kept them (bf16 [N, L, H, V]; nullptr: recomputed): V'
+  // of every token (the forward walk's) and dV' of every 16-token chunk (the reverse walk's).
+  const bf16* new_values;
+  const bf16* d_new_values;
   void *dq, *dk, *dv;          // T, as q, k, v
   float *dg, *dbeta;
   int64_t length;
@@ -1178,10 +1203,13 @@ struct BackwardLayout {
   // segment [N, P, H, K, V], then A'^T [N, P - 1, H, K, K] and B' [N, P - 1, H, K, V], fp32.
   ReversePlan reverse;
   size_t segment_states = 0, transition_a = 0, transition_b = 0;
+  // Pass 3 by blocks reading V' and dV' (values): bf16 [N, L, H, V] each, V' only when pass 1 runs.
+  size_t new_values = 0, d_new_values = 0;
   // states_given: the forward kept the chunk states (no room for them, nor for pass 1's final state).
   // interval: passes 1 and 2 store one state and state gradient in every `interval` chunks.
+  // values: passes 1 and 2 keep V' and dV' for pass 3 by blocks (pass 1 only without states_given).
   BackwardLayout(int64_t batch, int64_t length, int64_t heads, int64_t key, int64_t value,
-                 bool states_given = false, int interval = 1)
+                 bool states_given = false, int interval = 1, bool values = false)
       : reverse(reverse_plan(batch, length, heads, key, value)) {
     auto aligned = [](size_t n) { return (n + 255) / 256 * 256; };
     const size_t chunks = static_cast<size_t>(((length + kChunk - 1) / kChunk + interval - 1) / interval);
@@ -1190,6 +1218,12 @@ struct BackwardLayout {
     final_state = d_states + aligned(per_chunk);
     bytes = final_state +
             (states_given ? 0 : aligned(static_cast<size_t>(batch * heads * key * value) * sizeof(float)));
+    if (values) {
+      const size_t rows = aligned(static_cast<size_t>(batch * length * heads * value) * sizeof(bf16));
+      d_new_values = bytes;
+      new_values = d_new_values + rows;
+      bytes = new_values + (states_given ? 0 : rows);
+    }
     if (reverse.segments > 1) {
       const size_t pairs = static_cast<size_t>(batch * heads), p = static_cast<size_t>(reverse.segments);
       segment_states = bytes;
@@ -1277,11 +1311,12 @@ cudaError_t run_backward(const StateGradientArgs& sa, const ChunkGradientArgs& c
     if (value_dim == 128 && options.pass3_blocks) {
       // The loads by a producer warp: faster than at the top of each block or by the tensor-memory
       // accelerator (BlockLoads; the same gradients bit for bit; kernels/README.md, "Seventeenth
-      // session").
+      // session"). With V' and dV' from passes 1 and 2 where they kept them.
+      if (ca.new_values != nullptr) return launch_block_gradients<128, 128, BlockLoads::kProducer, true>(ca, batch, stream);
       return launch_block_gradients<128, 128, BlockLoads::kProducer>(ca, batch, stream);
     }
   }
-  if (ca.states_interval != 1 || ca.d_states_interval != 1) return cudaErrorInvalidValue;
+  if (ca.states_interval != 1 || ca.d_states_interval != 1 || ca.new_values != nullptr) return cudaErrorInvalidValue;
   return with_head_width(value_dim, [&](auto value) {
     return launch_chunk_gradients<T, K, value()>(ca, batch, chunks, stream);
   });
@@ -1299,6 +1334,14 @@ bool blocked_pass3(KdaDtype dtype, int64_t key_dim, int64_t value_dim, const Kda
   return options.pass3_blocks && dtype == KdaDtype::kBFloat16 && key_dim == 128 && value_dim == 128;
 }
 
+// Whether pass 3 by blocks reads V' and dV' kept by passes 1 and 2 (KdaBackwardOptions::keep_values;
+// with states the forward kept, where it kept V' too: KdaBackwardOptions::new_values).
+bool blocked_pass3_values(KdaDtype dtype, int64_t key_dim, int64_t value_dim, bool states_given,
+                          const KdaBackwardOptions& options) {
+  return blocked_pass3(dtype, key_dim, value_dim, options) &&
+         (states_given ? options.new_values != nullptr : options.keep_values);
+}
+
 }  // namespace
 
 size_t kda_chunked_backward_workspace_bytes(KdaDtype dtype, int64_t batch, int64_t length, int64_t heads,
@@ -1309,7 +1352,9 @@ size_t kda_chunked_backward_workspace_bytes(KdaDtype dtype, int64_t batch, int64
     return 0;
   }
   const int interval = blocked_pass3(dtype, key_dim, value_dim, options) ? 2 : 1;
-  return BackwardLayout(batch, length, heads, key_dim, value_dim, states_given, interval).bytes;
+  return BackwardLayout(batch, length, heads, key_dim, value_dim, states_given, interval,
+                        blocked_pass3_values(dtype, key_dim, value_dim, states_given, options))
+      .bytes;
 }
 
 int kda_backward_state_interval(KdaDtype dtype, int64_t key_dim, int64_t value_dim,
@@ -1357,7 +1402,12 @@ cudaError_t kda_chunked_backward(KdaDtype dtype, const void* q, const void* k, c
   const int interval = blocks ? 2 : 1;
   const int given_interval = states_given ? options.chunk_states_interval : interval;
   if (given_interval != 1 && !(blocks && given_interval == 2)) return cudaErrorInvalidValue;
-  const BackwardLayout layout(batch, length, heads, key_dim, value_dim, states_given, interval);
+  if (options.new_values != nullptr &&
+      (!states_given || reinterpret_cast<uintptr_t>(options.new_values) % 16 != 0)) {
+    return cudaErrorInvalidValue;
+  }
+  const bool values = blocked_pass3_values(dtype, key_dim, value_dim, states_given, options);
+  const BackwardLayout layout(batch, length, heads, key_dim, value_dim, states_given, interval, values);
   unsigned char* scratch = static_cast<unsigned char*>(workspace);
   bool allocated = false;
   if (scratch == nullptr) {
@@ -1378,6 +1428,7 @@ cudaError_t kda_chunked_backward(KdaDtype dtype, const void* q, const void* k, c
     KdaChunkedOptions forward_options;
     forward_options.chunk_states = recomputed;
     forward_options.chunk_state_interval = interval;
+    if (values) forward_options.new_values = scratch + layout.new_values;
     error = kda_chunked_forward(dtype, q, k, v, g, beta, initial_state, /*o=*/nullptr,
                                 reinterpret_cast<float*>(scratch + layout.final_state), /*cu_seqlens=*/nullptr,
                                 batch, length, heads, key_dim, value_dim, scale, forward_options, stream);
@@ -1403,6 +1454,12 @@ cudaError_t kda_chunked_backward(KdaDtype dtype, const void* q, const void* k, c
     ca.q = q, ca.k = k, ca.v = v, ca.beta = beta, ca.d_o = d_o, ca.g = g;
     ca.chunk_states = states, ca.chunk_d_states = d_states;
     ca.states_interval = given_interval, ca.d_states_interval = interval;
+    if (values) {
+      sa.d_new_values = reinterpret_cast<bf16*>(scratch + layout.d_new_values);
+      ca.d_new_values = sa.d_new_values;
+      ca.new_values = states_given ? static_cast<const bf16*>(options.new_values)
+                                   : reinterpret_cast<const bf16*>(scratch + layout.new_values);
+    }
     ca.dq = dq, ca.dk = dk, ca.dv = dv, ca.dg = dg, ca.dbeta = dbeta;
     ca.length = length, ca.heads = static_cast<int>(heads), ca.scale = scale;
     error = with_walk_types(dtype, key_dim, value_dim, [&](auto type, auto key, auto tile) {

@@ -244,10 +244,20 @@ __device__ __forceinline__ void tma_load(void* dst, const CUtensorMap& map, uint
       : "memory");
 }
 
-template <int K, int V, BlockLoads kLoads = BlockLoads::kTop>
+// kGiven: V' and dV' come from passes 1 and 2 (ChunkGradientArgs::new_values, d_new_values)
+// instead of being recomputed here: no W, U, Aqk, W S, K_ dS' nor Aqk^T dO (two of the five
+// products with the state). The reverse walk's dV' is the gradient of V' within a chunk of 16; a
+// block's first sub-chunk needs it within the block of 32, which adds the path through the state
+// between the sub-chunks and the second sub-chunk's V' (dV'_1 = K_1 dS' + ...):
+//   dV'_0 (block) = dV'_0 (chunk) + K_0 W_1^T dV'_1 = dV'_0 (chunk) + Y^T dV'_1,
+// with W_1 the second chunk's own M_11 Diag(beta) K^_1 and K_0 = k e^{B_1 - Gamma} (its K_), so
+// that W_1 K_0^T = M_11 Diag(beta) P_10 = M_11 L_10 = Y, the product that M_10 = -Y M_00 needs
+// anyway (phase 3).
+template <int K, int V, BlockLoads kLoads = BlockLoads::kTop, bool kGiven = false>
 __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
     kda_block_gradient_kernel(const ChunkGradientArgs a, const __grid_constant__ BlockTensorMaps maps) {
   constexpr bool kProducer = kLoads == BlockLoads::kProducer, kTma = kLoads == BlockLoads::kTma;
+  static_assert(!(kTma && kGiven), "the TMA loads carry no V' and dV' (an experiment, not kept)");
   constexpr int kThreads = block_gradient_threads<kLoads>();
   static_assert(K == 128 && V == 128, "one 16 x 16 tile a warp of every [32][128] result");
   using Shared = BlockShared<K, V>;
@@ -303,6 +313,10 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
       const int64_t at = real_row(it, i) * V + col;
       cp_async16_or_zero(&sh.v[i][col], v + at, i < it.valid);
       cp_async16_or_zero(&sh.d_o[i][col], d_o + at, i < it.valid);
+      if constexpr (kGiven) {
+        cp_async16_or_zero(&sh.v_new[i][col], a.new_values + at, i < it.valid);
+        cp_async16_or_zero(&sh.d_v_new[i][col], a.d_new_values + at, i < it.valid);
+      }
     }
     cp_async_commit();
   };
@@ -478,10 +492,23 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
     BLOCK_PHASE_MARK(2);
 
     float dq[2][4] = {}, dk[2][4] = {}, dgam[2][4] = {};
+    // dAqk = dO V'^T on the lower 16 x 16 block `ab` ((0, 0), (1, 0), (1, 1)): phase 6, or phase 2
+    // in place of Aqk where V' is given.
+    auto d_aqk_block = [&](int ab) {
+      const LowerBlock blk(ab);
+      const int ra = blk.ra, cb = blk.cb;
+      float acc[2][4] = {};
+      tile_product<V, false>(acc, &sh.d_o[0][0], kRowV, 16 * ra, &sh.v_new[0][0], kRowV, 16 * cb, f);
+      for_tile(16 * ra, 16 * cb, lane, [&](int n, int e, int i, int j) {
+        sh.d_aqk[i][j] = __float2bfloat16_rn(ra != cb || j <= i ? acc[n][e] : 0.0f);
+        if (ab == 0) sh.d_aqk[i][j + kChunk] = __float2bfloat16_rn(0.0f);
+      });
+    };
 
     // Phase 2: dQ^ = dO S^T (into dq and dGamma) on every warp's tile; the intra blocks of P and
-    // Aqk (warps 10-15), and the diagonal blocks' inverses M_00, M_11 by the warps that made P_00
-    // and P_11 (10 and 12; a column a lane, from L^T of their own block).
+    // Aqk (warps 10-15; dAqk instead of Aqk where V' is given), and the diagonal blocks' inverses
+    // M_00, M_11 by the warps that made P_00 and P_11 (10 and 12; a column a lane, from L^T of their
+    // own block).
     {
       float acc[2][4] = {};
       tile_product<V, true>(acc, &sh.d_o[0][0], kRowV, m0, &sh.s_t[0][0], kRowK, n0, f);
@@ -491,7 +518,9 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
         dgam[n][e] += term * __bfloat162float(sh.in.q[i][c]);              // dQ^ (.) Q^
       });
     }
-    if (warp >= 10) {
+    if (kGiven && warp >= 13) {
+      d_aqk_block(warp - 13);
+    } else if (warp >= 10) {
       // Tasks 0-2: P_00, P_10, P_11; 3-5: Aqk_00, Aqk_10, Aqk_11.
       const int task = warp - 10, ab = task % 3;
       const LowerBlock blk(ab);
@@ -547,9 +576,10 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
     BLOCK_PHASE_MARK(3);
 
     // Phase 3: M_10 = -(M_11 L_10) M_00 (warp 0); dV' = K_ dS' + Aqk^T dO on every warp's tile,
-    // stored bf16.
-    if (warp == 0) {
-      // Y = M_11 L_10 (L_10[j][c] = beta_{16+j} P[16+j][c] as B from registers), then M_10 = -Y M_00.
+    // stored bf16. Where dV' is given (kGiven): its first sub-chunk's rows from the chunk's to the
+    // block's, dV'_0 += Y^T dV'_1 with Y = M_11 L_10 (warps 0-7, their 16 columns each).
+    if (warp == 0 || (kGiven && rt == 0)) {
+      // Y = M_11 L_10 (L_10[j][c] = beta_{16+j} P[16+j][c] as B from registers).
       float y[2][4] = {};
       {
         uint32_t af[4], bf[4];
@@ -562,22 +592,36 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
         }
         mma2(y, af, bf);
       }
-      float m10[2][4] = {};
-      {
-        const uint32_t af[4] = {pack_bf16(y[0][0], y[0][1]), pack_bf16(y[0][2], y[0][3]),
-                                pack_bf16(y[1][0], y[1][1]), pack_bf16(y[1][2], y[1][3])};
+      // Y as an A fragment: blocks (0, 0), (1, 0), (0, 1), (1, 1) of 8 x 8.
+      const uint32_t ya[4] = {pack_bf16(y[0][0], y[0][1]), pack_bf16(y[0][2], y[0][3]),
+                              pack_bf16(y[1][0], y[1][1]), pack_bf16(y[1][2], y[1][3])};
+      if (warp == 0) {  // M_10 = -Y M_00
+        float m10[2][4] = {};
         uint32_t bf[4];
         b_trans(bf, &sh.m_b[0][0], kRowC, 0, 0, f);
-        mma2(m10, af, bf);
+        mma2(m10, ya, bf);
+        for_tile(kChunk, 0, lane, [&](int n, int e, int i, int c) {
+          const float x = -m10[n][e];
+          sh.m[i][c] = x;
+          sh.m_b[i][c] = __float2bfloat16_rn(x);
+          sh.mb_b[i][c] = __float2bfloat16_rn(x * sh.beta[c]);
+        });
       }
-      for_tile(kChunk, 0, lane, [&](int n, int e, int i, int c) {
-        const float x = -m10[n][e];
-        sh.m[i][c] = x;
-        sh.m_b[i][c] = __float2bfloat16_rn(x);
-        sh.mb_b[i][c] = __float2bfloat16_rn(x * sh.beta[c]);
-      });
+      if constexpr (kGiven) {
+        // Y^T as an A fragment: each 8 x 8 block transposed, the off-diagonal two swapped.
+        const uint32_t yt[4] = {movmatrix_trans(ya[0]), movmatrix_trans(ya[2]), movmatrix_trans(ya[1]),
+                                movmatrix_trans(ya[3])};
+        float acc[2][4];
+        for_tile(0, n0, lane, [&](int n, int e, int i, int c) { acc[n][e] = __bfloat162float(sh.d_v_new[i][c]); });
+        uint32_t bf[4];
+        b_trans(bf, &sh.d_v_new[0][0], kRowV, n0, kChunk, f);  // dV'_1: rows 16-31, this warp's columns
+        mma2(acc, yt, bf);
+        for_tile(0, n0, lane, [&](int n, int e, int i, int c) {
+          if ((e & 1) == 0) store_bf16x2(&sh.d_v_new[i][c], acc[n][e], acc[n][e + 1]);
+        });
+      }
     }
-    {
+    if constexpr (!kGiven) {
       float dvn[2][4] = {};
       tile_product<K, false>(dvn, &sh.k_bar[0][0], kRowK, m0, &sh.ds_t[0][0], kRowK, n0, f);
       // (Aqk^T)[i][t] = Aqk[t][i], nonzero for t >= i: k-steps from this tile's rows on.
@@ -594,22 +638,24 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
     compute_barrier();
     BLOCK_PHASE_MARK(4);
 
-    // Phase 4: W = M Diag(beta) K^ (stored), U = M Diag(beta) V (kept), dW = -dV' S^T (stored);
-    // G = dV' V^T (warps 13-15, the lower blocks).
+    // Phase 4: W = M Diag(beta) K^ (stored), U = M Diag(beta) V (kept), unless V' is given;
+    // dW = -dV' S^T (stored); G = dV' V^T (warps 13-15, the lower blocks).
     float u[2][4] = {};
     {
-      float wt[2][4] = {};
-      for (int k0 = 0; k0 <= m0; k0 += 16) {  // M is lower: columns up to this tile's rows
-        uint32_t af[4], bf[4], bv[4];
-        a_rows(af, &sh.mb_b[0][0], kRowC, m0, k0, f);
-        b_trans(bf, &sh.k_hat[0][0], kRowK, n0, k0, f);
-        b_trans(bv, &sh.v[0][0], kRowV, n0, k0, f);
-        mma2(wt, af, bf);
-        mma2(u, af, bv);
+      if constexpr (!kGiven) {
+        float wt[2][4] = {};
+        for (int k0 = 0; k0 <= m0; k0 += 16) {  // M is lower: columns up to this tile's rows
+          uint32_t af[4], bf[4], bv[4];
+          a_rows(af, &sh.mb_b[0][0], kRowC, m0, k0, f);
+          b_trans(bf, &sh.k_hat[0][0], kRowK, n0, k0, f);
+          b_trans(bv, &sh.v[0][0], kRowV, n0, k0, f);
+          mma2(wt, af, bf);
+          mma2(u, af, bv);
+        }
+        for_tile(m0, n0, lane, [&](int n, int e, int i, int c) {
+          if ((e & 1) == 0) store_bf16x2(&sh.mid.w[i][c], wt[n][e], wt[n][e + 1]);
+        });
       }
-      for_tile(m0, n0, lane, [&](int n, int e, int i, int c) {
-        if ((e & 1) == 0) store_bf16x2(&sh.mid.w[i][c], wt[n][e], wt[n][e + 1]);
-      });
       float dw[2][4] = {};
       tile_product<V, true>(dw, &sh.d_v_new[0][0], kRowV, m0, &sh.s_t[0][0], kRowK, n0, f);
       for_tile(m0, n0, lane, [&](int n, int e, int i, int c) {
@@ -630,14 +676,16 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
     compute_barrier();
     BLOCK_PHASE_MARK(5);
 
-    // Phase 5: V' = U - W S (stored); dK^ = Diag(beta) M^T dW (into dk, dGamma); dv = Diag(beta)
-    // M^T dV' (stored to global); H = dW K^^T added to G (warps 13-15, the same entries).
+    // Phase 5: V' = U - W S (stored, unless given); dK^ = Diag(beta) M^T dW (into dk, dGamma); dv =
+    // Diag(beta) M^T dV' (stored to global); H = dW K^^T added to G (warps 13-15, the same entries).
     {
-      float ws[2][4] = {};
-      tile_product<K, false>(ws, &sh.mid.w[0][0], kRowK, m0, &sh.s_t[0][0], kRowK, n0, f);
-      for_tile(m0, n0, lane, [&](int n, int e, int i, int c) {
-        if ((e & 1) == 0) store_bf16x2(&sh.v_new[i][c], u[n][e] - ws[n][e], u[n][e + 1] - ws[n][e + 1]);
-      });
+      if constexpr (!kGiven) {
+        float ws[2][4] = {};
+        tile_product<K, false>(ws, &sh.mid.w[0][0], kRowK, m0, &sh.s_t[0][0], kRowK, n0, f);
+        for_tile(m0, n0, lane, [&](int n, int e, int i, int c) {
+          if ((e & 1) == 0) store_bf16x2(&sh.v_new[i][c], u[n][e] - ws[n][e], u[n][e + 1] - ws[n][e + 1]);
+        });
+      }
       float dkb[2][4] = {}, dvb[2][4] = {};
       for (int k0 = m0; k0 < kBlock; k0 += 16) {  // (M^T)[i][t] = M[t][i], nonzero for t >= i
         uint32_t af[4], bf[4], bv[4];
@@ -699,15 +747,7 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
       }
     }
     if (warp >= 9 && warp < 12) {
-      const int ab = warp - 9;
-      const LowerBlock blk(ab);
-      const int ra = blk.ra, cb = blk.cb;
-      float acc[2][4] = {};
-      tile_product<V, false>(acc, &sh.d_o[0][0], kRowV, 16 * ra, &sh.v_new[0][0], kRowV, 16 * cb, f);
-      for_tile(16 * ra, 16 * cb, lane, [&](int n, int e, int i, int j) {
-        sh.d_aqk[i][j] = __float2bfloat16_rn(ra != cb || j <= i ? acc[n][e] : 0.0f);
-        if (ab == 0) sh.d_aqk[i][j + kChunk] = __float2bfloat16_rn(0.0f);
-      });
+      if constexpr (!kGiven) d_aqk_block(warp - 9);
     } else if (warp >= 12) {
       // T1 = dM M^T, a 16 x 16 tile a warp (B[s][j] = M[j][s]: M's rows), then (warps 12-14)
       // dL = -M^T T1 on the tiles below the diagonal; dP = Diag(beta) dL, and sum_j dL_ij P_ij.
@@ -909,11 +949,13 @@ cudaError_t block_tensor_maps(BlockTensorMaps& maps, const ChunkGradientArgs& a,
   return ok ? cudaSuccess : cudaErrorInvalidValue;
 }
 
-template <int K, int V, BlockLoads kLoads = BlockLoads::kTop>
+// kGiven: V' and dV' from ChunkGradientArgs::new_values and d_new_values (both given).
+template <int K, int V, BlockLoads kLoads = BlockLoads::kTop, bool kGiven = false>
 cudaError_t launch_block_gradients(ChunkGradientArgs a, int64_t batch, cudaStream_t stream) {
   constexpr size_t shared = block_shared_bytes<K, V>();
   constexpr int kThreads = block_gradient_threads<kLoads>();
-  const auto kernel = kda_block_gradient_kernel<K, V, kLoads>;
+  const auto kernel = kda_block_gradient_kernel<K, V, kLoads, kGiven>;
+  if (kGiven && (a.new_values == nullptr || a.d_new_values == nullptr)) return cudaErrorInvalidValue;
   BlockTensorMaps maps{};
   if constexpr (kLoads == BlockLoads::kTma) {
     const cudaError_t error = block_tensor_maps<K, V>(maps, a, batch);

@@ -319,6 +319,10 @@ struct ChunkedArgs {
   // cu_seqlens.
   void* chunk_states;
   int state_interval;
+  // Forward pass, for the backward's pass 3 by blocks: bf16 [rows, H, V], every token's V' = U - W S
+  // (the values the walk adds to the state), as the walk rounds it for its products (nullptr: not
+  // kept). Only the passes that keep chunk states write it.
+  void* new_values;
 };
 
 // The kernels built from the prepare/walk code: the forward (outputs, state from the initial or

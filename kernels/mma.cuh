@@ -104,6 +104,28 @@ __device__ __forceinline__ void quad_transpose(uint32_t (&r)[4], int t) {
   }
 }
 
+// The transpose of an 8 x 8 bf16 matrix held as an mma fragment (lane 4r + c: row r, columns 2c
+// and 2c + 1): afterwards the lane holds row r, columns 2c and 2c + 1 of the transpose.
+__device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
+  uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
+
+// A warp's 16 x 16 tile X^T held as the bf16 A fragment of an mma (a[0]: rows g, columns 2t and
+// 2t + 1; a[1]: rows g + 8; a[2], a[3]: columns 8 + 2t), stored as X's 16 rows: row i at
+// out + i * row_stride, 16 elements, rows >= valid not written. movmatrix transposes the four
+// 8 x 8 blocks and quad_transpose gathers a row's 8 consecutive elements in one lane: one 16-byte
+// store a lane (lane t: row g + 8 (t / 2), elements 8 (t % 2) .. + 7).
+__device__ __forceinline__ void store_transposed_tile(__nv_bfloat16* out, int64_t row_stride, const uint32_t (&a)[4],
+                                                      int valid, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+  uint32_t r[4] = {movmatrix_trans(a[0]), movmatrix_trans(a[1]), movmatrix_trans(a[2]), movmatrix_trans(a[3])};
+  quad_transpose(r, t);
+  const int row = g + 8 * (t >> 1);
+  if (row < valid) *reinterpret_cast<uint4*>(out + row * row_stride + 8 * (t & 1)) = make_uint4(r[0], r[1], r[2], r[3]);
+}
+
 // Per-lane offsets into a row-major 16 x 16 bf16 block for the three ldmatrix uses:
 //   A operand (rows = m, cols = k):                     ldmatrix_x4 at [a_row][k0 + a_col]
 //   B operands of two n-tiles, stored rows = n, cols = k:  ldmatrix_x4 at [b_row][k0 + b_col]

@@ -146,7 +146,7 @@ KdaChunkedOutput kda_chunked(const at::Tensor& q, const at::Tensor& k, const at:
                              const at::Tensor& initial_state, double scale,
                              const at::Tensor& cu_seqlens, int64_t segment_length,
                              bool prefetch, bool head_walk, int64_t lead_length,
-                             bool keep_chunk_states, int64_t chunk_state_interval) {
+                             bool keep_chunk_states, int64_t chunk_state_interval, bool keep_new_values) {
   constexpr const char* where = "kernels::kda_chunked";
   const auto [batch, length, heads, key, value] =
       check_kda_sequence(where, q, k, v, g, beta, /*d_o=*/at::Tensor());
@@ -201,6 +201,12 @@ KdaChunkedOutput kda_chunked(const at::Tensor& q, const at::Tensor& k, const at:
     options.chunk_states = chunk_states.data_ptr();
     options.chunk_state_interval = static_cast<int>(chunk_state_interval);
   }
+  at::Tensor new_values;
+  if (keep_new_values) {
+    TORCH_CHECK(keep_chunk_states, where, ": keep_new_values needs keep_chunk_states (V' is kept with the states)");
+    new_values = at::empty({batch, length, heads, value}, q.options().dtype(at::kBFloat16));
+    options.new_values = new_values.data_ptr();
+  }
   // The context-parallel path's scratch (none for the serial walk), from the caching allocator.
   const size_t workspace_bytes = kda_chunked_forward_workspace_bytes(
       kernel_dtype(q.scalar_type()), offsets.defined(), sequences, length, heads, key, value, options);
@@ -219,7 +225,7 @@ KdaChunkedOutput kda_chunked(const at::Tensor& q, const at::Tensor& k, const at:
                           length, heads, key, value, static_cast<float>(scale), options,
                           at::cuda::getCurrentCUDAStream(device.index()).stream()),
       where);
-  return {o, final_state, chunk_states};
+  return {o, final_state, chunk_states, new_values};
 }
 
 KdaChunkedGradients kda_chunked_backward(const at::Tensor& q, const at::Tensor& k,
@@ -227,7 +233,7 @@ KdaChunkedGradients kda_chunked_backward(const at::Tensor& q, const at::Tensor& 
                                          const at::Tensor& beta, const at::Tensor& initial_state,
                                          const at::Tensor& d_o, const at::Tensor& d_final_state,
                                          double scale, const at::Tensor& chunk_states,
-                                         bool pass3_blocks) {
+                                         bool pass3_blocks, bool keep_values, const at::Tensor& new_values) {
   constexpr const char* where = "kernels::kda_chunked_backward";
   TORCH_CHECK(d_o.defined(), where, ": d_o must be defined (the gradient of o)");
   const auto [batch, length, heads, key, value] = check_kda_sequence(where, q, k, v, g, beta, d_o);
@@ -239,6 +245,19 @@ KdaChunkedGradients kda_chunked_backward(const at::Tensor& q, const at::Tensor& 
                                                     "[B, H, K, V]", state_shape, device);
   kernels::KdaBackwardOptions options;
   options.pass3_blocks = pass3_blocks;
+  options.keep_values = keep_values;
+  if (new_values.defined()) {
+    TORCH_CHECK(chunk_states.defined(), where,
+                ": new_values is kept with chunk_states (kda_chunked's keep_new_values); give both or neither");
+    const std::vector<int64_t> shape = {batch, length, heads, value};
+    TORCH_CHECK(new_values.sizes() == at::IntArrayRef(shape) && new_values.scalar_type() == at::kBFloat16, where,
+                ": new_values must be bf16 [B, T, H, V] = ", at::IntArrayRef(shape),
+                " (kda_chunked's, kept on these inputs), got ", new_values.scalar_type(), " ", new_values.sizes());
+    check_cuda(where, "new_values", new_values, device);
+    TORCH_CHECK(new_values.is_contiguous() && reinterpret_cast<uintptr_t>(new_values.data_ptr()) % 16 == 0, where,
+                ": new_values must be contiguous and 16-byte aligned (as kda_chunked returns it)");
+    options.new_values = new_values.data_ptr();
+  }
   if (chunk_states.defined()) {
     const int64_t chunks = (length + 15) / 16;
     const std::vector<int64_t> kept_shape = {batch, heads, chunks, value, key};

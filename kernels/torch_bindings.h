@@ -19,6 +19,9 @@ struct KdaChunkedOutput {
   // chunk_state_interval, 1 or 2), when kda_chunked was asked to keep them (for
   // kda_chunked_backward's chunk_states); else undefined.
   at::Tensor chunk_states;
+  // bf16 [B, T, H, V]: every token's V' (the value the walk adds to the state), when kda_chunked
+  // was asked to keep it with the states (for kda_chunked_backward's new_values); else undefined.
+  at::Tensor new_values;
 };
 
 // Whether kda_chunked can run these inputs (shapes as in model/kda.h): CUDA tensors on one
@@ -40,14 +43,17 @@ bool kda_chunked_supported(const at::Tensor& q, const at::Tensor& k, const at::T
 // written in the same walk; not with cu_seqlens), so that a training step's backward need not
 // recompute them: B T H K V 2 / 16 bytes (B=2 T=16K H=64 K=V=128: 4.3 GB) held until then; with
 // chunk_state_interval = 2 every second chunk's, half that (what the backward reads where pass 3
-// goes by blocks: kernels/kda.h, kda_backward_state_interval).
+// goes by blocks: kernels/kda.h, kda_backward_state_interval). keep_new_values (with
+// keep_chunk_states): also every token's V', B T H V 2 bytes, for the backward's pass 3 by blocks
+// (kernels/kda.h, KdaBackwardOptions::new_values).
 KdaChunkedOutput kda_chunked(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              const at::Tensor& g, const at::Tensor& beta,
                              const at::Tensor& initial_state, double scale,
                              const at::Tensor& cu_seqlens = at::Tensor(),
                              int64_t segment_length = 0, bool prefetch = true,
                              bool head_walk = true, int64_t lead_length = 0,
-                             bool keep_chunk_states = false, int64_t chunk_state_interval = 1);
+                             bool keep_chunk_states = false, int64_t chunk_state_interval = 1,
+                             bool keep_new_values = false);
 
 // The gradients of kda_chunked (no cu_seqlens, no context-parallel options) with respect to its
 // inputs, from the gradients of its outputs: d_o [B, T, H, V] (any float dtype; converted to q's),
@@ -59,7 +65,10 @@ KdaChunkedOutput kda_chunked(const at::Tensor& q, const at::Tensor& k, const at:
 // states are not recomputed (the same gradients bit for bit, one pass less, half the workspace);
 // undefined: recomputed. pass3_blocks: kernels/kda.h's KdaBackwardOptions::pass3_blocks (on by
 // default, where it applies: bf16, K = V = 128; it also takes states kept at chunk_state_interval
-// 2, told apart by their shape, which kda_backward_state_interval says to keep).
+// 2, told apart by their shape, which kda_backward_state_interval says to keep). keep_values:
+// KdaBackwardOptions::keep_values (passes 1 and 2 keep V' and dV' for pass 3 by blocks; off by
+// default). new_values: kda_chunked's, kept with chunk_states (keep_new_values), read by pass 3
+// by blocks instead of recomputing V' (with chunk_states only).
 struct KdaChunkedGradients {
   at::Tensor dq, dk, dv, dg, dbeta, d_initial_state;
 };
@@ -68,7 +77,8 @@ KdaChunkedGradients kda_chunked_backward(const at::Tensor& q, const at::Tensor& 
                                          const at::Tensor& beta, const at::Tensor& initial_state,
                                          const at::Tensor& d_o, const at::Tensor& d_final_state,
                                          double scale, const at::Tensor& chunk_states = at::Tensor(),
-                                         bool pass3_blocks = true);
+                                         bool pass3_blocks = true, bool keep_values = false,
+                                         const at::Tensor& new_values = at::Tensor());
 
 // Whether kda_step can run these: CUDA, q k v of one dtype bf16 / fp32, K in {32, 64, 128}, V a
 // multiple of 32 up to 256, state fp32 and contiguous (it is updated in place).

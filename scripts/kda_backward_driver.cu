@@ -11,8 +11,9 @@
 // Random inputs (bf16 q, k, v, beta, d_o; g in [-0.3, 0]; a d final state); prints the best and
 // median of the whole backward and of pass 1 (states), pass 2 (reverse walk) and pass 3 (chunk
 // gradients) alone, and at K = V = 128 passes 1 and 2 storing every second state and pass 3 by
-// 32-token blocks (kda_block_gradient.cuh), with -DKDA_PHASE_PROFILE its cycles per block between
-// barriers. `save.bin` writes the gradients; a later run (another build) given the same
+// 32-token blocks (kda_block_gradient.cuh), then passes 1 and 2 keeping V' and dV' as well and
+// pass 3 reading them (the default since the eighteenth session; its gradients against the
+// recompute's in the same run), with -DKDA_PHASE_PROFILE its cycles per block between barriers. `save.bin` writes the gradients; a later run (another build) given the same
 // file as `compare.bin` prints each gradient's largest difference relative to its largest
 // magnitude: a quick check of a variant between parity-test runs (kernels_tests is the real one).
 #include "kernels/kda_backward.cu"
@@ -142,6 +143,42 @@ int main(int argc, char** argv) {
     every_second(false);
     return e;
   };
+  // What kda_chunked_backward runs by default since the eighteenth session: pass 1 keeping V' as
+  // well, pass 2 keeping dV', and pass 3 by blocks reading both (kGiven) instead of recomputing them.
+  bf16 *new_values = nullptr, *d_new_values = nullptr;
+  check(cudaMalloc(&new_values, n * V * 2), "V'");
+  check(cudaMalloc(&d_new_values, n * V * 2), "dV'");
+  auto pass1_values = [&] {
+    KdaChunkedOptions options;
+    options.chunk_states = states;
+    options.chunk_state_interval = 2;
+    options.new_values = new_values;
+    return kda_chunked_forward(KdaDtype::kBFloat16, q, k, v, g, beta, nullptr, nullptr, final_state, nullptr, B, T,
+                               H, K, V, scale, options, 0);
+  };
+  auto pass2_values = [&]() -> cudaError_t {
+    sa.d_new_values = d_new_values;
+    const cudaError_t e = pass2_second();
+    sa.d_new_values = nullptr;
+    return e;
+  };
+  auto given = [&](bool on) {
+    every_second(on);
+    ca.new_values = on ? new_values : nullptr;
+    ca.d_new_values = on ? d_new_values : nullptr;
+  };
+  auto pass3_given_top = [&]() -> cudaError_t {
+    given(true);
+    const cudaError_t e = launch_block_gradients<128, 128, BlockLoads::kTop, true>(ca, B, 0);
+    given(false);
+    return e;
+  };
+  auto pass3_given_producer = [&]() -> cudaError_t {
+    given(true);
+    const cudaError_t e = launch_block_gradients<128, 128, BlockLoads::kProducer, true>(ca, B, 0);
+    given(false);
+    return e;
+  };
   check(backward(), "backward");
   check(cudaDeviceSynchronize(), "backward (sync)");
   cudaEvent_t a, b;
@@ -167,6 +204,10 @@ int main(int argc, char** argv) {
     time("pass 3 (32-token blocks)", pass3_blocks);
     time("pass 3 (blocks, producer warp)", pass3_blocks_producer);
     time("pass 3 (blocks, TMA)", pass3_blocks_tma);
+    time("pass 1 (2nd state, V')", pass1_values);
+    time("pass 2 (2nd dS', dV')", pass2_values);
+    time("pass 3 (V' dV' given, top)", pass3_given_top);
+    time("pass 3 (V' dV' given, producer)", pass3_given_producer);
   }
   if (K == 128 && V == 128) {  // the load variants of pass 3 by blocks give the same bits
     const size_t bytes_q = n * K * 2, bytes_g = n * K * 4;
@@ -189,6 +230,42 @@ int main(int argc, char** argv) {
       std::printf("  pass 3 by blocks, %s against loads at the top: %s\n", name,
                   first == again ? "bit for bit" : "DIFFERENT");
     }
+    // V' and dV' given (the states and both kept by pass1_values and pass2_values, the last passes
+    // timed): the two load variants bit for bit, and against the recompute within bf16 rounding.
+    check(pass3_given_top(), "given (top)");
+    std::vector<char> given_top(first.size());
+    snapshot(given_top);
+    check(pass3_given_producer(), "given (producer)");
+    snapshot(again);
+    std::printf("  pass 3 by blocks with V' and dV' given, producer warp against loads at the top: %s\n",
+                given_top == again ? "bit for bit" : "DIFFERENT");
+    const char* names[] = {"dq", "dk", "dv", "dg", "dbeta"};
+    const size_t counts[] = {static_cast<size_t>(n * K), static_cast<size_t>(n * K), static_cast<size_t>(n * V),
+                             static_cast<size_t>(n * K), static_cast<size_t>(n)};
+    size_t at = 0;
+    for (int x = 0; x < 5; ++x) {
+      double worst = 0, largest = 0;
+      for (size_t i = 0; i < counts[x]; ++i) {
+        double a, b;
+        if (x < 3) {
+          uint16_t ra, rb;
+          std::memcpy(&ra, &again[at + 2 * i], 2), std::memcpy(&rb, &first[at + 2 * i], 2);
+          const uint32_t ba = static_cast<uint32_t>(ra) << 16, bb = static_cast<uint32_t>(rb) << 16;
+          float fa, fb;
+          std::memcpy(&fa, &ba, 4), std::memcpy(&fb, &bb, 4);
+          a = fa, b = fb;
+        } else {
+          float fa, fb;
+          std::memcpy(&fa, &again[at + 4 * i], 4), std::memcpy(&fb, &first[at + 4 * i], 4);
+          a = fa, b = fb;
+        }
+        worst = std::max(worst, std::fabs(a - b));
+        largest = std::max(largest, std::fabs(b));
+      }
+      at += counts[x] * (x < 3 ? 2 : 4);
+      std::printf("  V' dV' given against recomputed: %-5s max |diff| %.3e of max |ref| %.3e: %.3e\n", names[x], worst,
+                  largest, worst / std::max(largest, 1e-30));
+    }
   }
   check(backward(), "backward");
   check(cudaDeviceSynchronize(), "backward (sync)");
@@ -197,7 +274,8 @@ int main(int argc, char** argv) {
      // thread 0), for pass 3 by 32-token blocks with its loads at the top, then by a producer warp
     const double items = static_cast<double>(B * H * ((T + kBlock - 1) / kBlock));
     const std::pair<const char*, std::function<cudaError_t()>> variants[] = {
-        {"loads at the top", pass3_blocks}, {"producer warp", pass3_blocks_producer}, {"TMA", pass3_blocks_tma}};
+        {"loads at the top", pass3_blocks}, {"producer warp", pass3_blocks_producer}, {"TMA", pass3_blocks_tma},
+        {"V' dV' given, producer", pass3_given_producer}};
     for (const auto& [name, run] : variants) {
       unsigned long long zero[16] = {}, cycles[16];
       cudaMemcpyToSymbol(g_phase_cycles, zero, sizeof(zero));

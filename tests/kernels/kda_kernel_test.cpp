@@ -12,7 +12,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <functional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -568,9 +570,9 @@ void expect_gradients(const std::string& what, const Gradients& got, const Gradi
 }
 
 Gradients kernel_gradients(const Inputs& in, const at::Tensor& d_o, const at::Tensor& d_final,
-                           bool pass3_blocks = true) {
+                           bool pass3_blocks = true, bool keep_values = false) {
   const KdaChunkedGradients d = kda_chunked_backward(in.q, in.k, in.v, in.g, in.beta, in.state, d_o, d_final,
-                                                     in.scale, at::Tensor(), pass3_blocks);
+                                                     in.scale, at::Tensor(), pass3_blocks, keep_values);
   return {d.dq, d.dk, d.dv, d.dg, d.dbeta, in.state.defined() ? d.d_initial_state : at::Tensor()};
 }
 
@@ -859,6 +861,100 @@ TEST_F(KdaKernel, StatesOfEverySecondChunkFeedTheBlockedPassBitForBit) {
                                  backward_options),
             cudaErrorInvalidValue);
   ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+}
+
+// KdaBackwardOptions::keep_values: passes 1 and 2 keep V' and dV', and pass 3 by blocks reads them
+// instead of recomputing both (a block's first sub-chunk's dV' taken from its chunk's to its
+// block's by Y^T dV'_1). Against fp64 autograd on the blocked pass's cases: blocks of one token, of
+// one sub-chunk, partly filled second sub-chunks, 2000 tokens; random gates, g = -5 and g = 0.
+TEST_F(KdaKernel, BackwardWithValuesKeptByTheWalksMatches) {
+  for (const Gates gates : {Gates::kRandom, Gates::kSaturated, Gates::kOne}) {
+    for (int64_t length : {1, 15, 17, 31, 33, 47, 65, 2000}) {
+      if (gates == Gates::kOne && length < 32) continue;
+      const Inputs in = make_inputs(2, length, 2, 128, 128, at::kBFloat16, gates, true, 1100 + length);
+      const auto [d_o, d_final] = output_gradients(in, /*with_final=*/true, 1200 + length);
+      const char* gate_names[] = {"", " g = -5", " g = 0"};
+      const std::string name = shape_name(2, length, 2, 128, 128, at::kBFloat16) + gate_names[static_cast<int>(gates)];
+      expect_gradients(name + " V' and dV' kept",
+                       kernel_gradients(in, d_o, d_final, /*pass3_blocks=*/true, /*keep_values=*/true),
+                       reference_gradients(in, d_o, d_final));
+    }
+  }
+}
+
+// V' kept by a training step's forward (kda_chunked's keep_new_values, with its states at interval
+// 2) is what pass 1 keeps, so the backward from both gives the recompute's gradients with
+// keep_values bit for bit: the whole-head walk, partly filled last blocks, and at 4133 tokens of
+// one sequence the context-parallel forward (with its lead) and reverse walk. The 64-column walks
+// keep the same V' bit for bit. Against the backward that recomputes V' and dV' in pass 3: within
+// bf16 rounding. Misuse is refused by name.
+TEST_F(KdaKernel, NewValuesKeptByTheForwardFeedTheBlockedPassBitForBit) {
+  for (const int64_t length : {17, 100, 4133}) {
+    const int64_t batch = length == 4133 ? 1 : 2;
+    const Inputs in = make_inputs(batch, length, 2, 128, 128, at::kBFloat16, Gates::kRandom, true, 1300 + length);
+    const std::string name = shape_name(batch, length, 2, 128, 128, at::kBFloat16);
+    auto forward = [&](bool head_walk) {
+      return kda_chunked(in.q, in.k, in.v, in.g, in.beta, in.state, in.scale, at::Tensor(), 0, true, head_walk, 0,
+                         /*keep_chunk_states=*/true, /*chunk_state_interval=*/2, /*keep_new_values=*/true);
+    };
+    const KdaChunkedOutput kept = forward(true);
+    ASSERT_EQ(kept.new_values.sizes(), in.v.sizes()) << name;
+    EXPECT_TRUE(at::equal(kept.o, kda_chunked(in.q, in.k, in.v, in.g, in.beta, in.state, in.scale).o)) << name << ": o";
+    if (length != 4133) {
+      EXPECT_TRUE(at::equal(forward(false).new_values, kept.new_values)) << name << ": V' of the 64-column walks";
+    }
+    const auto [d_o, d_final] = output_gradients(in, /*with_final=*/true, 1400 + length);
+    auto backward = [&](const at::Tensor& states, const at::Tensor& values, bool keep_values) {
+      return kda_chunked_backward(in.q, in.k, in.v, in.g, in.beta, in.state, d_o, d_final, in.scale, states,
+                                  /*pass3_blocks=*/true, keep_values, values);
+    };
+    const KdaChunkedGradients recomputed = backward(at::Tensor(), at::Tensor(), true),
+                              from_kept = backward(kept.chunk_states, kept.new_values, false),
+                              without = backward(at::Tensor(), at::Tensor(), false);
+    for (const auto& [what, a, b, c] :
+         {std::tuple{"dq", recomputed.dq, from_kept.dq, without.dq},
+          std::tuple{"dk", recomputed.dk, from_kept.dk, without.dk},
+          std::tuple{"dv", recomputed.dv, from_kept.dv, without.dv},
+          std::tuple{"dg", recomputed.dg, from_kept.dg, without.dg},
+          std::tuple{"dbeta", recomputed.dbeta, from_kept.dbeta, without.dbeta},
+          std::tuple{"dS0", recomputed.d_initial_state, from_kept.d_initial_state, without.d_initial_state}}) {
+      EXPECT_TRUE(at::equal(a, b)) << name << ": " << what << " from the kept V', max diff " << max_error(a, b);
+      const double error = max_error(a, c), magnitude = max_abs(c);
+      std::printf("  %-28s %-5s V' and dV' kept against recomputed in pass 3: %.3e of %.3e (%.2e)\n", name.c_str(),
+                  what, error, magnitude, error / std::max(1e-3, magnitude));
+      EXPECT_LE(error, kGradientTolerance * std::max(1e-3, magnitude)) << name << ": " << what;
+    }
+  }
+
+  const Inputs in = make_inputs(1, 40, 2, 128, 128, at::kBFloat16, Gates::kRandom, false, 1500);
+  const auto [d_o, d_final] = output_gradients(in, /*with_final=*/false, 1501);
+  auto refused = [&](const std::function<void()>& f, const std::string& message) {
+    try {
+      f();
+      ADD_FAILURE() << "accepted: " << message;
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();
+    }
+  };
+  refused([&] { kda_chunked(in.q, in.k, in.v, in.g, in.beta, at::Tensor(), in.scale, at::Tensor(), 0, true, true, 0,
+                            /*keep_chunk_states=*/false, 1, /*keep_new_values=*/true); },
+          "keep_new_values needs keep_chunk_states");
+  const KdaChunkedOutput kept = kda_chunked(in.q, in.k, in.v, in.g, in.beta, at::Tensor(), in.scale, at::Tensor(), 0,
+                                            true, true, 0, true, 2, true);
+  refused([&] { kda_chunked_backward(in.q, in.k, in.v, in.g, in.beta, at::Tensor(), d_o, d_final, in.scale,
+                                     at::Tensor(), true, false, kept.new_values); },
+          "new_values is kept with chunk_states");
+  refused([&] { kda_chunked_backward(in.q, in.k, in.v, in.g, in.beta, at::Tensor(), d_o, d_final, in.scale,
+                                     kept.chunk_states, true, false, kept.new_values.narrow(1, 0, 39)); },
+          "new_values must be bf16 [B, T, H, V]");
+  // The launchers: V' without chunk states, or misaligned, is cudaErrorInvalidValue before anything runs.
+  at::Tensor o = at::empty_like(in.v), final_state = at::empty({1, 2, 128, 128}, in.g.options());
+  KdaChunkedOptions options;
+  options.new_values = kept.new_values.data_ptr();
+  EXPECT_EQ(kda_chunked_forward(KdaDtype::kBFloat16, in.q.data_ptr(), in.k.data_ptr(), in.v.data_ptr(),
+                                in.g.data_ptr<float>(), in.beta.data_ptr(), nullptr, o.data_ptr(),
+                                final_state.data_ptr<float>(), nullptr, 1, 40, 2, 128, 128, in.scale, options, nullptr),
+            cudaErrorInvalidValue);
 }
 
 TEST_F(KdaKernel, BackwardOfAnEmptySequencePassesTheStateGradientThrough) {
