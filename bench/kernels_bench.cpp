@@ -213,31 +213,25 @@ double bench_backward(const KernelsBenchOptions& o, int64_t batch, int64_t lengt
     TORCH_CHECK(error == cudaSuccess, "kda_chunked_backward (variant): ", cudaGetErrorString(error));
     return t;
   };
+  auto report_variant = [&](const char* label, const char* default_label, const kernels::KdaBackwardOptions& options) {
+    size_t bytes = 0;
+    const Timing t = time_variant(options, bytes);
+    std::printf("kda backward, %s: kernel best %8.3f ms  median %8.3f ms  -> %.2fx the forward; the default%s %.3f ms"
+                " is %.3fx of it; workspace %.2f GB\n",
+                label, t.best_ms, t.median_ms, t.best_ms / forward_ms, default_label, kernel.best_ms,
+                kernel.best_ms / t.best_ms, bytes / 1e9);
+  };
   // Pass 3 by 16-token chunks (KdaBackwardOptions::pass3_blocks = false; the default until the
   // seventeenth session: passes 1 and 2 store every chunk's state and state gradient, twice the
   // workspace).
-  {
-    kernels::KdaBackwardOptions chunks;
-    chunks.pass3_blocks = false;
-    size_t bytes = 0;
-    const Timing by_chunks = time_variant(chunks, bytes);
-    std::printf("kda backward, pass 3 by 16-token chunks: kernel best %8.3f ms  median %8.3f ms  -> %.2fx the"
-                " forward; the default (32-token blocks) %.3f ms is %.3fx of it; workspace %.2f GB\n",
-                by_chunks.best_ms, by_chunks.median_ms, by_chunks.best_ms / forward_ms, kernel.best_ms,
-                kernel.best_ms / by_chunks.best_ms, bytes / 1e9);
-  }
+  kernels::KdaBackwardOptions chunks;
+  chunks.pass3_blocks = false;
+  report_variant("pass 3 by 16-token chunks", " (32-token blocks)", chunks);
   // Passes 1 and 2 keeping V' and dV' for pass 3 by blocks (KdaBackwardOptions::keep_values; the
   // eighteenth session's option).
-  {
-    kernels::KdaBackwardOptions values;
-    values.keep_values = true;
-    size_t bytes = 0;
-    const Timing with_values = time_variant(values, bytes);
-    std::printf("kda backward, V' and dV' kept by the walks: kernel best %8.3f ms  median %8.3f ms  -> %.2fx the"
-                " forward; the default %.3f ms is %.3fx of it; workspace %.2f GB\n",
-                with_values.best_ms, with_values.median_ms, with_values.best_ms / forward_ms, kernel.best_ms,
-                kernel.best_ms / with_values.best_ms, bytes / 1e9);
-  }
+  kernels::KdaBackwardOptions values;
+  values.keep_values = true;
+  report_variant("V' and dV' kept by the walks", "", values);
   // A training step's forward keeping the chunk states (KdaChunkedOptions::chunk_states with o) and
   // the backward from them (no state recompute), against the forward and backward above.
   {

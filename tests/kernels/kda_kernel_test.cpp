@@ -576,6 +576,11 @@ Gradients kernel_gradients(const Inputs& in, const at::Tensor& d_o, const at::Te
   return {d.dq, d.dk, d.dv, d.dg, d.dbeta, in.state.defined() ? d.d_initial_state : at::Tensor()};
 }
 
+// The six gradients of a kda_chunked_backward by name, in a fixed order.
+std::vector<std::pair<std::string, at::Tensor>> by_name(const KdaChunkedGradients& d) {
+  return {{"dq", d.dq}, {"dk", d.dk}, {"dv", d.dv}, {"dg", d.dg}, {"dbeta", d.dbeta}, {"dS0", d.d_initial_state}};
+}
+
 // Random output gradients: d_o like o, d_final like the state (or none).
 std::pair<at::Tensor, at::Tensor> output_gradients(const Inputs& in, bool with_final,
                                                    uint64_t seed) {
@@ -803,13 +808,10 @@ TEST_F(KdaKernel, StatesOfEverySecondChunkFeedTheBlockedPassBitForBit) {
     };
     const KdaChunkedGradients recomputed = backward(at::Tensor()), from_every = backward(every.chunk_states),
                               from_second = backward(second.chunk_states);
-    for (const auto& [what, a, b, c] :
-         {std::tuple{"dq", recomputed.dq, from_every.dq, from_second.dq},
-          std::tuple{"dk", recomputed.dk, from_every.dk, from_second.dk},
-          std::tuple{"dv", recomputed.dv, from_every.dv, from_second.dv},
-          std::tuple{"dg", recomputed.dg, from_every.dg, from_second.dg},
-          std::tuple{"dbeta", recomputed.dbeta, from_every.dbeta, from_second.dbeta},
-          std::tuple{"dS0", recomputed.d_initial_state, from_every.d_initial_state, from_second.d_initial_state}}) {
+    const auto r = by_name(recomputed), e = by_name(from_every), s = by_name(from_second);
+    for (size_t x = 0; x < r.size(); ++x) {
+      const std::string& what = r[x].first;
+      const at::Tensor &a = r[x].second, &b = e[x].second, &c = s[x].second;
       EXPECT_TRUE(at::equal(a, b)) << name << ": " << what << " from every chunk's states, max diff " << max_error(a, b);
       EXPECT_TRUE(at::equal(a, c)) << name << ": " << what << " from every second one, max diff " << max_error(a, c);
     }
@@ -911,17 +913,14 @@ TEST_F(KdaKernel, NewValuesKeptByTheForwardFeedTheBlockedPassBitForBit) {
     const KdaChunkedGradients recomputed = backward(at::Tensor(), at::Tensor(), true),
                               from_kept = backward(kept.chunk_states, kept.new_values, false),
                               without = backward(at::Tensor(), at::Tensor(), false);
-    for (const auto& [what, a, b, c] :
-         {std::tuple{"dq", recomputed.dq, from_kept.dq, without.dq},
-          std::tuple{"dk", recomputed.dk, from_kept.dk, without.dk},
-          std::tuple{"dv", recomputed.dv, from_kept.dv, without.dv},
-          std::tuple{"dg", recomputed.dg, from_kept.dg, without.dg},
-          std::tuple{"dbeta", recomputed.dbeta, from_kept.dbeta, without.dbeta},
-          std::tuple{"dS0", recomputed.d_initial_state, from_kept.d_initial_state, without.d_initial_state}}) {
+    const auto r = by_name(recomputed), k = by_name(from_kept), w = by_name(without);
+    for (size_t x = 0; x < r.size(); ++x) {
+      const std::string& what = r[x].first;
+      const at::Tensor &a = r[x].second, &b = k[x].second, &c = w[x].second;
       EXPECT_TRUE(at::equal(a, b)) << name << ": " << what << " from the kept V', max diff " << max_error(a, b);
       const double error = max_error(a, c), magnitude = max_abs(c);
       std::printf("  %-28s %-5s V' and dV' kept against recomputed in pass 3: %.3e of %.3e (%.2e)\n", name.c_str(),
-                  what, error, magnitude, error / std::max(1e-3, magnitude));
+                  what.c_str(), error, magnitude, error / std::max(1e-3, magnitude));
       EXPECT_LE(error, kGradientTolerance * std::max(1e-3, magnitude)) << name << ": " << what;
     }
   }
