@@ -227,11 +227,11 @@ double bench_backward(const KernelsBenchOptions& o, int64_t batch, int64_t lengt
   kernels::KdaBackwardOptions chunks;
   chunks.pass3_blocks = false;
   report_variant("pass 3 by 16-token chunks", " (32-token blocks)", chunks);
-  // Passes 1 and 2 keeping V' and dV' for pass 3 by blocks (KdaBackwardOptions::keep_values; the
-  // eighteenth session's option).
+  // Pass 3 by blocks recomputing V' and dV' (KdaBackwardOptions::keep_values = false; the default
+  // until the eighteenth session: passes 1 and 2 keep neither).
   kernels::KdaBackwardOptions values;
-  values.keep_values = true;
-  report_variant("V' and dV' kept by the walks", "", values);
+  values.keep_values = false;
+  report_variant("V' and dV' recomputed in pass 3", " (kept by the walks)", values);
   // A training step's forward keeping the chunk states (KdaChunkedOptions::chunk_states with o) and
   // the backward from them (no state recompute), against the forward and backward above.
   {
@@ -240,11 +240,14 @@ double bench_backward(const KernelsBenchOptions& o, int64_t batch, int64_t lengt
     const int interval = kernels::kda_backward_state_interval(kernels::KdaDtype::kBFloat16, key, value);
     const int64_t kept = ((length + 15) / 16 + interval - 1) / interval;
     at::Tensor states = at::empty({batch, heads, kept, value, key}, in.q.options().dtype(at::kBFloat16));
+    // And V' where pass 3 by blocks reads it (as kda_chunked_autograd keeps it).
+    at::Tensor new_values = at::empty_like(in.v);
     kernels::KdaChunkedOptions keep;
     keep.chunk_states = states.data_ptr();
     keep.chunk_state_interval = interval;
     kernels::KdaBackwardOptions given;
     given.chunk_states_interval = interval;
+    if (interval == 2) keep.new_values = new_values.data_ptr(), given.new_values = new_values.data_ptr();
     const Timing forward_keeping = time_cuda(
         [&] {
           const cudaError_t e = kernels::kda_chunked_forward(
@@ -269,10 +272,11 @@ double bench_backward(const KernelsBenchOptions& o, int64_t batch, int64_t lengt
         o.warmup, o.repeats);
     TORCH_CHECK(error == cudaSuccess, "kda with kept chunk states: ", cudaGetErrorString(error));
     std::printf("kda backward from kept chunk states B=%ld T=%ld H=%ld: kernel best %8.3f ms (%.2fx the forward's"
-                " %.3f ms; workspace %.2f GB + %.2f GB of states); the forward keeping them %.3f ms: forward +"
+                " %.3f ms; workspace %.2f GB + %.2f GB of states and V'); the forward keeping them %.3f ms: forward +"
                 " backward %.3f ms against %.3f ms recomputing them\n",
                 static_cast<long>(batch), static_cast<long>(length), static_cast<long>(heads), from_states.best_ms,
-                from_states.best_ms / forward_ms, forward_ms, given_bytes / 1e9, states.nbytes() / 1e9,
+                from_states.best_ms / forward_ms, forward_ms, given_bytes / 1e9,
+                (states.nbytes() + (interval == 2 ? new_values.nbytes() : 0)) / 1e9,
                 forward_keeping.best_ms, forward_keeping.best_ms + from_states.best_ms, forward_ms + kernel.best_ms);
   }
   std::fflush(stdout);

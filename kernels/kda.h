@@ -182,11 +182,12 @@ struct KdaBackwardOptions {
   // Pass 3 by blocks reading V' and dV' instead of recomputing them (kernels/README.md, "Eighteenth
   // session"): pass 1 keeps every token's V' (KdaChunkedOptions::new_values) and pass 2 every
   // chunk's dV', bf16 [B, L, H, V] each in the workspace. Pass 3 then makes three of its five
-  // products with the state instead of five (7% faster), but passes 1 and 2, bound by memory
-  // traffic, write 537 MB more each at B=2 T=16K H=64 (15% slower): the backward 10.71 against
-  // 10.91 ms on an H100, in 1.07 GB more workspace. Off by default; ignored where pass 3 goes by
+  // products with the state instead of five, and passes 1 and 2, bound by memory traffic, write
+  // 537 MB more each at B=2 T=16K H=64. On by default, the fastest form on both cards measured:
+  // on the H200 10.63 ms against 11.05 without it and 10.75 with 16-token chunks; on an H100
+  // 10.72-10.74 against 10.82-10.84; workspace 5.38 GB against 4.30. Ignored where pass 3 goes by
   // 16-token chunks.
-  bool keep_values = false;
+  bool keep_values = true;
   // With chunk_states and pass 3 by blocks: the V' the same forward kept
   // (KdaChunkedOptions::new_values, bf16 [B, L, H, V], 16-byte aligned; given without chunk_states:
   // cudaErrorInvalidValue); pass 2 then keeps dV' and pass 3 reads both, as with keep_values.

@@ -24,13 +24,18 @@ class KdaChunkedFunction : public torch::autograd::Function<KdaChunkedFunction> 
     // The states the backward reads: every second chunk's where pass 3 goes by 32-token blocks.
     const int interval = kda_backward_state_interval(
         q.scalar_type() == at::kBFloat16 ? KdaDtype::kBFloat16 : KdaDtype::kFloat32, q.size(3), v.size(3));
+    // With them, V' where pass 3 by blocks reads it (KdaBackwardOptions::keep_values): B T H V 2
+    // bytes more, a quarter of the states' at K = 128; the backward then equals the recompute's bit
+    // for bit.
+    const bool values = keep_chunk_states && interval == 2;
     KdaChunkedOutput out = kda_chunked(q, k, v, g, beta, initial_state, scale, at::Tensor(),
                                        /*segment_length=*/0, /*prefetch=*/true, /*head_walk=*/true,
-                                       /*lead_length=*/0, keep_chunk_states, interval);
+                                       /*lead_length=*/0, keep_chunk_states, interval, values);
     ctx->save_for_backward({q, k, v, g, beta, initial_state_or_empty});
     ctx->saved_data["scale"] = scale;
     // Not an input or an output: held by the context until the backward (or the graph) is freed.
     if (keep_chunk_states) ctx->saved_data["chunk_states"] = out.chunk_states;
+    if (values) ctx->saved_data["new_values"] = out.new_values;
     return {out.o, out.final_state};
   }
 
@@ -42,10 +47,14 @@ class KdaChunkedFunction : public torch::autograd::Function<KdaChunkedFunction> 
     const double scale = ctx->saved_data["scale"].toDouble();
     const auto kept = ctx->saved_data.find("chunk_states");
     const at::Tensor chunk_states = kept != ctx->saved_data.end() ? kept->second.toTensor() : at::Tensor();
+    const auto kept_values = ctx->saved_data.find("new_values");
+    const at::Tensor new_values =
+        kept_values != ctx->saved_data.end() ? kept_values->second.toTensor() : at::Tensor();
     // An output that did not reach the loss has an undefined gradient.
     const at::Tensor d_o = grads[0].defined() ? grads[0] : at::zeros_like(v, q.scalar_type());
     const KdaChunkedGradients d =
-        kda_chunked_backward(q, k, v, g, beta, initial_state, d_o, grads[1], scale, chunk_states);
+        kda_chunked_backward(q, k, v, g, beta, initial_state, d_o, grads[1], scale, chunk_states,
+                             /*pass3_blocks=*/true, /*keep_values=*/true, new_values);
     return {d.dq, d.dk, d.dv, d.dg, d.dbeta,
             initial_state.defined() ? d.d_initial_state : at::Tensor(), at::Tensor(), at::Tensor()};
   }

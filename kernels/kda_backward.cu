@@ -1312,7 +1312,7 @@ cudaError_t run_backward(const StateGradientArgs& sa, const ChunkGradientArgs& c
       // The loads by a producer warp: faster than at the top of each block or by the tensor-memory
       // accelerator (BlockLoads; the same gradients bit for bit; kernels/README.md, "Seventeenth
       // session"). With V' and dV' from passes 1 and 2 where they kept them.
-      if (ca.new_values != nullptr) return launch_block_gradients<128, 128, BlockLoads::kProducer, true>(ca, batch, stream);
+      if (ca.new_values != nullptr) return launch_block_gradients<128, 128, BlockLoads::kProducer, true, true>(ca, batch, stream);
       return launch_block_gradients<128, 128, BlockLoads::kProducer>(ca, batch, stream);
     }
   }

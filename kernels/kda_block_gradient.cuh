@@ -244,20 +244,21 @@ __device__ __forceinline__ void tma_load(void* dst, const CUtensorMap& map, uint
       : "memory");
 }
 
-// kGiven: V' and dV' come from passes 1 and 2 (ChunkGradientArgs::new_values, d_new_values)
-// instead of being recomputed here: no W, U, Aqk, W S, K_ dS' nor Aqk^T dO (two of the five
-// products with the state). The reverse walk's dV' is the gradient of V' within a chunk of 16; a
+// kGivenV: V' comes from pass 1 (ChunkGradientArgs::new_values) instead of being recomputed here:
+// no W, U nor W S (one of the five products with the state). kGivenDV (with kGivenV): dV' too,
+// from pass 2 (d_new_values): no Aqk, K_ dS' nor Aqk^T dO (a second product with the state). The reverse walk's dV' is the gradient of V' within a chunk of 16; a
 // block's first sub-chunk needs it within the block of 32, which adds the path through the state
 // between the sub-chunks and the second sub-chunk's V' (dV'_1 = K_1 dS' + ...):
 //   dV'_0 (block) = dV'_0 (chunk) + K_0 W_1^T dV'_1 = dV'_0 (chunk) + Y^T dV'_1,
 // with W_1 the second chunk's own M_11 Diag(beta) K^_1 and K_0 = k e^{B_1 - Gamma} (its K_), so
 // that W_1 K_0^T = M_11 Diag(beta) P_10 = M_11 L_10 = Y, the product that M_10 = -Y M_00 needs
 // anyway (phase 3).
-template <int K, int V, BlockLoads kLoads = BlockLoads::kTop, bool kGiven = false>
+template <int K, int V, BlockLoads kLoads = BlockLoads::kTop, bool kGivenV = false, bool kGivenDV = false>
 __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
     kda_block_gradient_kernel(const ChunkGradientArgs a, const __grid_constant__ BlockTensorMaps maps) {
   constexpr bool kProducer = kLoads == BlockLoads::kProducer, kTma = kLoads == BlockLoads::kTma;
-  static_assert(!(kTma && kGiven), "the TMA loads carry no V' and dV' (an experiment, not kept)");
+  static_assert(!(kTma && kGivenV), "the TMA loads carry no V' and dV' (an experiment, not kept)");
+  static_assert(kGivenV || !kGivenDV, "dV' is given with V'");
   constexpr int kThreads = block_gradient_threads<kLoads>();
   static_assert(K == 128 && V == 128, "one 16 x 16 tile a warp of every [32][128] result");
   using Shared = BlockShared<K, V>;
@@ -313,10 +314,8 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
       const int64_t at = real_row(it, i) * V + col;
       cp_async16_or_zero(&sh.v[i][col], v + at, i < it.valid);
       cp_async16_or_zero(&sh.d_o[i][col], d_o + at, i < it.valid);
-      if constexpr (kGiven) {
-        cp_async16_or_zero(&sh.v_new[i][col], a.new_values + at, i < it.valid);
-        cp_async16_or_zero(&sh.d_v_new[i][col], a.d_new_values + at, i < it.valid);
-      }
+      if constexpr (kGivenV) cp_async16_or_zero(&sh.v_new[i][col], a.new_values + at, i < it.valid);
+      if constexpr (kGivenDV) cp_async16_or_zero(&sh.d_v_new[i][col], a.d_new_values + at, i < it.valid);
     }
     cp_async_commit();
   };
@@ -506,7 +505,7 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
     };
 
     // Phase 2: dQ^ = dO S^T (into dq and dGamma) on every warp's tile; the intra blocks of P and
-    // Aqk (warps 10-15; dAqk instead of Aqk where V' is given), and the diagonal blocks' inverses
+    // Aqk (warps 10-15; dAqk instead of Aqk where dV' is given), and the diagonal blocks' inverses
     // M_00, M_11 by the warps that made P_00 and P_11 (10 and 12; a column a lane, from L^T of their
     // own block).
     {
@@ -518,7 +517,7 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
         dgam[n][e] += term * __bfloat162float(sh.in.q[i][c]);              // dQ^ (.) Q^
       });
     }
-    if (kGiven && warp >= 13) {
+    if (kGivenDV && warp >= 13) {
       d_aqk_block(warp - 13);
     } else if (warp >= 10) {
       // Tasks 0-2: P_00, P_10, P_11; 3-5: Aqk_00, Aqk_10, Aqk_11.
@@ -576,9 +575,9 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
     BLOCK_PHASE_MARK(3);
 
     // Phase 3: M_10 = -(M_11 L_10) M_00 (warp 0); dV' = K_ dS' + Aqk^T dO on every warp's tile,
-    // stored bf16. Where dV' is given (kGiven): its first sub-chunk's rows from the chunk's to the
+    // stored bf16. Where dV' is given (kGivenDV): its first sub-chunk's rows from the chunk's to the
     // block's, dV'_0 += Y^T dV'_1 with Y = M_11 L_10 (warps 0-7, their 16 columns each).
-    if (warp == 0 || (kGiven && rt == 0)) {
+    if (warp == 0 || (kGivenDV && rt == 0)) {
       // Y = M_11 L_10 (L_10[j][c] = beta_{16+j} P[16+j][c] as B from registers).
       float y[2][4] = {};
       {
@@ -607,7 +606,7 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
           sh.mb_b[i][c] = __float2bfloat16_rn(x * sh.beta[c]);
         });
       }
-      if constexpr (kGiven) {
+      if constexpr (kGivenDV) {
         // Y^T as an A fragment: each 8 x 8 block transposed, the off-diagonal two swapped.
         const uint32_t yt[4] = {movmatrix_trans(ya[0]), movmatrix_trans(ya[2]), movmatrix_trans(ya[1]),
                                 movmatrix_trans(ya[3])};
@@ -621,7 +620,7 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
         });
       }
     }
-    if constexpr (!kGiven) {
+    if constexpr (!kGivenDV) {
       float dvn[2][4] = {};
       tile_product<K, false>(dvn, &sh.k_bar[0][0], kRowK, m0, &sh.ds_t[0][0], kRowK, n0, f);
       // (Aqk^T)[i][t] = Aqk[t][i], nonzero for t >= i: k-steps from this tile's rows on.
@@ -642,7 +641,7 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
     // dW = -dV' S^T (stored); G = dV' V^T (warps 13-15, the lower blocks).
     float u[2][4] = {};
     {
-      if constexpr (!kGiven) {
+      if constexpr (!kGivenV) {
         float wt[2][4] = {};
         for (int k0 = 0; k0 <= m0; k0 += 16) {  // M is lower: columns up to this tile's rows
           uint32_t af[4], bf[4], bv[4];
@@ -679,7 +678,7 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
     // Phase 5: V' = U - W S (stored, unless given); dK^ = Diag(beta) M^T dW (into dk, dGamma); dv =
     // Diag(beta) M^T dV' (stored to global); H = dW K^^T added to G (warps 13-15, the same entries).
     {
-      if constexpr (!kGiven) {
+      if constexpr (!kGivenV) {
         float ws[2][4] = {};
         tile_product<K, false>(ws, &sh.mid.w[0][0], kRowK, m0, &sh.s_t[0][0], kRowK, n0, f);
         for_tile(m0, n0, lane, [&](int n, int e, int i, int c) {
@@ -747,7 +746,7 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
       }
     }
     if (warp >= 9 && warp < 12) {
-      if constexpr (!kGiven) d_aqk_block(warp - 9);
+      if constexpr (!kGivenDV) d_aqk_block(warp - 9);
     } else if (warp >= 12) {
       // T1 = dM M^T, a 16 x 16 tile a warp (B[s][j] = M[j][s]: M's rows), then (warps 12-14)
       // dL = -M^T T1 on the tiles below the diagonal; dP = Diag(beta) dL, and sum_j dL_ij P_ij.
@@ -949,13 +948,13 @@ cudaError_t block_tensor_maps(BlockTensorMaps& maps, const ChunkGradientArgs& a,
   return ok ? cudaSuccess : cudaErrorInvalidValue;
 }
 
-// kGiven: V' and dV' from ChunkGradientArgs::new_values and d_new_values (both given).
-template <int K, int V, BlockLoads kLoads = BlockLoads::kTop, bool kGiven = false>
+// kGivenV, kGivenDV: V' (and dV') from ChunkGradientArgs::new_values (and d_new_values).
+template <int K, int V, BlockLoads kLoads = BlockLoads::kTop, bool kGivenV = false, bool kGivenDV = false>
 cudaError_t launch_block_gradients(ChunkGradientArgs a, int64_t batch, cudaStream_t stream) {
   constexpr size_t shared = block_shared_bytes<K, V>();
   constexpr int kThreads = block_gradient_threads<kLoads>();
-  const auto kernel = kda_block_gradient_kernel<K, V, kLoads, kGiven>;
-  if (kGiven && (a.new_values == nullptr || a.d_new_values == nullptr)) return cudaErrorInvalidValue;
+  const auto kernel = kda_block_gradient_kernel<K, V, kLoads, kGivenV, kGivenDV>;
+  if ((kGivenV && a.new_values == nullptr) || (kGivenDV && a.d_new_values == nullptr)) return cudaErrorInvalidValue;
   BlockTensorMaps maps{};
   if constexpr (kLoads == BlockLoads::kTma) {
     const cudaError_t error = block_tensor_maps<K, V>(maps, a, batch);

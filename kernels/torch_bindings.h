@@ -66,8 +66,8 @@ KdaChunkedOutput kda_chunked(const at::Tensor& q, const at::Tensor& k, const at:
 // undefined: recomputed. pass3_blocks: kernels/kda.h's KdaBackwardOptions::pass3_blocks (on by
 // default, where it applies: bf16, K = V = 128; it also takes states kept at chunk_state_interval
 // 2, told apart by their shape, which kda_backward_state_interval says to keep). keep_values:
-// KdaBackwardOptions::keep_values (passes 1 and 2 keep V' and dV' for pass 3 by blocks; off by
-// default). new_values: kda_chunked's, kept with chunk_states (keep_new_values), read by pass 3
+// KdaBackwardOptions::keep_values (passes 1 and 2 keep V' and dV' for pass 3 by blocks; on by
+// default, as there). new_values: kda_chunked's, kept with chunk_states (keep_new_values), read by pass 3
 // by blocks instead of recomputing V' (with chunk_states only).
 struct KdaChunkedGradients {
   at::Tensor dq, dk, dv, dg, dbeta, d_initial_state;
@@ -77,7 +77,7 @@ KdaChunkedGradients kda_chunked_backward(const at::Tensor& q, const at::Tensor& 
                                          const at::Tensor& beta, const at::Tensor& initial_state,
                                          const at::Tensor& d_o, const at::Tensor& d_final_state,
                                          double scale, const at::Tensor& chunk_states = at::Tensor(),
-                                         bool pass3_blocks = true, bool keep_values = false,
+                                         bool pass3_blocks = true, bool keep_values = true,
                                          const at::Tensor& new_values = at::Tensor());
 
 // Whether kda_step can run these: CUDA, q k v of one dtype bf16 / fp32, K in {32, 64, 128}, V a

@@ -169,13 +169,20 @@ int main(int argc, char** argv) {
   };
   auto pass3_given_top = [&]() -> cudaError_t {
     given(true);
-    const cudaError_t e = launch_block_gradients<128, 128, BlockLoads::kTop, true>(ca, B, 0);
+    const cudaError_t e = launch_block_gradients<128, 128, BlockLoads::kTop, true, true>(ca, B, 0);
+    given(false);
+    return e;
+  };
+  // V' alone given (dV' recomputed in pass 3 as without it).
+  auto pass3_v_given = [&]() -> cudaError_t {
+    given(true);
+    const cudaError_t e = launch_block_gradients<128, 128, BlockLoads::kProducer, true, false>(ca, B, 0);
     given(false);
     return e;
   };
   auto pass3_given_producer = [&]() -> cudaError_t {
     given(true);
-    const cudaError_t e = launch_block_gradients<128, 128, BlockLoads::kProducer, true>(ca, B, 0);
+    const cudaError_t e = launch_block_gradients<128, 128, BlockLoads::kProducer, true, true>(ca, B, 0);
     given(false);
     return e;
   };
@@ -208,6 +215,7 @@ int main(int argc, char** argv) {
     time("pass 2 (2nd dS', dV')", pass2_values);
     time("pass 3 (V' dV' given, top)", pass3_given_top);
     time("pass 3 (V' dV' given, producer)", pass3_given_producer);
+    time("pass 3 (V' given, producer)", pass3_v_given);
   }
   if (K == 128 && V == 128) {  // the load variants of pass 3 by blocks give the same bits
     const size_t bytes_q = n * K * 2, bytes_g = n * K * 4;
@@ -239,9 +247,14 @@ int main(int argc, char** argv) {
     snapshot(again);
     std::printf("  pass 3 by blocks with V' and dV' given, producer warp against loads at the top: %s\n",
                 given_top == again ? "bit for bit" : "DIFFERENT");
+    check(pass3_v_given(), "V' given");
+    std::vector<char> v_given(first.size());
+    snapshot(v_given);
     const char* names[] = {"dq", "dk", "dv", "dg", "dbeta"};
     const size_t counts[] = {static_cast<size_t>(n * K), static_cast<size_t>(n * K), static_cast<size_t>(n * V),
                              static_cast<size_t>(n * K), static_cast<size_t>(n)};
+    for (const auto& [label, variant] : {std::pair<const char*, const std::vector<char>*>{"V' dV' given", &again},
+                                         {"V' given", &v_given}}) {
     size_t at = 0;
     for (int x = 0; x < 5; ++x) {
       double worst = 0, largest = 0;
@@ -249,22 +262,23 @@ int main(int argc, char** argv) {
         double a, b;
         if (x < 3) {
           uint16_t ra, rb;
-          std::memcpy(&ra, &again[at + 2 * i], 2), std::memcpy(&rb, &first[at + 2 * i], 2);
+          std::memcpy(&ra, &(*variant)[at + 2 * i], 2), std::memcpy(&rb, &first[at + 2 * i], 2);
           const uint32_t ba = static_cast<uint32_t>(ra) << 16, bb = static_cast<uint32_t>(rb) << 16;
           float fa, fb;
           std::memcpy(&fa, &ba, 4), std::memcpy(&fb, &bb, 4);
           a = fa, b = fb;
         } else {
           float fa, fb;
-          std::memcpy(&fa, &again[at + 4 * i], 4), std::memcpy(&fb, &first[at + 4 * i], 4);
+          std::memcpy(&fa, &(*variant)[at + 4 * i], 4), std::memcpy(&fb, &first[at + 4 * i], 4);
           a = fa, b = fb;
         }
         worst = std::max(worst, std::fabs(a - b));
         largest = std::max(largest, std::fabs(b));
       }
       at += counts[x] * (x < 3 ? 2 : 4);
-      std::printf("  V' dV' given against recomputed: %-5s max |diff| %.3e of max |ref| %.3e: %.3e\n", names[x], worst,
+      std::printf("  %s against recomputed: %-5s max |diff| %.3e of max |ref| %.3e: %.3e\n", label, names[x], worst,
                   largest, worst / std::max(largest, 1e-30));
+    }
     }
   }
   check(backward(), "backward");
@@ -275,7 +289,7 @@ int main(int argc, char** argv) {
     const double items = static_cast<double>(B * H * ((T + kBlock - 1) / kBlock));
     const std::pair<const char*, std::function<cudaError_t()>> variants[] = {
         {"loads at the top", pass3_blocks}, {"producer warp", pass3_blocks_producer}, {"TMA", pass3_blocks_tma},
-        {"V' dV' given, producer", pass3_given_producer}};
+        {"V' dV' given, producer", pass3_given_producer}, {"V' given, producer", pass3_v_given}};
     for (const auto& [name, run] : variants) {
       unsigned long long zero[16] = {}, cycles[16];
       cudaMemcpyToSymbol(g_phase_cycles, zero, sizeof(zero));

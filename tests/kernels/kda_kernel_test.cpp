@@ -570,7 +570,7 @@ void expect_gradients(const std::string& what, const Gradients& got, const Gradi
 }
 
 Gradients kernel_gradients(const Inputs& in, const at::Tensor& d_o, const at::Tensor& d_final,
-                           bool pass3_blocks = true, bool keep_values = false) {
+                           bool pass3_blocks = true, bool keep_values = true) {
   const KdaChunkedGradients d = kda_chunked_backward(in.q, in.k, in.v, in.g, in.beta, in.state, d_o, d_final,
                                                      in.scale, at::Tensor(), pass3_blocks, keep_values);
   return {d.dq, d.dk, d.dv, d.dg, d.dbeta, in.state.defined() ? d.d_initial_state : at::Tensor()};
@@ -659,7 +659,8 @@ TEST_F(KdaKernel, BackwardByThirtyTwoTokenBlocksMatches) {
       const char* gate_names[] = {"", " g = -5", " g = 0"};
       const std::string name = shape_name(2, length, 2, 128, 128, at::kBFloat16) + gate_names[static_cast<int>(gates)];
       const Gradients expected = reference_gradients(in, d_o, d_final);
-      expect_gradients(name + " 32-token blocks", kernel_gradients(in, d_o, d_final, /*pass3_blocks=*/true), expected);
+      expect_gradients(name + " 32-token blocks", kernel_gradients(in, d_o, d_final, /*pass3_blocks=*/true,
+                                                                   /*keep_values=*/false), expected);
       expect_gradients(name + " 16-token chunks", kernel_gradients(in, d_o, d_final, /*pass3_blocks=*/false), expected);
     }
   }
@@ -732,8 +733,10 @@ TEST_F(KdaKernel, KeptChunkStatesEqualTheRecomputeBitForBit) {
     EXPECT_TRUE(at::equal(kept.chunk_states, states)) << name << ": chunk states";
 
     const auto [d_o, d_final] = output_gradients(in, /*with_final=*/true, 950 + c.length);
-    const KdaChunkedGradients recomputed =
-        kda_chunked_backward(in.q, in.k, in.v, in.g, in.beta, in.state, d_o, d_final, in.scale);
+    // States kept without V': pass 3 recomputes V' and dV', so the recompute does too (keep_values
+    // off; NewValuesKeptByTheForwardFeedTheBlockedPassBitForBit covers the two kept together).
+    const KdaChunkedGradients recomputed = kda_chunked_backward(
+        in.q, in.k, in.v, in.g, in.beta, in.state, d_o, d_final, in.scale, at::Tensor(), true, /*keep_values=*/false);
     const KdaChunkedGradients given =
         kda_chunked_backward(in.q, in.k, in.v, in.g, in.beta, in.state, d_o, d_final, in.scale, kept.chunk_states);
     for (const auto& [what, a, b] :
@@ -802,9 +805,9 @@ TEST_F(KdaKernel, StatesOfEverySecondChunkFeedTheBlockedPassBitForBit) {
         << name << ": every second chunk state";
 
     const auto [d_o, d_final] = output_gradients(in, /*with_final=*/true, 990 + length);
-    auto backward = [&](const at::Tensor& states) {
+    auto backward = [&](const at::Tensor& states) {  // V' and dV' recomputed in pass 3, as from states alone
       return kda_chunked_backward(in.q, in.k, in.v, in.g, in.beta, in.state, d_o, d_final, in.scale, states,
-                                  /*pass3_blocks=*/true);
+                                  /*pass3_blocks=*/true, /*keep_values=*/false);
     };
     const KdaChunkedGradients recomputed = backward(at::Tensor()), from_every = backward(every.chunk_states),
                               from_second = backward(second.chunk_states);
