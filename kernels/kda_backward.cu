@@ -57,7 +57,8 @@
 //      entering every chunk, bf16, transposed [N, H, chunks, V, K] (exactly the bf16 operand the
 //      forward's matmuls saw). Context parallel where the forward would be. Skipped when the
 //      caller gives them (a training step's forward kept them: kda.h, chunk_states). Where pass 3
-//      goes by 32-token blocks (below) only every second chunk's: chunk_state_interval = 2.
+//      goes by 32-token blocks (below) only every second chunk's: chunk_state_interval = 2, and
+//      with KdaBackwardOptions::keep_values (the default) every token's V' as well.
 //   2. state gradients (kda_state_gradient_kernel): the forward's structure run backwards. One
 //      CTA of 4 warps per (sequence, head, 64 value columns), or of 2 warps per 32 columns when K
 //      or V is 32 (the forward's Walk tile); warp w holds 16 rows of dS^T in fp32 mma
@@ -67,6 +68,7 @@
 //      gradient of the state leaving each 32-token block, where pass 3 goes by blocks), then
 //        dV'^T = dS'^T K_^T + dO^T Aqk,   dS^T = dS'^T Diag(e^gamma) + dO^T Q^ - dV'^T W
 //      (mma.sync m16n8k16, bf16 operands, fp32 accumulators). The last dS is d initial_state.
+//      With keep_values it also stores every chunk's dV' (bf16 [N, L, H, V]).
 //      bf16 with K = V = 128: kda_head_state_gradient_kernel, one CTA of 16 warps per (sequence,
 //      head) with the forward's specialized warps: 8 walk while 4 pairs prepare (head_pipeline);
 //      with few heads and a long sequence, context parallel (ReversePlan): segment transitions
@@ -81,9 +83,9 @@
 //      (dGamma's factors the bf16 operands: below) - then dq, dk, dv, dbeta, dg as above.
 //      bf16 with K = V = 128 (KdaBackwardOptions::pass3_blocks, the default): by blocks of 32
 //      tokens instead (kda_block_gradient_kernel, kda_block_gradient.cuh), reading S entering each
-//      block and dS' leaving it.
+//      block and dS' leaving it, and with keep_values V' and dV' instead of recomputing them.
 // Workspace: two bf16 [N, H, chunks, K, V] (S and dS' per chunk; per block with pass 3 by blocks)
-// plus one fp32 state.
+// plus one fp32 state, and with keep_values two bf16 [N, L, H, V] (V' and dV').
 #include "kernels/kda.h"
 
 #include <cuda_bf16.h>
