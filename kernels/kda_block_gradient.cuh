@@ -491,8 +491,7 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
     BLOCK_PHASE_MARK(2);
 
     float dq[2][4] = {}, dk[2][4] = {}, dgam[2][4] = {};
-    // dAqk = dO V'^T on the lower 16 x 16 block `ab` ((0, 0), (1, 0), (1, 1)): phase 6, or phase 2
-    // in place of Aqk where V' is given.
+    // dAqk = dO V'^T on the lower 16 x 16 block `ab` ((0, 0), (1, 0), (1, 1)), in phase 6.
     auto d_aqk_block = [&](int ab) {
       const LowerBlock blk(ab);
       const int ra = blk.ra, cb = blk.cb;
@@ -504,11 +503,11 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
       });
     };
 
-    // Phase 2: dQ^ = dO S^T (into dq and dGamma) on every warp's tile; the intra blocks of P and
-    // Aqk (warps 10-15; dAqk instead of Aqk where dV' is given), and the diagonal blocks' inverses
-    // M_00, M_11 by the warps that made P_00 and P_11 (10 and 12; a column a lane, from L^T of their
-    // own block).
-    {
+    // Phase 2: dQ^ = dO S^T (into dq and dGamma) on every warp's tile (where dV' is given, warps
+    // 10-12's in phase 3); the intra blocks of P and Aqk (warps 10-15; no Aqk where dV' is given),
+    // and the diagonal blocks' inverses M_00, M_11 by the warps that made P_00 and P_11 (10 and 12;
+    // a column a lane, from L^T of their own block).
+    auto d_q_hat = [&] {
       float acc[2][4] = {};
       tile_product<V, true>(acc, &sh.d_o[0][0], kRowV, m0, &sh.s_t[0][0], kRowK, n0, f);
       for_tile(m0, n0, lane, [&](int n, int e, int i, int c) {
@@ -516,10 +515,14 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
         dq[n][e] += term;
         dgam[n][e] += term * __bfloat162float(sh.in.q[i][c]);              // dQ^ (.) Q^
       });
-    }
-    if (kGivenDV && warp >= 13) {
-      d_aqk_block(warp - 13);
-    } else if (warp >= 10) {
+    };
+    // With dV' given, warps 10-12 (P and the inverses, phase 2's longest chains) make their dQ^ in
+    // phase 3, where they idle, and dAqk stays in phase 6 (warps 9-11, idle there otherwise): the
+    // same bits (dq and dGamma take the same terms in the same order), pass 3 6.86-6.87 against
+    // 6.91-7.04 ms, phase 2 4.1K -> 3.5K cycles a block (H100).
+    const bool dq_late = kGivenDV && warp >= 10 && warp < 13;
+    if (!dq_late) d_q_hat();
+    if (warp >= 10 && !(kGivenDV && warp >= 13)) {
       // Tasks 0-2: P_00, P_10, P_11; 3-5: Aqk_00, Aqk_10, Aqk_11.
       const int task = warp - 10, ab = task % 3;
       const LowerBlock blk(ab);
@@ -620,6 +623,7 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
         });
       }
     }
+    if (dq_late) d_q_hat();
     if constexpr (!kGivenDV) {
       float dvn[2][4] = {};
       tile_product<K, false>(dvn, &sh.k_bar[0][0], kRowK, m0, &sh.ds_t[0][0], kRowK, n0, f);
@@ -746,7 +750,7 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
       }
     }
     if (warp >= 9 && warp < 12) {
-      if constexpr (!kGivenDV) d_aqk_block(warp - 9);
+      d_aqk_block(warp - 9);
     } else if (warp >= 12) {
       // T1 = dM M^T, a 16 x 16 tile a warp (B[s][j] = M[j][s]: M's rows), then (warps 12-14)
       // dL = -M^T T1 on the tiles below the diagonal; dP = Diag(beta) dL, and sum_j dL_ij P_ij.
