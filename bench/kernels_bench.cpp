@@ -103,6 +103,26 @@ double chunked_bytes(int64_t batch, int64_t length, int64_t heads, int64_t key, 
   return static_cast<double>(batch) * length * heads * (2 * key * 2 + key * 4 + value * 2 + 2 + value * 2);
 }
 
+// Bytes the backward (kernels/kda.h, kda_chunked_backward; bf16 K = V = 128, pass 3 by 32-token
+// blocks) moves through memory, pass by pass as kernels/README.md's traffic table counts them
+// ("Eighteenth session"): pass 1 reads k, v, g, beta and writes every second chunk's state (and V');
+// pass 2 reads q, k, dO, g, beta and writes every second dS' (and dV'); pass 3 reads both states, q,
+// k, v, dO, g, beta (and V', dV') and writes dq, dk, dv, dg, dbeta. values: V' and dV' kept
+// (KdaBackwardOptions::keep_values); states_given: the forward kept the states (and V'), no pass 1.
+double backward_bytes(int64_t batch, int64_t length, int64_t heads, int64_t key, int64_t value, bool values,
+                      bool states_given) {
+  const double n = static_cast<double>(batch) * length * heads;
+  const double keys = n * key * 2, vals = n * value * 2, gates = n * key * 4, beta = n * 2;
+  const int64_t kept = ((length + 15) / 16 + 1) / 2;
+  const double states = static_cast<double>(batch) * heads * kept * key * value * 2;
+  const double kept_values = values ? vals : 0.0;
+  const double pass1 = keys + vals + gates + beta + states + kept_values;
+  const double pass2 = 2 * keys + vals + gates + beta + states + kept_values;
+  const double pass3 = 2 * states + 2 * keys + 2 * vals + gates + beta + 2 * kept_values  // reads
+                       + 2 * keys + vals + gates + n * 4;                                // writes
+  return (states_given ? 0.0 : pass1) + pass2 + pass3;
+}
+
 double measure_copy_gb_per_s(const KernelsBenchOptions& o) {
   const int64_t bytes = int64_t{2} << 30;
   const at::Tensor src = at::empty({bytes}, at::TensorOptions().device(at::kCUDA).dtype(at::kByte));
@@ -160,7 +180,7 @@ ForwardRow bench_forward(const KernelsBenchOptions& o, int64_t batch, int64_t le
 // against the forward kernel's time on the same shape (goal: at most 3x) and, with references,
 // a training step (forward + backward) of the kernels against autograd of kda::chunked_reference.
 double bench_backward(const KernelsBenchOptions& o, int64_t batch, int64_t length, int64_t heads,
-                      double forward_ms) {
+                      double forward_ms, double copy_gb_per_s) {
   const int64_t key = 128, value = 128;
   const KdaInputs in = make_inputs(batch, length, heads, key, value);
   const auto f32 = in.q.options().dtype(at::kFloat);
@@ -194,6 +214,18 @@ double bench_backward(const KernelsBenchOptions& o, int64_t batch, int64_t lengt
               static_cast<long>(batch), static_cast<long>(length), static_cast<long>(heads),
               kernel.best_ms, kernel.median_ms, kernel.best_ms / forward_ms, forward_ms,
               workspace_bytes / 1e9);
+  // The memory floor of this design (the bytes its passes must move, at the copy rate): the least
+  // time any implementation of it could take, in multiples of the forward.
+  {
+    const double moved = backward_bytes(batch, length, heads, key, value, /*values=*/true, /*states_given=*/false);
+    const double recompute = backward_bytes(batch, length, heads, key, value, false, false);
+    const double kept = backward_bytes(batch, length, heads, key, value, false, /*states_given=*/true);
+    auto floor_ms = [&](double bytes) { return bytes / (copy_gb_per_s * 1e9) * 1e3; };
+    std::printf("kda backward memory floor: %.2f GB moved -> %.3f ms at the copy rate, %.0f%% of it reached; the"
+                " floor is %.2fx the forward (%.2fx recomputing V' and dV', %.2fx from kept states)\n",
+                moved / 1e9, floor_ms(moved), 100.0 * floor_ms(moved) / kernel.best_ms,
+                floor_ms(moved) / forward_ms, floor_ms(recompute) / forward_ms, floor_ms(kept) / forward_ms);
+  }
   // The backward with other options, its own workspace, against the default above in the same run.
   auto time_variant = [&](const kernels::KdaBackwardOptions& options, size_t& bytes) {
     bytes = kernels::kda_chunked_backward_workspace_bytes(kernels::KdaDtype::kBFloat16, batch, length, heads, key,
@@ -1181,7 +1213,7 @@ Result<KernelsBenchResult> run_kernels_bench(const KernelsBenchOptions& options)
     std::printf("kda forward B=1 T=65536 H=4: context parallel %.3f ms vs serial %.3f ms -> %.1fx\n",
                 r.kda_forward_long_ms, r.kda_forward_long_serial_ms,
                 r.kda_forward_long_serial_ms / r.kda_forward_long_ms);
-    r.kda_backward_ms = bench_backward(options, 2, 16384, 64, r.kda_forward_ms);
+    r.kda_backward_ms = bench_backward(options, 2, 16384, 64, r.kda_forward_ms, r.copy_gb_per_s);
     r.kda_decode_ms = bench_decode(options, 256, 64, r.copy_gb_per_s);
     std::printf("kda_backward_ms: %.3f (%.2fx the forward)\n", r.kda_backward_ms,
                 r.kda_backward_ms / r.kda_forward_ms);

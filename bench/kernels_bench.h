@@ -8,8 +8,10 @@
 //               twice: the serial walk and the automatic (context-parallel) path; the main shape
 //               also without the L2 prefetch of the next group's inputs
 //   kda backward B=2, T=16K, H=64, K=V=128 bf16: the backward kernel (preallocated outputs and
-//               workspace) as a multiple of the forward's time (goal <= 3x); with references, a
-//               training step (forward + backward) of the kernels vs autograd of
+//               workspace) as a multiple of the forward's time (goal <= 3x), and its design's
+//               memory floor (the bytes its three passes must move at the copy rate, also as a
+//               multiple of the forward: recomputing V' and dV', and from kept states); with
+//               references, a training step (forward + backward) of the kernels vs autograd of
 //               kda::chunked_reference
 //   kda decode  batch 256, H=64, K=V=128: kernel vs kda::step_reference, state GB/s
 //   moe         (suite moe) the MoE layer at configs/model/small.toml's expert shapes (hidden
