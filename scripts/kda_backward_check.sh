@@ -4,6 +4,9 @@
 #
 #   source .gpu/env.sh && scripts/kda_backward_check.sh REV [MODE]
 #
+# REV: a git revision, or a folder holding that revision's kernels/ and scripts/ (for machines whose
+# copy of the tree has no .git: `git archive REV kernels scripts | tar -x -C scratch/old` here first).
+#
 # Builds scripts/kda_backward_driver.cu twice, from REV's kernels/ and scripts/ and from the working
 # tree, sharing one object of kernels/kda.cu when REV's forward sources are the working tree's (the
 # forward takes twice as long to compile as the backward). Then, on each shape of $SHAPES (default
@@ -25,7 +28,12 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
 mkdir -p "$work/old"
-git archive "$rev" kernels scripts | tar -x -C "$work/old"
+if [ -d "$rev/kernels" ] && [ -d "$rev/scripts" ]; then
+  cp -r "$rev/kernels" "$rev/scripts" "$work/old/"
+elif ! git archive "$rev" kernels scripts 2>/dev/null | tar -x -C "$work/old" 2>/dev/null; then
+  echo "kda_backward_check: $rev is neither a git revision here nor a folder with kernels/ and scripts/"
+  exit 1
+fi
 forward_sources=(kernels/kda.cu kernels/kda.h kernels/kda_chunk.cuh kernels/mma.cuh)
 same_forward=1
 for f in "${forward_sources[@]}"; do
