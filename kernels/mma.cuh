@@ -1,7 +1,8 @@
 // Tensor-core building blocks shared by the kernels that multiply bf16 tiles with mma.sync
 // (kda.cu, kda_backward.cu through kda_chunk.cuh; moe_experts.cu): fragment loads by ldmatrix, the
-// m16n8k16 product, cp.async copies into shared memory, the per-lane fragment offsets and the
-// quad transpose for 16-byte stores of accumulator rows. Internal
+// m16n8k16 product, cp.async copies into shared memory, the per-lane fragment offsets, the quad
+// transpose for 16-byte stores of accumulator rows, and movmatrix for storing a fragment's
+// transpose (store_transposed_tile). Internal
 // (anonymous namespace: each .cu gets its own copy); sm_80 or newer.
 #pragma once
 
