@@ -69,7 +69,7 @@ KdaChunkedOutput kda_chunked_autograd(const at::Tensor& q, const at::Tensor& k,
   const at::Tensor state =
       initial_state.defined() ? initial_state : at::empty({0}, q.options().dtype(at::kFloat));
   const variable_list out = KdaChunkedFunction::apply(q, k, v, g, beta, state, scale, keep_chunk_states);
-  return {out[0], out[1]};
+  return {out[0], out[1], /*chunk_states=*/at::Tensor(), /*new_values=*/at::Tensor()};
 }
 
 }  // namespace odyssey::kernels

@@ -226,7 +226,7 @@ TEST_F(KdaKernel, ContinuingFromTheFinalStateEqualsOneLongCall) {
                   in.scale);
   const KdaChunkedOutput second = kda_chunked(rest(in.q), rest(in.k), rest(in.v), rest(in.g),
                                               rest(in.beta), first.final_state, in.scale);
-  const KdaChunkedOutput joined{at::cat({first.o, second.o}, 1), second.final_state};
+  const KdaChunkedOutput joined{at::cat({first.o, second.o}, 1), second.final_state, at::Tensor(), at::Tensor()};
   expect_close("split at 37 vs one call", joined, {whole.o, whole.final_state}, kBf16Tolerance);
   expect_close("split at 37 vs fp64", joined, reference(in), kBf16Tolerance);
 
@@ -479,7 +479,7 @@ TEST_F(KdaKernel, DecodeContinuesAChunkedPrefill) {
                                  in.g.select(1, t), in.beta.select(1, t), state, in.scale));
     }
     const at::Tensor decoded = at::stack(outputs, 1);
-    const KdaChunkedOutput got{decoded, state};
+    const KdaChunkedOutput got{decoded, state, at::Tensor(), at::Tensor()};
     const kda::Output expected{whole.o.slice(1, prefill), whole.final_state};
     const std::string name = "K" + std::to_string(shape.key) + " V" +
                              std::to_string(shape.value) + " prefill 20 + decode 5 vs chunked 25";
