@@ -23,6 +23,11 @@
 // [32][128] arrays in shared memory), and it makes that tile of dV', W, U, V', dW, dv. The 32 x 32
 // products (P, Aqk, G, H, dAqk, M's blocks, dL's tiles) are tasks of warps 9-15. Nine barriers a
 // block after the loads (BlockLoads: how those reach shared memory).
+//
+// V' and dV' (the default since the eighteenth session, KdaBackwardOptions::keep_values): passes 1
+// and 2 keep them and this pass reads them with v and dO (kGivenV, kGivenDV below) instead of making
+// W, U, Aqk, V' = U - W S and dV' = K_ dS' + Aqk^T dO; only the first sub-chunk's dV' is corrected,
+// from its 16-token chunk's to the block's (the comment at the kernel).
 #pragma once
 
 #include <cuda.h>  // CUtensorMap (BlockLoads::kTma); the encoder comes through the runtime
