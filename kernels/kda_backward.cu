@@ -1163,6 +1163,24 @@ __global__ void __launch_bounds__(kGradientThreads, gradient_ctas_per_sm<K, V>()
 
 // Pass 3 by blocks of 32 tokens (bf16, K = V = 128): kda_block_gradient_kernel, built on the pieces
 // above (ChunkGradientArgs, the fragment helpers, the 16 x 16 substitution).
+// Pass 3's persistent grid, for either of its kernels: sets the kernel's dynamic shared memory and
+// gives as many CTAs of `threads` as fit on the GPU at once (each taking every gridDim.x-th item),
+// at most `items`.
+template <typename Kernel>
+cudaError_t persistent_ctas(Kernel kernel, int threads, size_t shared, int64_t items, int64_t& ctas) {
+  cudaError_t error =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared));
+  if (error != cudaSuccess) return error;
+  int device = 0, sms = 0, per_sm = 0;
+  if ((error = cudaGetDevice(&device)) != cudaSuccess ||
+      (error = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess ||
+      (error = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, shared)) != cudaSuccess) {
+    return error;
+  }
+  ctas = std::min<int64_t>(items, static_cast<int64_t>(sms) * (per_sm > 0 ? per_sm : 1));
+  return cudaSuccess;
+}
+
 #include "kernels/kda_block_gradient.cuh"
 
 namespace odyssey::kernels {
@@ -1241,19 +1259,10 @@ cudaError_t launch_chunk_gradients(ChunkGradientArgs a, int64_t batch, int64_t c
                                    cudaStream_t stream) {
   constexpr size_t shared = gradient_shared_bytes<K, V>();
   const auto kernel = kda_chunk_gradient_kernel<T, K, V>;
-  cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(shared));
-  if (error != cudaSuccess) return error;
-  // Persistent: as many CTAs as fit on the GPU at once, each taking every gridDim.x-th chunk.
-  int device = 0, sms = 0, per_sm = 0;
-  if ((error = cudaGetDevice(&device)) != cudaSuccess ||
-      (error = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess ||
-      (error = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kGradientThreads, shared)) !=
-          cudaSuccess) {
-    return error;
-  }
   a.items = chunks * a.heads * batch;
-  const int64_t ctas = std::min<int64_t>(a.items, static_cast<int64_t>(sms) * (per_sm > 0 ? per_sm : 1));
+  int64_t ctas = 0;
+  const cudaError_t error = persistent_ctas(kernel, kGradientThreads, shared, a.items, ctas);
+  if (error != cudaSuccess) return error;
   kernel<<<static_cast<unsigned>(ctas), kGradientThreads, shared, stream>>>(a);
   return cudaGetLastError();
 }

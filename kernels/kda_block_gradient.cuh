@@ -969,18 +969,10 @@ cudaError_t launch_block_gradients(ChunkGradientArgs a, int64_t batch, cudaStrea
     const cudaError_t error = block_tensor_maps<K, V>(maps, a, batch);
     if (error != cudaSuccess) return error;
   }
-  cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(shared));
-  if (error != cudaSuccess) return error;
-  int device = 0, sms = 0, per_sm = 0;
-  if ((error = cudaGetDevice(&device)) != cudaSuccess ||
-      (error = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess ||
-      (error = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, shared)) !=
-          cudaSuccess) {
-    return error;
-  }
   a.items = (a.length + kBlock - 1) / kBlock * a.heads * batch;
-  const int64_t ctas = std::min<int64_t>(a.items, static_cast<int64_t>(sms) * (per_sm > 0 ? per_sm : 1));
+  int64_t ctas = 0;
+  const cudaError_t error = persistent_ctas(kernel, kThreads, shared, a.items, ctas);
+  if (error != cudaSuccess) return error;
   kernel<<<static_cast<unsigned>(ctas), kThreads, shared, stream>>>(a, maps);
   return cudaGetLastError();
 }
