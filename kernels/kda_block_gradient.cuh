@@ -57,9 +57,8 @@ struct alignas(128) BlockShared {
     bf16 d_w[kBlock][kRowK];  // dW = -dV' S^T           (phases 4-5)
   };
   union alignas(128) {
-    Inputs in;                        // phases 0-2
-    Middle mid;                       // phases 4-5
-    float d_gamma[kBlock][kPadK];     // phases 7-8
+    Inputs in;                        // phases 0-3
+    Middle mid;                       // phases 4-5 (the next item's q and k land from phase 6 on)
   };
   alignas(128) bf16 v[kBlock][kRowV];
   alignas(128) bf16 d_o[kBlock][kRowV];
@@ -67,8 +66,14 @@ struct alignas(128) BlockShared {
   bf16 x_q[kBlock][kRowK];     // scale q e^{Gamma - B_a}
   bf16 x_k[kBlock][kRowK];     // k e^{Gamma - B_a}
   bf16 k_c[kBlock][kRowK];     // k e^{B_a - Gamma}
-  bf16 k_hat[kBlock][kRowK];   // K^ = k e^Gamma
-  bf16 k_bar[kBlock][kRowK];   // K_ = k e^{gamma - Gamma}
+  struct Decayed {
+    bf16 k_hat[kBlock][kRowK];  // K^ = k e^Gamma
+    bf16 k_bar[kBlock][kRowK];  // K_ = k e^{gamma - Gamma}
+  };
+  union alignas(16) {
+    Decayed decayed;               // phases 1-6
+    float d_gamma[kBlock][kPadK];  // phases 7-8
+  };
   bf16 v_new[kBlock][kRowV];   // V'
   bf16 d_v_new[kBlock][kRowV]; // dV'
   float p[kBlock][kPadC];      // strictly_lower(P)
@@ -200,10 +205,15 @@ __device__ __forceinline__ void for_tile(int m0, int n0, int lane, F&& f) {
 enum class BlockLoads { kTop, kProducer, kTma };
 
 // Named barriers (0 is __syncthreads): 1 the dL tiles' warps; with kProducer, 2 the 16 compute warps,
-// 3-5 an item's arrays free for the next item's loads (S^T, dS'^T, v and dO after phase 6; Gamma
-// after 7; q and k after 8), 6 those loads landed. (Issuing S^T and v after phase 5, where they are
-// last read, was slower: 7.97 against 7.65-7.81 ms.)
-constexpr int kBlockComputeBarrier = 2, kValuesFree = 3, kGatesFree = 4, kKeysFree = 5, kLoaded = 6;
+// 3-5 and 7 an item's arrays free for the next item's loads (dS'^T after phase 3 where dV' is given,
+// else after 6; q and k after 5; S^T, v and dO after 6; Gamma after 7), 6 those loads landed.
+// (Issuing S^T and v after phase 5, where they are last read, was slower: 7.97 against 7.65-7.81 ms.
+// The nineteenth session's two changes, with V' and dV' given, pass 3: q and k after phase 5 -
+// dGamma no longer in their space but in K^ and K_'s, dead after phase 6 - rather than after 8,
+// 6.75-6.76 against 6.89-6.90 ms on an H100, 6.86-6.90 against 7.14-7.17 on an H200; and dK_ made in
+// phases 2-3 with dS'^T loaded after phase 3, 6.63-6.65 ms on that H200.)
+constexpr int kBlockComputeBarrier = 2, kValuesFree = 3, kGatesFree = 4, kKeysFree = 5, kLoaded = 6,
+              kDStatesFree = 7;
 template <BlockLoads kLoads>
 constexpr int block_gradient_threads() { return kGradientThreads + (kLoads == BlockLoads::kProducer ? 32 : 0); }
 
@@ -288,8 +298,8 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
   auto item_at = [&](int64_t w) { return GradientItem::at(w, num_blocks, kBlock, H, a.length); };
   // An item's loads by cp.async (rows past the sequence's end zero), in three parts. kProducer (what
   // KdaBackwardOptions::pass3_blocks runs): a 17th warp issues them, each part as soon as the
-  // previous item frees its arrays (S^T, dS'^T, v, dO after phase 6, g after phase 7, q and k - in
-  // dGamma's space - after phase 8), waits for them and signals kLoaded; the compute warps meet on
+  // previous item frees its arrays (q and k after phase 5, S^T, dS'^T, v, dO after phase 6, g after
+  // phase 7), waits for them and signals kLoaded; the compute warps meet on
   // a barrier of their own, so that none waits for an issuing warp stalled on the SM's outstanding
   // requests (phase 8 issuing them itself took 9.5K cycles instead of 1.3K). Measured (H100): the
   // wait at the top 6.3K -> 2.9K cycles a block, but phase 7 4.0K -> 6.7K with those loads landing
@@ -304,6 +314,19 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
     s_at = pair * stored_chunks(num_chunks, si) + 2 * it.index / si;
     ds_at = pair * stored_chunks(num_chunks, di) + min64(2 * it.index + 1, num_chunks - 1) / di;
   };
+  // With dV' given, dK_ = V' dS'^T is made in phases 2-3 instead of 6, so that dS'^T is last read
+  // there and the producer warp loads the next item's from phase 4 on (a fourth part).
+  constexpr bool kEarlyDS = kProducer && kGivenDV;
+  auto issue_d_states = [&](const Item& it, int me, int stride) {
+    int64_t s_at, ds_at;
+    state_indices(it, s_at, ds_at);
+    const bf16* ds = a.chunk_d_states + ds_at * V * K;
+    for (int e = me; e < V * K / 8; e += stride) {
+      const int row = e / (K / 8), col = (e % (K / 8)) * 8;
+      cp_async16(&sh.ds_t[row][col], ds + static_cast<int64_t>(e) * 8);
+    }
+    cp_async_commit();
+  };
   auto issue_states_and_values = [&](const Item& it, int me, int stride) {
     int64_t s_at, ds_at;
     state_indices(it, s_at, ds_at);
@@ -312,7 +335,7 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
     for (int e = me; e < V * K / 8; e += stride) {
       const int row = e / (K / 8), col = (e % (K / 8)) * 8;
       cp_async16(&sh.s_t[row][col], s + static_cast<int64_t>(e) * 8);
-      cp_async16(&sh.ds_t[row][col], ds + static_cast<int64_t>(e) * 8);
+      if constexpr (!kEarlyDS) cp_async16(&sh.ds_t[row][col], ds + static_cast<int64_t>(e) * 8);
     }
     for (int e = me; e < kBlock * V / 8; e += stride) {
       const int i = e / (V / 8), col = (e % (V / 8)) * 8;
@@ -396,12 +419,16 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
       for (int64_t w = blockIdx.x; w < a.items; w += gridDim.x) {
         const Item it = item_at(w);
         const bool first = w == blockIdx.x;
+        if constexpr (kEarlyDS) {
+          if (!first) named_sync(kDStatesFree);
+          issue_d_states(it, lane, 32);
+        }
+        if (!first) named_sync(kKeysFree);
+        issue_keys(it, lane, 32);
         if (!first) named_sync(kValuesFree);
         issue_states_and_values(it, lane, 32);
         if (!first) named_sync(kGatesFree);
         issue_gates(it, lane, 32);
-        if (!first) named_sync(kKeysFree);
-        issue_keys(it, lane, 32);
         cp_async_wait<0>();
         named_arrive(kLoaded);
       }
@@ -488,8 +515,8 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
         store_bf16x2(&sh.x_q[i][cp], a.scale * qi.x * up.x, a.scale * qi.y * up.y);
         store_bf16x2(&sh.x_k[i][cp], ki.x * up.x, ki.y * up.y);
         store_bf16x2(&sh.k_c[i][cp], ki.x * down.x, ki.y * down.y);
-        store_bf16x2(&sh.k_hat[i][cp], ki.x * exp_ftz(gam.x), ki.y * exp_ftz(gam.y));
-        store_bf16x2(&sh.k_bar[i][cp], ki.x * exp_ftz(last.x - gam.x), ki.y * exp_ftz(last.y - gam.y));
+        store_bf16x2(&sh.decayed.k_hat[i][cp], ki.x * exp_ftz(gam.x), ki.y * exp_ftz(gam.y));
+        store_bf16x2(&sh.decayed.k_bar[i][cp], ki.x * exp_ftz(last.x - gam.x), ki.y * exp_ftz(last.y - gam.y));
       }
     }
     compute_barrier();
@@ -507,9 +534,32 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
         if (ab == 0) sh.d_aqk[i][j + kChunk] = __float2bfloat16_rn(0.0f);
       });
     };
-
+    // dK_ = V' dS'^T on this warp's tile: into dk, dGamma and dgamma's column sums (kbar_sum).
+    auto d_k_bar = [&] {
+      float acc[2][4] = {};
+      tile_product<V, true>(acc, &sh.v_new[0][0], kRowV, m0, &sh.ds_t[0][0], kRowK, n0, f);
+      float colsum[2][2] = {};
+      for_tile(m0, n0, lane, [&](int n, int e, int i, int c) {
+        const float kb = __bfloat162float(sh.decayed.k_bar[i][c]), x = acc[n][e] * kb;
+        dk[n][e] += acc[n][e] * exp_ftz(sh.last[c] - sh.gamma[i][c]);
+        dgam[n][e] -= x;
+        colsum[n][e & 1] += x;
+      });
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+#pragma unroll
+        for (int x = 0; x < 2; ++x) {
+          float s = colsum[n][x];
+          s += __shfl_xor_sync(0xffffffffu, s, 4);
+          s += __shfl_xor_sync(0xffffffffu, s, 8);
+          s += __shfl_xor_sync(0xffffffffu, s, 16);
+          if (g == 0) sh.kbar_sum[rt][n0 + 8 * n + 2 * t + x] = s;
+        }
+      }
+    };
     // Phase 2: dQ^ = dO S^T (into dq and dGamma) on every warp's tile (where dV' is given, warps
-    // 10-12's in phase 3); the intra blocks of P and Aqk (warps 10-15; no Aqk where dV' is given),
+    // 10-12's in phase 3), and where dV' is given dK_ = V' dS'^T too (the same split); the intra
+    // blocks of P and Aqk (warps 10-15; no Aqk where dV' is given),
     // and the diagonal blocks' inverses M_00, M_11 by the warps that made P_00 and P_11 (10 and 12;
     // a column a lane, from L^T of their own block).
     auto d_q_hat = [&] {
@@ -527,6 +577,9 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
     // 6.91-7.04 ms, phase 2 4.1K -> 3.5K cycles a block (H100).
     const bool dq_late = kGivenDV && warp >= 10 && warp < 13;
     if (!dq_late) d_q_hat();
+    if constexpr (kGivenDV) {
+      if (!dq_late) d_k_bar();
+    }
     if (warp >= 10 && !(kGivenDV && warp >= 13)) {
       // Tasks 0-2: P_00, P_10, P_11; 3-5: Aqk_00, Aqk_10, Aqk_11.
       const int task = warp - 10, ab = task % 3;
@@ -584,7 +637,8 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
 
     // Phase 3: M_10 = -(M_11 L_10) M_00 (warp 0); dV' = K_ dS' + Aqk^T dO on every warp's tile,
     // stored bf16. Where dV' is given (kGivenDV): its first sub-chunk's rows from the chunk's to the
-    // block's, dV'_0 += Y^T dV'_1 with Y = M_11 L_10 (warps 0-7, their 16 columns each).
+    // block's, dV'_0 += Y^T dV'_1 with Y = M_11 L_10 (warps 0-7, their 16 columns each); warps
+    // 10-12 make their dQ^ and dK_.
     if (warp == 0 || (kGivenDV && rt == 0)) {
       // Y = M_11 L_10 (L_10[j][c] = beta_{16+j} P[16+j][c] as B from registers).
       float y[2][4] = {};
@@ -629,9 +683,12 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
       }
     }
     if (dq_late) d_q_hat();
+    if constexpr (kGivenDV) {
+      if (dq_late) d_k_bar();
+    }
     if constexpr (!kGivenDV) {
       float dvn[2][4] = {};
-      tile_product<K, false>(dvn, &sh.k_bar[0][0], kRowK, m0, &sh.ds_t[0][0], kRowK, n0, f);
+      tile_product<K, false>(dvn, &sh.decayed.k_bar[0][0], kRowK, m0, &sh.ds_t[0][0], kRowK, n0, f);
       // (Aqk^T)[i][t] = Aqk[t][i], nonzero for t >= i: k-steps from this tile's rows on.
       for (int k0 = m0; k0 < kBlock; k0 += 16) {
         uint32_t af[4], bf[4];
@@ -645,6 +702,9 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
     }
     compute_barrier();
     BLOCK_PHASE_MARK(4);
+    if constexpr (kEarlyDS) {
+      if (more) named_arrive(kDStatesFree);  // dS'^T: last read in phase 3
+    }
 
     // Phase 4: W = M Diag(beta) K^ (stored), U = M Diag(beta) V (kept), unless V' is given;
     // dW = -dV' S^T (stored); G = dV' V^T (warps 13-15, the lower blocks).
@@ -655,7 +715,7 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
         for (int k0 = 0; k0 <= m0; k0 += 16) {  // M is lower: columns up to this tile's rows
           uint32_t af[4], bf[4], bv[4];
           a_rows(af, &sh.mb_b[0][0], kRowC, m0, k0, f);
-          b_trans(bf, &sh.k_hat[0][0], kRowK, n0, k0, f);
+          b_trans(bf, &sh.decayed.k_hat[0][0], kRowK, n0, k0, f);
           b_trans(bv, &sh.v[0][0], kRowV, n0, k0, f);
           mma2(wt, af, bf);
           mma2(u, af, bv);
@@ -706,7 +766,7 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
       for_tile(m0, n0, lane, [&](int n, int e, int i, int c) {
         const float dkh = sh.beta[i] * dkb[n][e];  // dK^
         dk[n][e] += dkh * exp_ftz(sh.gamma[i][c]);
-        dgam[n][e] += dkh * __bfloat162float(sh.k_hat[i][c]);
+        dgam[n][e] += dkh * __bfloat162float(sh.decayed.k_hat[i][c]);
         if ((e & 1) == 0 && i < valid) {
           store_pair(static_cast<bf16*>(a.dv) + token(i) * V + c, sh.beta[i] * dvb[n][e], sh.beta[i] * dvb[n][e + 1]);
         }
@@ -717,7 +777,7 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
       const LowerBlock blk(ab);
       const int ra = blk.ra, cb = blk.cb;
       float acc[2][4] = {};
-      tile_product<K, false>(acc, &sh.mid.d_w[0][0], kRowK, 16 * ra, &sh.k_hat[0][0], kRowK, 16 * cb, f);
+      tile_product<K, false>(acc, &sh.mid.d_w[0][0], kRowK, 16 * ra, &sh.decayed.k_hat[0][0], kRowK, 16 * cb, f);
       for_tile(16 * ra, 16 * cb, lane, [&](int n, int e, int i, int j) {
         if (ra != cb || j <= i) sh.gh[i][j] += acc[n][e];
         // dM[t][s] = beta_s (G + H)[t][s], below the diagonal (the only entries dL depends on)
@@ -727,33 +787,18 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
     }
     compute_barrier();
     BLOCK_PHASE_MARK(6);
+    if constexpr (kProducer) {
+      if (more) named_arrive(kKeysFree);  // q and k's space (Middle's): last read in phase 5
+    } else if constexpr (kTma) {
+      if (more && tid == 0) tma_keys(item_at(next_w));
+    }
 
-    // Phase 6: dK_ = V' dS'^T (into dk, dGamma and dgamma's column sums); dAqk = dO V'^T (warps
+    // Phase 6: dK_ = V' dS'^T (into dk, dGamma and dgamma's column sums) unless dV' is given (then
+    // in phases 2-3); dAqk = dO V'^T (warps
     // 9-11); dL = -M^T (dM M^T), strictly lower, with dM = (G + H) Diag(beta) below the diagonal
     // (T1 = dM M^T on warps 12-15, dL's tiles on 12-14), then dP = Diag(beta) dL and dbeta's
     // sum_j dL_ij P_ij.
-    {
-      float acc[2][4] = {};
-      tile_product<V, true>(acc, &sh.v_new[0][0], kRowV, m0, &sh.ds_t[0][0], kRowK, n0, f);
-      float colsum[2][2] = {};
-      for_tile(m0, n0, lane, [&](int n, int e, int i, int c) {
-        const float kb = __bfloat162float(sh.k_bar[i][c]), x = acc[n][e] * kb;
-        dk[n][e] += acc[n][e] * exp_ftz(sh.last[c] - sh.gamma[i][c]);
-        dgam[n][e] -= x;
-        colsum[n][e & 1] += x;
-      });
-#pragma unroll
-      for (int n = 0; n < 2; ++n) {
-#pragma unroll
-        for (int x = 0; x < 2; ++x) {
-          float s = colsum[n][x];
-          s += __shfl_xor_sync(0xffffffffu, s, 4);
-          s += __shfl_xor_sync(0xffffffffu, s, 8);
-          s += __shfl_xor_sync(0xffffffffu, s, 16);
-          if (g == 0) sh.kbar_sum[rt][n0 + 8 * n + 2 * t + x] = s;
-        }
-      }
-    }
+    if constexpr (!kGivenDV) d_k_bar();
     if (warp >= 9 && warp < 12) {
       d_aqk_block(warp - 9);
     } else if (warp >= 12) {
@@ -884,13 +929,8 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
       for (int r = i; r < kBlock; ++r) acc += sh.m[r][i] * sh.gh[r][i];
       a.dbeta[token(i)] = acc;
     }
-    compute_barrier();  // phase 8's reads before the next block's loads
+    compute_barrier();  // phase 8's reads (dGamma, the partial sums) before the next block writes them
     BLOCK_PHASE_MARK(9);
-    if constexpr (kProducer) {
-      if (more) named_arrive(kKeysFree);  // dGamma (q and k's space): read in phase 8
-    } else if constexpr (kTma) {
-      if (more && tid == 0) tma_keys(item_at(next_w));
-    }
   }
 }
 
