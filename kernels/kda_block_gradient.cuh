@@ -557,9 +557,9 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
         }
       }
     };
-    // Phase 2: dQ^ = dO S^T (into dq and dGamma) on every warp's tile (where dV' is given, warps
-    // 10-12's in phase 3), and where dV' is given dK_ = V' dS'^T too (the same split); the intra
-    // blocks of P and Aqk (warps 10-15; no Aqk where dV' is given),
+    // Phase 2: dQ^ = dO S^T (into dq and dGamma) on every warp's tile, or where dV' is given dK_ =
+    // V' dS'^T instead (warps 10-12's in phase 3, with every warp's dQ^); the intra blocks of P and
+    // Aqk (warps 10-15; no Aqk where dV' is given),
     // and the diagonal blocks' inverses M_00, M_11 by the warps that made P_00 and P_11 (10 and 12;
     // a column a lane, from L^T of their own block).
     auto d_q_hat = [&] {
@@ -571,14 +571,16 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
         dgam[n][e] += term * __bfloat162float(sh.in.q[i][c]);              // dQ^ (.) Q^
       });
     };
-    // With dV' given, warps 10-12 (P and the inverses, phase 2's longest chains) make their dQ^ in
-    // phase 3, where they idle, and dAqk stays in phase 6 (warps 9-11, idle there otherwise): the
-    // same bits (dq and dGamma take the same terms in the same order), pass 3 6.86-6.87 against
-    // 6.91-7.04 ms, phase 2 4.1K -> 3.5K cycles a block (H100).
-    const bool dq_late = kGivenDV && warp >= 10 && warp < 13;
-    if (!dq_late) d_q_hat();
+    // With dV' given, phase 2 holds dK_ (every warp but 10-12: P and the inverses, its longest
+    // chains) and every warp makes its dQ^ in phase 3, where most idled; dAqk stays in phase 6
+    // (warps 9-11, idle there otherwise). The eighteenth session moved warps 10-12's dQ^ (pass 3
+    // 6.86-6.87 against 6.91-7.04 ms, H100); the nineteenth added dK_ to phase 2 and then moved the
+    // other warps' dQ^ too: pass 3 6.56-6.60 against 6.81-6.88 ms (H100), dGamma's terms in another
+    // order (dg within 7.6e-8 of its largest; dq, dk, dv, dbeta the same bits), and no spills.
+    const bool dk_late = kGivenDV && warp >= 10 && warp < 13;
+    if constexpr (!kGivenDV) d_q_hat();
     if constexpr (kGivenDV) {
-      if (!dq_late) d_k_bar();
+      if (!dk_late) d_k_bar();
     }
     if (warp >= 10 && !(kGivenDV && warp >= 13)) {
       // Tasks 0-2: P_00, P_10, P_11; 3-5: Aqk_00, Aqk_10, Aqk_11.
@@ -637,8 +639,8 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
 
     // Phase 3: M_10 = -(M_11 L_10) M_00 (warp 0); dV' = K_ dS' + Aqk^T dO on every warp's tile,
     // stored bf16. Where dV' is given (kGivenDV): its first sub-chunk's rows from the chunk's to the
-    // block's, dV'_0 += Y^T dV'_1 with Y = M_11 L_10 (warps 0-7, their 16 columns each); warps
-    // 10-12 make their dQ^ and dK_.
+    // block's, dV'_0 += Y^T dV'_1 with Y = M_11 L_10 (warps 0-7, their 16 columns each); then every
+    // warp's dQ^, and warps 10-12's dK_.
     if (warp == 0 || (kGivenDV && rt == 0)) {
       // Y = M_11 L_10 (L_10[j][c] = beta_{16+j} P[16+j][c] as B from registers).
       float y[2][4] = {};
@@ -682,9 +684,9 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
         });
       }
     }
-    if (dq_late) d_q_hat();
     if constexpr (kGivenDV) {
-      if (dq_late) d_k_bar();
+      d_q_hat();
+      if (dk_late) d_k_bar();
     }
     if constexpr (!kGivenDV) {
       float dvn[2][4] = {};
