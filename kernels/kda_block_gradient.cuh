@@ -296,10 +296,11 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
 
   using Item = GradientItem;
   auto item_at = [&](int64_t w) { return GradientItem::at(w, num_blocks, kBlock, H, a.length); };
-  // An item's loads by cp.async (rows past the sequence's end zero), in three parts. kProducer (what
-  // KdaBackwardOptions::pass3_blocks runs): a 17th warp issues them, each part as soon as the
-  // previous item frees its arrays (q and k after phase 5, S^T, dS'^T, v, dO after phase 6, g after
-  // phase 7), waits for them and signals kLoaded; the compute warps meet on
+  // An item's loads by cp.async (rows past the sequence's end zero), in three parts (four with dV'
+  // given: dS'^T alone). kProducer (what KdaBackwardOptions::pass3_blocks runs): a 17th warp issues
+  // them, each part as soon as the previous item frees its arrays (dS'^T after phase 3 with dV'
+  // given, q and k after phase 5, S^T, dS'^T otherwise, v, dO after phase 6, g after phase 7),
+  // waits for them and signals kLoaded; the compute warps meet on
   // a barrier of their own, so that none waits for an issuing warp stalled on the SM's outstanding
   // requests (phase 8 issuing them itself took 9.5K cycles instead of 1.3K). Measured (H100): the
   // wait at the top 6.3K -> 2.9K cycles a block, but phase 7 4.0K -> 6.7K with those loads landing
@@ -796,8 +797,8 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
     }
 
     // Phase 6: dK_ = V' dS'^T (into dk, dGamma and dgamma's column sums) unless dV' is given (then
-    // in phases 2-3); dAqk = dO V'^T (warps
-    // 9-11); dL = -M^T (dM M^T), strictly lower, with dM = (G + H) Diag(beta) below the diagonal
+    // in phases 2-3); dAqk = dO V'^T (warps 9-11); dL = -M^T (dM M^T), strictly lower, with
+    // dM = (G + H) Diag(beta) below the diagonal
     // (T1 = dM M^T on warps 12-15, dL's tiles on 12-14), then dP = Diag(beta) dL and dbeta's
     // sum_j dL_ij P_ij.
     if constexpr (!kGivenDV) d_k_bar();
@@ -843,7 +844,7 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
     compute_barrier();
     BLOCK_PHASE_MARK(7);
     if constexpr (kProducer) {
-      if (more) named_arrive(kValuesFree);  // S^T, dS'^T, v, dO: last read in phase 6
+      if (more) named_arrive(kValuesFree);  // S^T, v, dO (and dS'^T unless it went after phase 3)
     } else if constexpr (kTma) {
       if (more && tid == 0) tma_states_and_values(item_at(next_w));
     }
