@@ -268,7 +268,7 @@ double bench_backward(const KernelsBenchOptions& o, int64_t batch, int64_t lengt
   // the backward from them (no state recompute), against the forward and backward above.
   {
     at::Tensor out = at::empty_like(in.v), final_state = at::empty({batch, heads, key, value}, f32);
-    // Every second chunk's with the default pass 3 by blocks (kda_backward_state_interval).
+    // Every fourth chunk's with the default pass 3 by blocks (kda_backward_state_interval).
     const int interval = kernels::kda_backward_state_interval(kernels::KdaDtype::kBFloat16, key, value);
     const int64_t kept = ((length + 15) / 16 + interval - 1) / interval;
     at::Tensor states = at::empty({batch, heads, kept, value, key}, in.q.options().dtype(at::kBFloat16));
@@ -279,7 +279,7 @@ double bench_backward(const KernelsBenchOptions& o, int64_t batch, int64_t lengt
     keep.chunk_state_interval = interval;
     kernels::KdaBackwardOptions given;
     given.chunk_states_interval = interval;
-    if (interval == 2) keep.new_values = new_values.data_ptr(), given.new_values = new_values.data_ptr();
+    if (interval >= 2) keep.new_values = new_values.data_ptr(), given.new_values = new_values.data_ptr();
     const Timing forward_keeping = time_cuda(
         [&] {
           const cudaError_t e = kernels::kda_chunked_forward(
@@ -308,7 +308,7 @@ double bench_backward(const KernelsBenchOptions& o, int64_t batch, int64_t lengt
                 " backward %.3f ms against %.3f ms recomputing them\n",
                 static_cast<long>(batch), static_cast<long>(length), static_cast<long>(heads), from_states.best_ms,
                 from_states.best_ms / forward_ms, forward_ms, given_bytes / 1e9,
-                (states.nbytes() + (interval == 2 ? new_values.nbytes() : 0)) / 1e9,
+                (states.nbytes() + (interval >= 2 ? new_values.nbytes() : 0)) / 1e9,
                 forward_keeping.best_ms, forward_keeping.best_ms + from_states.best_ms, forward_ms + kernel.best_ms);
   }
   std::fflush(stdout);

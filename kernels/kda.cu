@@ -886,7 +886,7 @@ cudaError_t kda_chunked_forward(KdaDtype dtype, const void* q, const void* k, co
   if (q == nullptr || k == nullptr || v == nullptr || g == nullptr || beta == nullptr ||
       (o == nullptr && options.chunk_states == nullptr) ||
       (options.chunk_states != nullptr && cu_seqlens != nullptr) ||
-      (options.chunk_state_interval != 1 && options.chunk_state_interval != 2) ||
+      (options.chunk_state_interval != 1 && options.chunk_state_interval != 2 && options.chunk_state_interval != 4) ||
       (options.new_values != nullptr &&
        (options.chunk_states == nullptr || reinterpret_cast<uintptr_t>(options.new_values) % 16 != 0))) {
     return cudaErrorInvalidValue;

@@ -100,10 +100,11 @@ struct KdaChunkedOptions {
   // kda_chunked_backward's chunk_states; o is the same bit for bit); o nullptr: the states alone.
   // Not with cu_seqlens (cudaErrorInvalidValue).
   void* chunk_states = nullptr;
-  // Keep the state entering one chunk in every `chunk_state_interval` (1 or 2; else
-  // cudaErrorInvalidValue): chunks 0, i, 2i, ... into [N, H, ceil(ceil(length / 16) / i), V, K].
-  // 2 is what pass 3 by 32-token blocks reads (KdaBackwardOptions::pass3_blocks): half the bytes
-  // written, the same values bit for bit.
+  // Keep the state entering one chunk in every `chunk_state_interval` (1, 2 or 4; else
+  // cudaErrorInvalidValue): chunks 0, i, 2i, ... into [N, H, ceil(ceil(length / 16) / i), V, K],
+  // the same values bit for bit. What pass 3 by 32-token blocks reads (KdaBackwardOptions::
+  // pass3_blocks): 2, or 4 with V' kept (new_values), where it makes every second block's entering
+  // state itself; kda_backward_state_interval says which.
   int chunk_state_interval = 1;
   // With chunk_states: bf16 [B, L, H, V] receives every token's V' = U - W S, the value the walk
   // adds to the state (FLA's v_new), as the walk rounds it for its products; 16-byte aligned (else
@@ -175,9 +176,12 @@ struct KdaBackwardOptions {
   // against 8.6 GB). false: pass 3 by 16-token chunks (the same gradients within bf16 rounding).
   bool pass3_blocks = true;
   // The interval of the chunk_states given (KdaChunkedOptions::chunk_state_interval of the forward
-  // that kept them): 1, or 2 with pass3_blocks (which reads only the states entering its blocks);
-  // anything else is cudaErrorInvalidValue. Without chunk_states the backward chooses: pass 3 by
-  // blocks has passes 1 and 2 store every second state and state gradient (half the workspace).
+  // that kept them): 1; 2 with pass3_blocks (which reads only the states entering its blocks); 4
+  // with pass3_blocks and new_values (pass 3 then takes its blocks in pairs of one head and makes
+  // the state entering each pair's second block from the first's: S_32 = Diag(e^{Gamma_31}) S_0 +
+  // K_^T V', in fp32, rounded to bf16 once). Anything else is cudaErrorInvalidValue. Without
+  // chunk_states the backward chooses: pass 3 by blocks has pass 2 store every second state
+  // gradient, and pass 1 every fourth state with keep_values (every second without).
   int chunk_states_interval = 1;
   // Pass 3 by blocks reading V' and dV' instead of recomputing them (kernels/README.md, "Eighteenth
   // session"): pass 1 keeps every token's V' (KdaChunkedOptions::new_values) and pass 2 every
@@ -185,8 +189,11 @@ struct KdaBackwardOptions {
   // products with the state instead of five, and passes 1 and 2, bound by memory traffic, write
   // 537 MB more each at B=2 T=16K H=64. On by default, the fastest form on both cards measured:
   // on the H200 10.63 ms against 11.05 without it and 10.75 with 16-token chunks; on an H100
-  // 10.72-10.74 against 10.82-10.84; workspace 5.38 GB against 4.30. Ignored where pass 3 goes by
-  // 16-token chunks.
+  // 10.72-10.74 against 10.82-10.84; workspace 5.38 GB against 4.30. Since the twentieth session
+  // V' also lets pass 3 make every second block's entering state from the one before, so that pass
+  // 1 stores every fourth chunk's state (kda_backward_state_interval 4): on an H100 pass 1 1.73 ->
+  // 1.38 ms, the backward 10.23-10.26 -> 10.01-10.03 ms, workspace 4.30 GB. Ignored where pass 3
+  // goes by 16-token chunks.
   bool keep_values = true;
   // With chunk_states and pass 3 by blocks: the V' the same forward kept
   // (KdaChunkedOptions::new_values, bf16 [B, L, H, V], 16-byte aligned; given without chunk_states:
@@ -204,8 +211,9 @@ size_t kda_chunked_backward_workspace_bytes(KdaDtype dtype, int64_t batch, int64
                                             const KdaBackwardOptions& options);
 
 // The interval at which the backward with these options reads chunk states (1: every chunk's; 2:
-// every second one's, pass 3 by blocks): what a training step's forward should keep
-// (KdaChunkedOptions::chunk_state_interval) for kda_chunked_backward's chunk_states.
+// every second one's, pass 3 by blocks; 4: every fourth one's, pass 3 by blocks reading V', the
+// default): what a training step's forward should keep (KdaChunkedOptions::chunk_state_interval)
+// for kda_chunked_backward's chunk_states, with V' (KdaChunkedOptions::new_values) at 4.
 int kda_backward_state_interval(KdaDtype dtype, int64_t key_dim, int64_t value_dim,
                                 const KdaBackwardOptions& options = {});
 

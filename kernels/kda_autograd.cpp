@@ -21,13 +21,14 @@ class KdaChunkedFunction : public torch::autograd::Function<KdaChunkedFunction> 
                                const at::Tensor& initial_state_or_empty, double scale,
                                bool keep_chunk_states) {
     const at::Tensor initial_state = state_or_undefined(initial_state_or_empty);
-    // The states the backward reads: every second chunk's where pass 3 goes by 32-token blocks.
+    // The states the backward reads: every fourth chunk's where pass 3 goes by 32-token blocks
+    // (which makes every second block's entering state from the one before, with V').
     const int interval = kda_backward_state_interval(
         q.scalar_type() == at::kBFloat16 ? KdaDtype::kBFloat16 : KdaDtype::kFloat32, q.size(3), v.size(3));
     // With them, V' where pass 3 by blocks reads it (KdaBackwardOptions::keep_values): B T H V 2
     // bytes more, a quarter of the states' at K = 128; the backward then equals the recompute's bit
     // for bit.
-    const bool values = keep_chunk_states && interval == 2;
+    const bool values = keep_chunk_states && interval >= 2;
     KdaChunkedOutput out = kda_chunked(q, k, v, g, beta, initial_state, scale, at::Tensor(),
                                        /*segment_length=*/0, /*prefetch=*/true, /*head_walk=*/true,
                                        /*lead_length=*/0, keep_chunk_states, interval, values);

@@ -15,12 +15,13 @@ namespace odyssey::kernels {
 // any of q, k, v, g, beta, initial_state requires grad (initial_state may be undefined: zeros).
 // Shapes and requirements as kda_chunked without cu_seqlens; g must lie in [-5, 0]. The backward
 // is first order only (its own ops are not recorded: no double backward).
-// keep_chunk_states: the forward also writes the state entering every chunk (every second chunk
-// where the backward's pass 3 goes by 32-token blocks: bf16, K = V = 128; kda.h,
-// kda_backward_state_interval) and keeps it for the backward, which then skips their recompute
-// (its first pass): the same gradients bit for bit, a shorter training step (kernels/README.md,
-// "Kept chunk states") for B T H K V / 8 bytes (/ 16 by blocks: 2.15 GB at B=2 T=16K H=64
-// K=V=128) held from the forward to the backward. Off: only the inputs are held.
+// keep_chunk_states: the forward also writes the state entering every chunk (every fourth chunk,
+// with every token's V', where the backward's pass 3 goes by 32-token blocks: bf16, K = V = 128;
+// kda.h, kda_backward_state_interval) and keeps it for the backward, which then skips their
+// recompute (its first pass): the same gradients bit for bit, a shorter training step
+// (kernels/README.md, "Kept chunk states") for B T H K V / 8 bytes (/ 32 by blocks, plus V' at
+// B T H V 2: 1.07 + 0.54 GB at B=2 T=16K H=64 K=V=128) held from the forward to the backward.
+// Off: only the inputs are held.
 KdaChunkedOutput kda_chunked_autograd(const at::Tensor& q, const at::Tensor& k,
                                       const at::Tensor& v, const at::Tensor& g,
                                       const at::Tensor& beta, const at::Tensor& initial_state,

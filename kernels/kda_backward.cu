@@ -1226,16 +1226,19 @@ struct BackwardLayout {
   // Pass 3 by blocks reading V' and dV' (values): bf16 [N, L, H, V] each, V' only when pass 1 runs.
   size_t new_values = 0, d_new_values = 0;
   // states_given: the forward kept the chunk states (no room for them, nor for pass 1's final state).
-  // interval: passes 1 and 2 store one state and state gradient in every `interval` chunks.
+  // state_interval, d_state_interval: pass 1 stores the state entering one chunk in every
+  // state_interval, pass 2 the state gradient leaving one in every d_state_interval.
   // values: passes 1 and 2 keep V' and dV' for pass 3 by blocks (pass 1 only without states_given).
   BackwardLayout(int64_t batch, int64_t length, int64_t heads, int64_t key, int64_t value,
-                 bool states_given = false, int interval = 1, bool values = false)
+                 bool states_given = false, int state_interval = 1, int d_state_interval = 1, bool values = false)
       : reverse(reverse_plan(batch, length, heads, key, value)) {
     auto aligned = [](size_t n) { return (n + 255) / 256 * 256; };
-    const size_t chunks = static_cast<size_t>(((length + kChunk - 1) / kChunk + interval - 1) / interval);
-    const size_t per_chunk = static_cast<size_t>(batch * heads) * chunks * key * value * sizeof(bf16);
-    d_states = states_given ? 0 : aligned(per_chunk);
-    final_state = d_states + aligned(per_chunk);
+    auto stored_bytes = [&](int interval) {
+      const size_t chunks = static_cast<size_t>(((length + kChunk - 1) / kChunk + interval - 1) / interval);
+      return aligned(static_cast<size_t>(batch * heads) * chunks * key * value * sizeof(bf16));
+    };
+    d_states = states_given ? 0 : stored_bytes(state_interval);
+    final_state = d_states + stored_bytes(d_state_interval);
     bytes = final_state +
             (states_given ? 0 : aligned(static_cast<size_t>(batch * heads * key * value) * sizeof(float)));
     if (values) {
@@ -1353,6 +1356,19 @@ bool blocked_pass3_values(KdaDtype dtype, int64_t key_dim, int64_t value_dim, bo
          (states_given ? options.new_values != nullptr : options.keep_values);
 }
 
+// The intervals of the states pass 3 reads and of the state gradients pass 2 stores. Pass 3 by
+// 32-token blocks reads the gradient leaving every block (every second chunk's); with V' kept it
+// makes the state entering every second block itself, from the one before (blocks in pairs,
+// kda_block_gradient.cuh), so pass 1 stores every fourth chunk's state; without V', every second.
+// 16-token chunks read every chunk's.
+int backward_d_state_interval(KdaDtype dtype, int64_t key_dim, int64_t value_dim, const KdaBackwardOptions& options) {
+  return blocked_pass3(dtype, key_dim, value_dim, options) ? 2 : 1;
+}
+int recomputed_state_interval(KdaDtype dtype, int64_t key_dim, int64_t value_dim, const KdaBackwardOptions& options) {
+  if (!blocked_pass3(dtype, key_dim, value_dim, options)) return 1;
+  return blocked_pass3_values(dtype, key_dim, value_dim, /*states_given=*/false, options) ? 4 : 2;
+}
+
 }  // namespace
 
 size_t kda_chunked_backward_workspace_bytes(KdaDtype dtype, int64_t batch, int64_t length, int64_t heads,
@@ -1362,15 +1378,17 @@ size_t kda_chunked_backward_workspace_bytes(KdaDtype dtype, int64_t batch, int64
       length == 0) {
     return 0;
   }
-  const int interval = blocked_pass3(dtype, key_dim, value_dim, options) ? 2 : 1;
-  return BackwardLayout(batch, length, heads, key_dim, value_dim, states_given, interval,
+  const int state_interval = states_given ? options.chunk_states_interval
+                                         : recomputed_state_interval(dtype, key_dim, value_dim, options);
+  return BackwardLayout(batch, length, heads, key_dim, value_dim, states_given, state_interval,
+                        backward_d_state_interval(dtype, key_dim, value_dim, options),
                         blocked_pass3_values(dtype, key_dim, value_dim, states_given, options))
       .bytes;
 }
 
 int kda_backward_state_interval(KdaDtype dtype, int64_t key_dim, int64_t value_dim,
                                 const KdaBackwardOptions& options) {
-  return blocked_pass3(dtype, key_dim, value_dim, options) ? 2 : 1;
+  return recomputed_state_interval(dtype, key_dim, value_dim, options);
 }
 
 size_t kda_chunked_backward_workspace_bytes(int64_t batch, int64_t length, int64_t heads,
@@ -1407,18 +1425,24 @@ cudaError_t kda_chunked_backward(KdaDtype dtype, const void* q, const void* k, c
   }
   const bool states_given = chunk_states != nullptr;
   if (states_given && reinterpret_cast<uintptr_t>(chunk_states) % 16 != 0) return cudaErrorInvalidValue;
-  // Passes 1 and 2 store what pass 3 reads: with 32-token blocks the state entering every block and
-  // the gradient of the state leaving it (every second chunk's), else every chunk's.
+  // Passes 1 and 2 store what pass 3 reads: with 32-token blocks the gradient of the state leaving
+  // every block (every second chunk's) and the state entering every block (with V' kept, every
+  // second block's: every fourth chunk's), else every chunk's.
   const bool blocks = blocked_pass3(dtype, key_dim, value_dim, options);
-  const int interval = blocks ? 2 : 1;
-  const int given_interval = states_given ? options.chunk_states_interval : interval;
-  if (given_interval != 1 && !(blocks && given_interval == 2)) return cudaErrorInvalidValue;
+  const bool values = blocked_pass3_values(dtype, key_dim, value_dim, states_given, options);
+  const int interval = backward_d_state_interval(dtype, key_dim, value_dim, options);
+  const int state_interval =
+      states_given ? options.chunk_states_interval : recomputed_state_interval(dtype, key_dim, value_dim, options);
+  // Given states: every chunk's; every second one's for blocks; every fourth one's for blocks with V'.
+  if (state_interval != 1 && !(blocks && (state_interval == 2 || (state_interval == 4 && values)))) {
+    return cudaErrorInvalidValue;
+  }
   if (options.new_values != nullptr &&
       (!states_given || reinterpret_cast<uintptr_t>(options.new_values) % 16 != 0)) {
     return cudaErrorInvalidValue;
   }
-  const bool values = blocked_pass3_values(dtype, key_dim, value_dim, states_given, options);
-  const BackwardLayout layout(batch, length, heads, key_dim, value_dim, states_given, interval, values);
+  const BackwardLayout layout(batch, length, heads, key_dim, value_dim, states_given, state_interval, interval,
+                              values);
   unsigned char* scratch = static_cast<unsigned char*>(workspace);
   bool allocated = false;
   if (scratch == nullptr) {
@@ -1438,7 +1462,7 @@ cudaError_t kda_chunked_backward(KdaDtype dtype, const void* q, const void* k, c
     bf16* recomputed = reinterpret_cast<bf16*>(scratch + layout.states);
     KdaChunkedOptions forward_options;
     forward_options.chunk_states = recomputed;
-    forward_options.chunk_state_interval = interval;
+    forward_options.chunk_state_interval = state_interval;
     if (values) forward_options.new_values = scratch + layout.new_values;
     error = kda_chunked_forward(dtype, q, k, v, g, beta, initial_state, /*o=*/nullptr,
                                 reinterpret_cast<float*>(scratch + layout.final_state), /*cu_seqlens=*/nullptr,
@@ -1464,7 +1488,7 @@ cudaError_t kda_chunked_backward(KdaDtype dtype, const void* q, const void* k, c
     ChunkGradientArgs ca{};
     ca.q = q, ca.k = k, ca.v = v, ca.beta = beta, ca.d_o = d_o, ca.g = g;
     ca.chunk_states = states, ca.chunk_d_states = d_states;
-    ca.states_interval = given_interval, ca.d_states_interval = interval;
+    ca.states_interval = state_interval, ca.d_states_interval = interval;
     if (values) {
       sa.d_new_values = reinterpret_cast<bf16*>(scratch + layout.d_new_values);
       ca.d_new_values = sa.d_new_values;

@@ -189,10 +189,11 @@ __device__ __forceinline__ void for_tile(int m0, int n0, int lane, F&& f) {
   }
 }
 
-// Persistent, as kda_chunk_gradient_kernel: CTA b takes the blocks b, b + gridDim.x, ... (items:
-// block + blocks (h + H seq)). Inputs bf16; S^T entering chunk 2 blk and dS'^T leaving chunk
-// min(2 blk + 1, chunks - 1) from passes 1 and 2's [N, H, ceil(chunks / i), V, K] (i = 1 or 2:
-// ChunkGradientArgs' intervals).
+// Persistent, as kda_chunk_gradient_kernel, but by pairs of blocks: CTA b takes a head's blocks 2j
+// and 2j + 1 for the pairs b, b + gridDim.x, ... (slots: block + padded blocks (h + H seq)). Inputs
+// bf16; S^T entering chunk 2 blk and dS'^T leaving chunk min(2 blk + 1, chunks - 1) from passes 1
+// and 2's [N, H, ceil(chunks / i), V, K] (i = 1, 2 or, for S^T with V' kept, 4: ChunkGradientArgs'
+// intervals; at 4 a pair's second block's S^T is made by its first, in phase 6).
 // How an item's 112 KB of inputs reach shared memory:
 //   kTop       cp.async by every thread at the top of the item (nothing overlaps them);
 //   kProducer  cp.async by a 17th warp as the previous item frees each array (named barriers);
@@ -294,8 +295,21 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
   // This warp's tile of every [32][128] result.
   const int rt = warp / 8, m0 = 16 * rt, n0 = 16 * (warp % 8);
 
+  // Items in pairs: a head's blocks 2j and 2j + 1 are its slots 2j and 2j + 1 (head_slots: its
+  // blocks padded to an even count), and CTA b takes the pairs b, b + gridDim.x, ..., both blocks of
+  // a pair in turn (a slot past the head's last block is skipped). With the states stored every 64
+  // tokens (a.states_interval == 4, `chained`) the first block of a pair makes the state entering the
+  // second in place of its own (phase 6), so that pass 1 stores half as many.
   using Item = GradientItem;
-  auto item_at = [&](int64_t w) { return GradientItem::at(w, num_blocks, kBlock, H, a.length); };
+  const int64_t head_slots = num_blocks + (num_blocks & 1);
+  const bool chained = a.states_interval == 4;
+  auto item_at = [&](int64_t w) { return GradientItem::at(w, head_slots, kBlock, H, a.length); };
+  const int64_t first_slot = 2 * static_cast<int64_t>(blockIdx.x), pair_stride = 2 * static_cast<int64_t>(gridDim.x);
+  auto next_slot = [&](int64_t w) {
+    int64_t n = (w & 1) ? w - 1 + pair_stride : w + 1;
+    if (n % head_slots == num_blocks) n += pair_stride - 1;  // the pair has no second block
+    return n;
+  };
   // An item's loads by cp.async (rows past the sequence's end zero), in three parts (four with dV'
   // given: dS'^T alone). kProducer (what KdaBackwardOptions::pass3_blocks runs): a 17th warp issues
   // them, each part as soon as the previous item frees its arrays (dS'^T after phase 3 with dV'
@@ -333,9 +347,10 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
     state_indices(it, s_at, ds_at);
     const bf16* s = a.chunk_states + s_at * V * K;
     const bf16* ds = a.chunk_d_states + ds_at * V * K;
+    const bool s_made = chained && (it.index & 1);  // by the pair's first block, in place
     for (int e = me; e < V * K / 8; e += stride) {
       const int row = e / (K / 8), col = (e % (K / 8)) * 8;
-      cp_async16(&sh.s_t[row][col], s + static_cast<int64_t>(e) * 8);
+      if (!s_made) cp_async16(&sh.s_t[row][col], s + static_cast<int64_t>(e) * 8);
       if constexpr (!kEarlyDS) cp_async16(&sh.ds_t[row][col], ds + static_cast<int64_t>(e) * 8);
     }
     for (int e = me; e < kBlock * V / 8; e += stride) {
@@ -395,7 +410,7 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
     if (tid == 0) {
       for (int i = 0; i < 3; ++i) mbarrier_init(&sh.loaded[i], 1);
       asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-      const Item first = item_at(blockIdx.x);
+      const Item first = item_at(first_slot);
       tma_states_and_values(first);
       tma_gates(first);
       tma_keys(first);
@@ -417,9 +432,9 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
   };
   if constexpr (kProducer) {
     if (warp == kGradientWarps) {
-      for (int64_t w = blockIdx.x; w < a.items; w += gridDim.x) {
+      for (int64_t w = first_slot; w < a.items; w = next_slot(w)) {
         const Item it = item_at(w);
-        const bool first = w == blockIdx.x;
+        const bool first = w == first_slot;
         if constexpr (kEarlyDS) {
           if (!first) named_sync(kDStatesFree);
           issue_d_states(it, lane, 32);
@@ -437,9 +452,10 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
     }
   }
 
-  for (int64_t w = blockIdx.x; w < a.items; w += gridDim.x) {
+  [[maybe_unused]] uint32_t count = 0;  // this CTA's items so far (kTma: the mbarriers' parity)
+  for (int64_t w = first_slot; w < a.items; w = next_slot(w), ++count) {
     const Item cur = item_at(w);
-    const int64_t next_w = w + gridDim.x;
+    const int64_t next_w = next_slot(w);
     const bool more = next_w < a.items;
     const int valid = cur.valid;
     auto token = [&](int i) { return (cur.row0 + i) * H + cur.h; };  // [B, L, H] index of row i
@@ -449,7 +465,7 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
       named_sync(kLoaded);
     } else if constexpr (kTma) {
       if (tid < kBlock) sh.beta[tid] = tid < valid ? __bfloat162float(beta[token(tid)]) : 0.0f;
-      const uint32_t parity = static_cast<uint32_t>((w - blockIdx.x) / gridDim.x) & 1u;  // this CTA's item count
+      const uint32_t parity = count & 1u;
       for (int part = 0; part < 3; ++part) mbarrier_wait(&sh.loaded[part], parity);
       __syncthreads();
     } else {
@@ -747,6 +763,38 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
     compute_barrier();
     BLOCK_PHASE_MARK(5);
 
+    // With states stored every 64 tokens: the state entering the pair's second block, in place of
+    // this block's S^T (last read in phase 4 where V' is given; the producer warp then loads no S^T
+    // for that block):
+    //   S_32 = Diag(e^{Gamma_31}) S_0 + K_^T V',  i.e.  S^T <- S^T Diag(e^gamma) + V'^T K_,
+    // V' the walk's per-token values (the same whatever the chunking: the delta rule's innovations)
+    // and K_ = k e^{gamma - Gamma} the bf16 operand the products here use, accumulated in fp32 and
+    // rounded to bf16 once, as pass 1 rounds the states it stores. The 64 16 x 16 tiles of S^T on
+    // warps 0-11 in phase 6, where warps 12-15 run the dL chain. (26 of them on warps 0-12 in phase
+    // 5, beside warps 13-15's H, and the rest in phase 6: the same bits, no faster, 6.65-6.66 ms
+    // against 6.60 for pass 3 on an H100.)
+    const bool make_next_state = chained && (cur.index & 1) == 0 && cur.index + 1 < num_blocks;
+    auto next_state = [&](int first, int end, int workers) {
+      for (int tile = first + warp; tile < end; tile += workers) {
+        const int v0 = 16 * (tile / (K / 16)), c0 = 16 * (tile % (K / 16));
+        float acc[2][4] = {};
+#pragma unroll
+        for (int t0 = 0; t0 < kBlock; t0 += 16) {
+          uint32_t af[4], bf[4];
+          a_trans(af, &sh.v_new[0][0], kRowV, v0, t0, f);          // (V'^T)[v][t]
+          b_trans(bf, &sh.decayed.k_bar[0][0], kRowK, c0, t0, f);  // K_[t][c]
+          mma2(acc, af, bf);
+        }
+        for_tile(v0, c0, lane, [&](int n, int e, int i, int c) {
+          if ((e & 1) == 0) {
+            const float2 s = load_bf16x2(&sh.s_t[i][c]);
+            store_bf16x2(&sh.s_t[i][c], exp_ftz(sh.last[c]) * s.x + acc[n][e],
+                         exp_ftz(sh.last[c + 1]) * s.y + acc[n][e + 1]);
+          }
+        });
+      }
+    };
+
     // Phase 5: V' = U - W S (stored, unless given); dK^ = Diag(beta) M^T dW (into dk, dGamma); dv =
     // Diag(beta) M^T dV' (stored to global); H = dW K^^T added to G (warps 13-15, the same entries).
     {
@@ -804,6 +852,9 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
     if constexpr (!kGivenDV) d_k_bar();
     if (warp >= 9 && warp < 12) {
       d_aqk_block(warp - 9);
+      if (make_next_state) next_state(0, (V / 16) * (K / 16), 12);
+    } else if (warp < 9) {
+      if (make_next_state) next_state(0, (V / 16) * (K / 16), 12);
     } else if (warp >= 12) {
       // T1 = dM M^T, a 16 x 16 tile a warp (B[s][j] = M[j][s]: M's rows), then (warps 12-14)
       // dL = -M^T T1 on the tiles below the diagonal; dP = Diag(beta) dL, and sum_j dL_ij P_ij.
@@ -1012,9 +1063,13 @@ cudaError_t launch_block_gradients(ChunkGradientArgs a, int64_t batch, cudaStrea
     const cudaError_t error = block_tensor_maps<K, V>(maps, a, batch);
     if (error != cudaSuccess) return error;
   }
-  a.items = (a.length + kBlock - 1) / kBlock * a.heads * batch;
+  // States every 64 tokens (the second block of each pair made by the first) only with V' in shared
+  // memory, and not with the tensor-memory accelerator's loads (which always carry S^T).
+  if (a.states_interval == 4 && (!kGivenV || kLoads == BlockLoads::kTma)) return cudaErrorInvalidValue;
+  const int64_t blocks = (a.length + kBlock - 1) / kBlock;
+  a.items = (blocks + (blocks & 1)) * a.heads * batch;  // slots: each head's blocks padded to pairs
   int64_t ctas = 0;
-  const cudaError_t error = persistent_ctas(kernel, kThreads, shared, a.items, ctas);
+  const cudaError_t error = persistent_ctas(kernel, kThreads, shared, a.items / 2, ctas);
   if (error != cudaSuccess) return error;
   kernel<<<static_cast<unsigned>(ctas), kThreads, shared, stream>>>(a, maps);
   return cudaGetLastError();

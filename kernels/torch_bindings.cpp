@@ -194,8 +194,8 @@ KdaChunkedOutput kda_chunked(const at::Tensor& q, const at::Tensor& k, const at:
   at::Tensor chunk_states;
   if (keep_chunk_states) {
     TORCH_CHECK(!offsets.defined(), where, ": keep_chunk_states is not supported with cu_seqlens");
-    TORCH_CHECK(chunk_state_interval == 1 || chunk_state_interval == 2, where,
-                ": chunk_state_interval must be 1 or 2, got ", chunk_state_interval);
+    TORCH_CHECK(chunk_state_interval == 1 || chunk_state_interval == 2 || chunk_state_interval == 4, where,
+                ": chunk_state_interval must be 1, 2 or 4, got ", chunk_state_interval);
     const int64_t kept = ((length + 15) / 16 + chunk_state_interval - 1) / chunk_state_interval;
     chunk_states = at::empty({sequences, heads, kept, value, key}, q.options().dtype(at::kBFloat16));
     options.chunk_states = chunk_states.data_ptr();
@@ -262,14 +262,24 @@ KdaChunkedGradients kda_chunked_backward(const at::Tensor& q, const at::Tensor& 
     const int64_t chunks = (length + 15) / 16;
     const std::vector<int64_t> kept_shape = {batch, heads, chunks, value, key};
     const std::vector<int64_t> every_second = {batch, heads, (chunks + 1) / 2, value, key};
-    // Pass 3 by blocks (bf16, K = V = 128) also reads every second chunk's states.
-    const bool blocks = kernels::kda_backward_state_interval(kernel_dtype(q.scalar_type()), key, value, options) == 2;
+    const std::vector<int64_t> every_fourth = {batch, heads, (chunks + 3) / 4, value, key};
+    // Pass 3 by blocks (bf16, K = V = 128) also reads every second chunk's states, and every fourth
+    // one's with V' (new_values). Up to two chunks the three shapes hold the same one state.
+    const bool blocks = kernels::kda_backward_state_interval(kernel_dtype(q.scalar_type()), key, value, options) >= 2;
+    const bool fourth = blocks && new_values.defined() && chunks > 2 &&
+                        chunk_states.sizes() == at::IntArrayRef(every_fourth);
     const bool second = blocks && chunks > 1 && chunk_states.sizes() == at::IntArrayRef(every_second);
-    TORCH_CHECK(second || chunk_states.sizes() == at::IntArrayRef(kept_shape), where,
+    TORCH_CHECK(fourth || second || chunk_states.sizes() == at::IntArrayRef(kept_shape), where,
                 ": chunk_states must be [B, H, ceil(T / 16), V, K] = ", at::IntArrayRef(kept_shape),
-                blocks ? " (or every second chunk's, [B, H, ceil(ceil(T / 16) / 2), V, K])" : "",
+                blocks ? " (or every second chunk's, [B, H, ceil(ceil(T / 16) / 2), V, K], or with new_values "
+                         "every fourth chunk's, [B, H, ceil(ceil(T / 16) / 4), V, K])"
+                       : "",
                 " (kda_chunked's, kept on these inputs), got ", chunk_states.sizes());
-    if (second) options.chunk_states_interval = 2;
+    if (fourth) {
+      options.chunk_states_interval = 4;
+    } else if (second) {
+      options.chunk_states_interval = 2;
+    }
     TORCH_CHECK(chunk_states.scalar_type() == at::kBFloat16, where,
                 ": chunk_states must be bf16 (kda_chunked's), got ", chunk_states.scalar_type());
     check_cuda(where, "chunk_states", chunk_states, device);

@@ -16,7 +16,7 @@ struct KdaChunkedOutput {
   at::Tensor o;            // [B, T, H, V], q's dtype
   at::Tensor final_state;  // [N, H, K, V], fp32
   // bf16 [N, H, ceil(ceil(T / 16) / i), V, K]: the state entering chunks 0, i, 2i, ... (i =
-  // chunk_state_interval, 1 or 2), when kda_chunked was asked to keep them (for
+  // chunk_state_interval, 1, 2 or 4), when kda_chunked was asked to keep them (for
   // kda_chunked_backward's chunk_states); else undefined.
   at::Tensor chunk_states;
   // bf16 [B, T, H, V]: every token's V' (the value the walk adds to the state), when kda_chunked
@@ -42,8 +42,9 @@ bool kda_chunked_supported(const at::Tensor& q, const at::Tensor& k, const at::T
 // keep_chunk_states: also return the state entering every chunk (KdaChunkedOptions::chunk_states,
 // written in the same walk; not with cu_seqlens), so that a training step's backward need not
 // recompute them: B T H K V 2 / 16 bytes (B=2 T=16K H=64 K=V=128: 4.3 GB) held until then; with
-// chunk_state_interval = 2 every second chunk's, half that (what the backward reads where pass 3
-// goes by blocks: kernels/kda.h, kda_backward_state_interval). keep_new_values (with
+// chunk_state_interval = 2 every second chunk's, half that, and 4 every fourth one's (what the
+// backward reads where pass 3 goes by blocks, 4 with V' kept: kernels/kda.h,
+// kda_backward_state_interval). keep_new_values (with
 // keep_chunk_states): also every token's V', B T H V 2 bytes, for the backward's pass 3 by blocks
 // (kernels/kda.h, KdaBackwardOptions::new_values).
 KdaChunkedOutput kda_chunked(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -65,7 +66,8 @@ KdaChunkedOutput kda_chunked(const at::Tensor& q, const at::Tensor& k, const at:
 // states are not recomputed (the same gradients bit for bit, one pass less, half the workspace);
 // undefined: recomputed. pass3_blocks: kernels/kda.h's KdaBackwardOptions::pass3_blocks (on by
 // default, where it applies: bf16, K = V = 128; it also takes states kept at chunk_state_interval
-// 2, told apart by their shape, which kda_backward_state_interval says to keep). keep_values:
+// 2, and at 4 with new_values, told apart by their shape; kda_backward_state_interval says which
+// to keep). keep_values:
 // KdaBackwardOptions::keep_values (passes 1 and 2 keep V' and dV' for pass 3 by blocks; on by
 // default, as there). new_values: kda_chunked's, kept with chunk_states (keep_new_values), read by pass 3
 // by blocks instead of recomputing V' (with chunk_states only).

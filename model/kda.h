@@ -83,9 +83,10 @@ Output chunked(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 // entering every chunk for the backward (kernels/kda_autograd.h, keep_chunk_states): the backward
 // skips their recompute, one of its three passes, with the same gradients bit for bit (B=2 T=16K
 // H=64 K=V=128: a training step 16.7 -> 15.5 ms), for B T H K V / 8 bytes held from each call's
-// forward to its backward (/ 16 for bf16 heads of K = V = 128, whose backward reads every second
-// chunk's state: kernels/kda.h, kda_backward_state_interval; those heads also keep every token's V', B T H V 2
-// bytes, which that backward reads: KdaBackwardOptions::keep_values). For a forward whose backward follows soon, over a bounded number of
+// forward to its backward (/ 32 for bf16 heads of K = V = 128, whose backward reads every fourth
+// chunk's state and makes the others it needs: kernels/kda.h, kda_backward_state_interval; those
+// heads also keep every token's V', B T H V 2 bytes, which that backward reads:
+// KdaBackwardOptions::keep_values). For a forward whose backward follows soon, over a bounded number of
 // tokens: the learner's chunk-by-chunk recompute (learner.kda_keep_chunk_states), where that is
 // one chunk of tokens (learner.chunk_tokens). No effect on the CPU or the reference path. Nests;
 // the previous setting is restored on exit.

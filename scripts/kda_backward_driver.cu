@@ -148,14 +148,16 @@ int main(int argc, char** argv) {
   bf16 *new_values = nullptr, *d_new_values = nullptr;
   check(cudaMalloc(&new_values, n * V * 2), "V'");
   check(cudaMalloc(&d_new_values, n * V * 2), "dV'");
-  auto pass1_values = [&] {
+  // Pass 1 keeping V' and the state entering one chunk in every `interval`.
+  auto pass1_values_every = [&](int interval) {
     KdaChunkedOptions options;
     options.chunk_states = states;
-    options.chunk_state_interval = 2;
+    options.chunk_state_interval = interval;
     options.new_values = new_values;
     return kda_chunked_forward(KdaDtype::kBFloat16, q, k, v, g, beta, nullptr, nullptr, final_state, nullptr, B, T,
                                H, K, V, scale, options, 0);
   };
+  auto pass1_values = [&] { return pass1_values_every(2); };
   auto pass2_values = [&]() -> cudaError_t {
     sa.d_new_values = d_new_values;
     const cudaError_t e = pass2_second();
@@ -182,6 +184,18 @@ int main(int argc, char** argv) {
   };
   auto pass3_given_producer = [&]() -> cudaError_t {
     given(true);
+    const cudaError_t e = launch_block_gradients<128, 128, BlockLoads::kProducer, true, true>(ca, B, 0);
+    given(false);
+    return e;
+  };
+  // Since the twentieth session, what kda_chunked_backward runs: pass 1 storing every fourth state
+  // (with V'), and pass 3 taking its blocks in pairs and making the state entering each pair's second
+  // block from the first's (ChunkGradientArgs::states_interval 4). Timed last: pass 1 at interval 4
+  // leaves the states in that layout.
+  auto pass1_fourth = [&] { return pass1_values_every(4); };
+  auto pass3_chained = [&]() -> cudaError_t {
+    given(true);
+    ca.states_interval = 4;
     const cudaError_t e = launch_block_gradients<128, 128, BlockLoads::kProducer, true, true>(ca, B, 0);
     given(false);
     return e;
@@ -216,6 +230,8 @@ int main(int argc, char** argv) {
     time("pass 3 (V' dV' given, top)", pass3_given_top);
     time("pass 3 (V' dV' given, producer)", pass3_given_producer);
     time("pass 3 (V' given, producer)", pass3_v_given);
+    time("pass 1 (4th state, V')", pass1_fourth);
+    time("pass 3 (chained pairs)", pass3_chained);
   }
   if (K == 128 && V == 128) {  // the load variants of pass 3 by blocks give the same bits
     const size_t bytes_q = n * K * 2, bytes_g = n * K * 4;

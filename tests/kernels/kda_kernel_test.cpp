@@ -839,7 +839,7 @@ TEST_F(KdaKernel, StatesOfEverySecondChunkFeedTheBlockedPassBitForBit) {
     kda_chunked(in.q, in.k, in.v, in.g, in.beta, at::Tensor(), in.scale, at::Tensor(), 0, true, true, 0, true, 3);
     ADD_FAILURE() << "chunk_state_interval 3 accepted";
   } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("chunk_state_interval must be 1 or 2"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("chunk_state_interval must be 1, 2 or 4"), std::string::npos) << e.what();
   }
   // The launchers themselves: an interval other than 1 or 2, and states of every second chunk for
   // the 16-token pass, are cudaErrorInvalidValue before anything runs.
@@ -887,26 +887,33 @@ TEST_F(KdaKernel, BackwardWithValuesKeptByTheWalksMatches) {
   }
 }
 
-// V' kept by a training step's forward (kda_chunked's keep_new_values, with its states at interval
-// 2) is what pass 1 keeps, so the backward from both gives the recompute's gradients with
-// keep_values bit for bit: the whole-head walk, partly filled last blocks, and at 4133 tokens of
-// one sequence the context-parallel forward (with its lead) and reverse walk. The 64-column walks
-// keep the same V' bit for bit. Against the backward that recomputes V' and dV' in pass 3: within
-// bf16 rounding. Misuse is refused by name.
+// V' kept by a training step's forward (kda_chunked's keep_new_values, with its states at the
+// interval kda_backward_state_interval gives: 4, every fourth chunk's) is what pass 1 keeps, so the
+// backward from both gives the recompute's gradients with keep_values bit for bit: the whole-head
+// walk, partly filled last blocks, a pair without its second block (3 blocks at 65 and 100 tokens),
+// and at 4133 tokens of one sequence the context-parallel forward (with its lead) and reverse walk.
+// The 64-column walks keep the same V' bit for bit. Within bf16 rounding of both: the backward that
+// recomputes V' and dV' in pass 3, and the one from states kept at interval 2 (pass 3 then reads
+// every block's entering state instead of making every second one from the one before). Misuse is
+// refused by name.
 TEST_F(KdaKernel, NewValuesKeptByTheForwardFeedTheBlockedPassBitForBit) {
-  for (const int64_t length : {17, 100, 4133}) {
+  const int interval = kda_backward_state_interval(KdaDtype::kBFloat16, 128, 128);
+  ASSERT_EQ(interval, 4);
+  for (const int64_t length : {17, 65, 100, 4133}) {
     const int64_t batch = length == 4133 ? 1 : 2;
     const Inputs in = make_inputs(batch, length, 2, 128, 128, at::kBFloat16, Gates::kRandom, true, 1300 + length);
     const std::string name = shape_name(batch, length, 2, 128, 128, at::kBFloat16);
-    auto forward = [&](bool head_walk) {
+    auto forward = [&](bool head_walk, int64_t every) {
       return kda_chunked(in.q, in.k, in.v, in.g, in.beta, in.state, in.scale, at::Tensor(), 0, true, head_walk, 0,
-                         /*keep_chunk_states=*/true, /*chunk_state_interval=*/2, /*keep_new_values=*/true);
+                         /*keep_chunk_states=*/true, every, /*keep_new_values=*/true);
     };
-    const KdaChunkedOutput kept = forward(true);
+    const KdaChunkedOutput kept = forward(true, interval), kept_second = forward(true, 2);
+    ASSERT_EQ(kept.chunk_states.size(2), ((length + 15) / 16 + 3) / 4) << name;
     ASSERT_EQ(kept.new_values.sizes(), in.v.sizes()) << name;
     EXPECT_TRUE(at::equal(kept.o, kda_chunked(in.q, in.k, in.v, in.g, in.beta, in.state, in.scale).o)) << name << ": o";
     if (length != 4133) {
-      EXPECT_TRUE(at::equal(forward(false).new_values, kept.new_values)) << name << ": V' of the 64-column walks";
+      EXPECT_TRUE(at::equal(forward(false, interval).new_values, kept.new_values))
+          << name << ": V' of the 64-column walks";
     }
     const auto [d_o, d_final] = output_gradients(in, /*with_final=*/true, 1400 + length);
     auto backward = [&](const at::Tensor& states, const at::Tensor& values, bool keep_values) {
@@ -915,16 +922,21 @@ TEST_F(KdaKernel, NewValuesKeptByTheForwardFeedTheBlockedPassBitForBit) {
     };
     const KdaChunkedGradients recomputed = backward(at::Tensor(), at::Tensor(), true),
                               from_kept = backward(kept.chunk_states, kept.new_values, false),
-                              without = backward(at::Tensor(), at::Tensor(), false);
-    const auto r = by_name(recomputed), k = by_name(from_kept), w = by_name(without);
+                              without = backward(at::Tensor(), at::Tensor(), false),
+                              from_second = backward(kept_second.chunk_states, kept_second.new_values, false);
+    const auto r = by_name(recomputed), k = by_name(from_kept), w = by_name(without), s2 = by_name(from_second);
     for (size_t x = 0; x < r.size(); ++x) {
       const std::string& what = r[x].first;
-      const at::Tensor &a = r[x].second, &b = k[x].second, &c = w[x].second;
+      const at::Tensor &a = r[x].second, &b = k[x].second;
       EXPECT_TRUE(at::equal(a, b)) << name << ": " << what << " from the kept V', max diff " << max_error(a, b);
-      const double error = max_error(a, c), magnitude = max_abs(c);
-      std::printf("  %-28s %-5s V' and dV' kept against recomputed in pass 3: %.3e of %.3e (%.2e)\n", name.c_str(),
-                  what.c_str(), error, magnitude, error / std::max(1e-3, magnitude));
-      EXPECT_LE(error, kGradientTolerance * std::max(1e-3, magnitude)) << name << ": " << what;
+      for (const auto& [label, other] : {std::pair<const char*, const at::Tensor*>{"V' and dV' recomputed in pass 3",
+                                                                                   &w[x].second},
+                                         {"every block's state read (interval 2)", &s2[x].second}}) {
+        const double error = max_error(a, *other), magnitude = max_abs(*other);
+        std::printf("  %-28s %-5s against %s: %.3e of %.3e (%.2e)\n", name.c_str(), what.c_str(), label, error,
+                    magnitude, error / std::max(1e-3, magnitude));
+        EXPECT_LE(error, kGradientTolerance * std::max(1e-3, magnitude)) << name << ": " << what << ", " << label;
+      }
     }
   }
 
@@ -949,6 +961,13 @@ TEST_F(KdaKernel, NewValuesKeptByTheForwardFeedTheBlockedPassBitForBit) {
   refused([&] { kda_chunked_backward(in.q, in.k, in.v, in.g, in.beta, at::Tensor(), d_o, d_final, in.scale,
                                      kept.chunk_states, true, false, kept.new_values.narrow(1, 0, 39)); },
           "new_values must be bf16 [B, T, H, V]");
+  // Every fourth chunk's states (40 tokens: 3 chunks, one state) need V' to make the others.
+  const KdaChunkedOutput fourth = kda_chunked(in.q, in.k, in.v, in.g, in.beta, at::Tensor(), in.scale, at::Tensor(),
+                                              0, true, true, 0, true, 4, true);
+  ASSERT_EQ(fourth.chunk_states.size(2), 1);
+  refused([&] { kda_chunked_backward(in.q, in.k, in.v, in.g, in.beta, at::Tensor(), d_o, d_final, in.scale,
+                                     fourth.chunk_states, true, true); },
+          "with new_values every fourth chunk's");
   // The launchers: V' without chunk states, or misaligned, is cudaErrorInvalidValue before anything runs.
   at::Tensor o = at::empty_like(in.v), final_state = at::empty({1, 2, 128, 128}, in.g.options());
   KdaChunkedOptions options;
@@ -957,6 +976,19 @@ TEST_F(KdaKernel, NewValuesKeptByTheForwardFeedTheBlockedPassBitForBit) {
                                 in.g.data_ptr<float>(), in.beta.data_ptr(), nullptr, o.data_ptr(),
                                 final_state.data_ptr<float>(), nullptr, 1, 40, 2, 128, 128, in.scale, options, nullptr),
             cudaErrorInvalidValue);
+  // ... and states given at interval 4 without V' (pass 3 could not make every second block's).
+  at::Tensor grads = at::empty({4, 1, 40, 2, 128}, in.g.options()), dbeta = at::empty({1, 40, 2}, in.g.options());
+  const at::Tensor d_o16 = d_o.to(at::kBFloat16).contiguous();
+  KdaBackwardOptions backward_options;
+  backward_options.chunk_states_interval = 4;
+  EXPECT_EQ(kda_chunked_backward(KdaDtype::kBFloat16, in.q.data_ptr(), in.k.data_ptr(), in.v.data_ptr(),
+                                 in.g.data_ptr<float>(), in.beta.data_ptr(), nullptr, d_o16.data_ptr(), nullptr,
+                                 grads[0].data_ptr(), grads[1].data_ptr(), grads[2].data_ptr(),
+                                 grads[3].data_ptr<float>(), dbeta.data_ptr<float>(), nullptr, 1, 40, 2, 128, 128,
+                                 static_cast<float>(in.scale), fourth.chunk_states.data_ptr(), nullptr, 0, nullptr,
+                                 backward_options),
+            cudaErrorInvalidValue);
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
 }
 
 TEST_F(KdaKernel, BackwardOfAnEmptySequencePassesTheStateGradientThrough) {
