@@ -105,21 +105,24 @@ double chunked_bytes(int64_t batch, int64_t length, int64_t heads, int64_t key, 
 
 // Bytes the backward (kernels/kda.h, kda_chunked_backward; bf16 K = V = 128, pass 3 by 32-token
 // blocks) moves through memory, pass by pass as kernels/README.md's traffic table counts them
-// ("Eighteenth session"): pass 1 reads k, v, g, beta and writes every second chunk's state (and V');
-// pass 2 reads q, k, dO, g, beta and writes every second dS' (and dV'); pass 3 reads both states, q,
-// k, v, dO, g, beta (and V', dV') and writes dq, dk, dv, dg, dbeta. values: V' and dV' kept
-// (KdaBackwardOptions::keep_values); states_given: the forward kept the states (and V'), no pass 1.
+// ("Eighteenth session"): pass 1 reads k, v, g, beta and writes every second chunk's state (every
+// fourth one's and V' with values: kda_backward_state_interval); pass 2 reads q, k, dO, g, beta and
+// writes every second dS' (and dV'); pass 3 reads both states, q, k, v, dO, g, beta (and V', dV')
+// and writes dq, dk, dv, dg, dbeta. values: V' and dV' kept (KdaBackwardOptions::keep_values);
+// states_given: the forward kept the states (and V'), no pass 1.
 double backward_bytes(int64_t batch, int64_t length, int64_t heads, int64_t key, int64_t value, bool values,
                       bool states_given) {
   const double n = static_cast<double>(batch) * length * heads;
   const double keys = n * key * 2, vals = n * value * 2, gates = n * key * 4, beta = n * 2;
-  const int64_t kept = ((length + 15) / 16 + 1) / 2;
-  const double states = static_cast<double>(batch) * heads * kept * key * value * 2;
+  auto stored = [&](int64_t interval) {  // bytes of the states kept at one chunk in every `interval`
+    return static_cast<double>(batch) * heads * (((length + 15) / 16 + interval - 1) / interval) * key * value * 2;
+  };
+  const double states = stored(values ? 4 : 2), d_states = stored(2);
   const double kept_values = values ? vals : 0.0;
   const double pass1 = keys + vals + gates + beta + states + kept_values;
-  const double pass2 = 2 * keys + vals + gates + beta + states + kept_values;
-  const double pass3 = 2 * states + 2 * keys + 2 * vals + gates + beta + 2 * kept_values  // reads
-                       + 2 * keys + vals + gates + n * 4;                                // writes
+  const double pass2 = 2 * keys + vals + gates + beta + d_states + kept_values;
+  const double pass3 = states + d_states + 2 * keys + 2 * vals + gates + beta + 2 * kept_values  // reads
+                       + 2 * keys + vals + gates + n * 4;                                       // writes
   return (states_given ? 0.0 : pass1) + pass2 + pass3;
 }
 
@@ -219,10 +222,10 @@ double bench_backward(const KernelsBenchOptions& o, int64_t batch, int64_t lengt
   {
     const double moved = backward_bytes(batch, length, heads, key, value, /*values=*/true, /*states_given=*/false);
     const double recompute = backward_bytes(batch, length, heads, key, value, false, false);
-    const double kept = backward_bytes(batch, length, heads, key, value, false, /*states_given=*/true);
+    const double kept = backward_bytes(batch, length, heads, key, value, true, /*states_given=*/true);
     auto floor_ms = [&](double bytes) { return bytes / (copy_gb_per_s * 1e9) * 1e3; };
     std::printf("kda backward memory floor: %.2f GB moved -> %.3f ms at the copy rate, %.0f%% of it reached; the"
-                " floor is %.2fx the forward (%.2fx recomputing V' and dV', %.2fx from kept states)\n",
+                " floor is %.2fx the forward (%.2fx recomputing V' and dV', %.2fx from kept states and V')\n",
                 moved / 1e9, floor_ms(moved), 100.0 * floor_ms(moved) / kernel.best_ms,
                 floor_ms(moved) / forward_ms, floor_ms(recompute) / forward_ms, floor_ms(kept) / forward_ms);
   }
