@@ -95,9 +95,10 @@ struct ChunkedBackwardOptions {
   // With recompute (or one chunk): each chunk's KDA forward keeps its chunk states for that
   // chunk's backward (model::kda::KeepChunkStatesGuard; the CUDA kernels only: one pass of the
   // KDA backward less, the same gradients). The cost is memory: every KDA layer's states for one
-  // chunk of tokens, chunk_tokens H K V / 8 bytes a layer (/ 16 for bf16 heads of 128 x 128, whose
-  // backward reads every second chunk's state), held until the chunk's backward (the full model,
-  // 69 layers of 96 heads of 128 x 128: 13.9 GB at 2048 tokens), so it is asked for.
+  // chunk of tokens, chunk_tokens H K V / 8 bytes a layer (/ 32 for bf16 heads of 128 x 128, whose
+  // backward reads every fourth chunk's state, plus every token's V', chunk_tokens H V 2 bytes),
+  // held until the chunk's backward (the full model, 69 layers of 96 heads of 128 x 128: 6.9 + 3.5
+  // GB at 2048 tokens), so it is asked for.
   bool keep_kda_chunk_states = false;
 };
 

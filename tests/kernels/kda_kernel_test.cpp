@@ -779,9 +779,10 @@ TEST_F(KdaKernel, KeptChunkStatesEqualTheRecomputeBitForBit) {
   }
 }
 
-// Pass 3 by 32-token blocks reads the state entering every block and the gradient of the state
-// leaving it, so its passes 1 and 2 store every second chunk's (KdaChunkedOptions::
-// chunk_state_interval = 2; half the bytes written and half the workspace). The states kept at
+// Pass 3 by 32-token blocks without V' (keep_values off) reads the state entering every block and
+// the gradient of the state leaving it, so its passes 1 and 2 store every second chunk's
+// (KdaChunkedOptions::chunk_state_interval = 2; half the bytes written and half the workspace;
+// with V', every fourth state: NewValuesKeptByTheForwardFeedTheBlockedPassBitForBit). The states kept at
 // interval 2 are every second one of interval 1's, bit for bit (the whole-head walk, its context-
 // parallel path with the lead at 4133 tokens, one chunk, partly filled last blocks), and the
 // blocked backward gives the same gradients bit for bit from either, or recomputing them. Wrong
@@ -841,7 +842,7 @@ TEST_F(KdaKernel, StatesOfEverySecondChunkFeedTheBlockedPassBitForBit) {
   } catch (const c10::Error& e) {
     EXPECT_NE(std::string(e.what()).find("chunk_state_interval must be 1, 2 or 4"), std::string::npos) << e.what();
   }
-  // The launchers themselves: an interval other than 1 or 2, and states of every second chunk for
+  // The launchers themselves: an interval other than 1, 2 or 4, and states of every second chunk for
   // the 16-token pass, are cudaErrorInvalidValue before anything runs.
   at::Tensor states = at::empty({1, 2, 2, 128, 128}, in.q.options()), final_state = at::empty({1, 2, 128, 128},
                                                                                                in.g.options());
