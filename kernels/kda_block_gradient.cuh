@@ -99,9 +99,24 @@ struct alignas(128) BlockShared {
 };
 
 // KDA_PHASE_PROFILE: thread 0 adds the cycles between the kernel's barriers to g_phase_cycles[phase]
-// (scripts/kda_backward_driver.cu prints them per block), a phase's length at its slowest warp.
+// (scripts/kda_backward_driver.cu prints them per block), a phase's length at its slowest warp; and
+// each compute warp's lane 0 adds its own work in each phase (from leaving one barrier to arriving at
+// the next: 0 the top of an item up to its loads' barrier, then phases 0-8) to
+// g_warp_phase_cycles[warp][1 + phase]: which warp each barrier waits for.
 #ifdef KDA_PHASE_PROFILE
 __device__ unsigned long long g_phase_cycles[16];
+__device__ unsigned long long g_warp_phase_cycles[kGradientWarps][16];
+#define BLOCK_WARP_ARRIVE()                                                                         \
+  do {                                                                                              \
+    if (lane == 0 && warp_phase < 16) {                                                             \
+      atomicAdd(&g_warp_phase_cycles[warp][warp_phase], static_cast<unsigned long long>(clock64() - warp_mark)); \
+    }                                                                                               \
+  } while (0)
+#define BLOCK_WARP_LEAVE() \
+  do {                     \
+    warp_mark = clock64(); \
+    ++warp_phase;          \
+  } while (0)
 #define BLOCK_PHASE_MARK(id)                                                      \
   do {                                                                            \
     if (tid == 0) {                                                               \
@@ -113,6 +128,12 @@ __device__ unsigned long long g_phase_cycles[16];
 #else
 #define BLOCK_PHASE_MARK(id) \
   do {                       \
+  } while (0)
+#define BLOCK_WARP_ARRIVE() \
+  do {                      \
+  } while (0)
+#define BLOCK_WARP_LEAVE() \
+  do {                     \
   } while (0)
 #endif
 
@@ -419,16 +440,19 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
   }
 
 #ifdef KDA_PHASE_PROFILE
-  long long mark = clock64();
+  long long mark = clock64(), warp_mark = mark;
+  int warp_phase = 0;
 #endif
   auto named_sync = [](int id) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(kThreads) : "memory"); };
   auto named_arrive = [](int id) { asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "n"(kThreads) : "memory"); };
-  auto compute_barrier = [] {
+  auto compute_barrier = [&] {
+    BLOCK_WARP_ARRIVE();
     if constexpr (kProducer) {
       asm volatile("bar.sync %0, %1;\n" ::"n"(kBlockComputeBarrier), "n"(kGradientThreads) : "memory");
     } else {
       __syncthreads();
     }
+    BLOCK_WARP_LEAVE();
   };
   if constexpr (kProducer) {
     if (warp == kGradientWarps) {
@@ -460,21 +484,30 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
     const int valid = cur.valid;
     auto token = [&](int i) { return (cur.row0 + i) * H + cur.h; };  // [B, L, H] index of row i
 
+#ifdef KDA_PHASE_PROFILE
+    warp_phase = 0;
+#endif
     if constexpr (kProducer) {
       if (tid < kBlock) sh.beta[tid] = tid < valid ? __bfloat162float(beta[token(tid)]) : 0.0f;
+      BLOCK_WARP_ARRIVE();
       named_sync(kLoaded);
+      BLOCK_WARP_LEAVE();
     } else if constexpr (kTma) {
       if (tid < kBlock) sh.beta[tid] = tid < valid ? __bfloat162float(beta[token(tid)]) : 0.0f;
       const uint32_t parity = count & 1u;
+      BLOCK_WARP_ARRIVE();
       for (int part = 0; part < 3; ++part) mbarrier_wait(&sh.loaded[part], parity);
       __syncthreads();
+      BLOCK_WARP_LEAVE();
     } else {
       issue_states_and_values(cur, tid, kGradientThreads);
       issue_gates(cur, tid, kGradientThreads);
       issue_keys(cur, tid, kGradientThreads);
       if (tid < kBlock) sh.beta[tid] = tid < valid ? __bfloat162float(beta[token(tid)]) : 0.0f;
+      BLOCK_WARP_ARRIVE();
       cp_async_wait<0>();
       __syncthreads();
+      BLOCK_WARP_LEAVE();
     }
     BLOCK_PHASE_MARK(0);
 

@@ -13,7 +13,10 @@
 // gradients) alone, and at K = V = 128 passes 1 and 2 storing every second state and pass 3 by
 // 32-token blocks (kda_block_gradient.cuh), then passes 1 and 2 keeping V' and dV' as well and
 // pass 3 reading them (the default since the eighteenth session; its gradients against the
-// recompute's in the same run), with -DKDA_PHASE_PROFILE its cycles per block between barriers. `save.bin` writes the gradients; a later run (another build) given the same
+// recompute's in the same run), and pass 1 storing every fourth state with pass 3 in chained pairs
+// (the default since the twentieth). With -DKDA_PHASE_PROFILE: pass 3's cycles per block between
+// barriers, and each compute warp's work before each barrier (which warp every barrier waits for).
+// `save.bin` writes the gradients; a later run (another build) given the same
 // file as `compare.bin` prints each gradient's largest difference relative to its largest
 // magnitude: a quick check of a variant between parity-test runs (kernels_tests is the real one).
 #include "kernels/kda_backward.cu"
@@ -301,18 +304,43 @@ int main(int argc, char** argv) {
   check(cudaDeviceSynchronize(), "backward (sync)");
 #ifdef KDA_PHASE_PROFILE
   {  // -DKDA_PHASE_PROFILE: g_phase_cycles[16] (kda_block_gradient.cuh; clock64 between its barriers,
-     // thread 0), for pass 3 by 32-token blocks with its loads at the top, then by a producer warp
+     // thread 0), for pass 3 by 32-token blocks with its loads at the top, then by a producer warp;
+     // then each compute warp's work before each barrier (g_warp_phase_cycles), the slowest marked.
+     // Each variant after the pass 1 that stores what it reads (every second state, or every fourth
+     // for the chained pairs).
     const double items = static_cast<double>(B * H * ((T + kBlock - 1) / kBlock));
-    const std::pair<const char*, std::function<cudaError_t()>> variants[] = {
-        {"loads at the top", pass3_blocks}, {"producer warp", pass3_blocks_producer}, {"TMA", pass3_blocks_tma},
-        {"V' dV' given, producer", pass3_given_producer}, {"V' given, producer", pass3_v_given}};
-    for (const auto& [name, run] : variants) {
+    struct Variant {
+      const char* name;
+      std::function<cudaError_t()> prepare, run;
+    };
+    const Variant variants[] = {{"loads at the top", pass1_second, pass3_blocks},
+                                {"producer warp", pass1_second, pass3_blocks_producer},
+                                {"TMA", pass1_second, pass3_blocks_tma},
+                                {"V' dV' given, producer", pass1_values, pass3_given_producer},
+                                {"V' given, producer", pass1_values, pass3_v_given},
+                                {"chained pairs", pass1_fourth, pass3_chained}};
+    for (const Variant& variant : variants) {
+      check(variant.prepare(), "pass 1");
       unsigned long long zero[16] = {}, cycles[16];
+      static unsigned long long warp_zero[kGradientWarps][16] = {}, warp_cycles[kGradientWarps][16];
       cudaMemcpyToSymbol(g_phase_cycles, zero, sizeof(zero));
-      check(run(), "pass 3");
+      cudaMemcpyToSymbol(g_warp_phase_cycles, warp_zero, sizeof(warp_zero));
+      check(variant.run(), "pass 3");
       cudaMemcpyFromSymbol(cycles, g_phase_cycles, sizeof(cycles));
+      cudaMemcpyFromSymbol(warp_cycles, g_warp_phase_cycles, sizeof(warp_cycles));
       for (int i = 0; i < 16; ++i) {
-        if (cycles[i]) std::printf("  pass 3 (%s) phase mark %2d: %8.0f cycles per 32-token block\n", name, i, cycles[i] / items);
+        if (cycles[i]) std::printf("  pass 3 (%s) phase mark %2d: %8.0f cycles per 32-token block\n", variant.name, i, cycles[i] / items);
+      }
+      std::printf("  pass 3 (%s) work before each barrier, cycles per block (warps 0-15; * the slowest):\n", variant.name);
+      for (int p = 0; p < 16; ++p) {
+        int slowest = 0;
+        for (int w = 1; w < kGradientWarps; ++w) slowest = warp_cycles[w][p] > warp_cycles[slowest][p] ? w : slowest;
+        if (warp_cycles[slowest][p] == 0) continue;
+        std::printf("    %s %d:", p == 0 ? "top  " : "phase", p == 0 ? 0 : p - 1);
+        for (int w = 0; w < kGradientWarps; ++w) {
+          std::printf(" %5.0f%s", warp_cycles[w][p] / items, w == slowest ? "*" : " ");
+        }
+        std::printf("\n");
       }
     }
   }
