@@ -807,8 +807,8 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
     // 5, beside warps 13-15's H, and the rest in phase 6: the same bits, no faster, 6.65-6.66 ms
     // against 6.60 for pass 3 on an H100.)
     const bool make_next_state = chained && (cur.index & 1) == 0 && cur.index + 1 < num_blocks;
-    auto next_state = [&](int first, int end, int workers) {
-      for (int tile = first + warp; tile < end; tile += workers) {
+    auto next_state = [&] {
+      for (int tile = warp; tile < (V / 16) * (K / 16); tile += 12) {
         const int v0 = 16 * (tile / (K / 16)), c0 = 16 * (tile % (K / 16));
         float acc[2][4] = {};
 #pragma unroll
@@ -885,9 +885,9 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
     if constexpr (!kGivenDV) d_k_bar();
     if (warp >= 9 && warp < 12) {
       d_aqk_block(warp - 9);
-      if (make_next_state) next_state(0, (V / 16) * (K / 16), 12);
+      if (make_next_state) next_state();
     } else if (warp < 9) {
-      if (make_next_state) next_state(0, (V / 16) * (K / 16), 12);
+      if (make_next_state) next_state();
     } else if (warp >= 12) {
       // T1 = dM M^T, a 16 x 16 tile a warp (B[s][j] = M[j][s]: M's rows), then (warps 12-14)
       // dL = -M^T T1 on the tiles below the diagonal; dP = Diag(beta) dL, and sum_j dL_ij P_ij.
