@@ -386,6 +386,65 @@ double bench_decode(const KernelsBenchOptions& o, int64_t batch, int64_t heads,
 }
 
 
+// The decay gate g = g_min sigmoid(exp(A) (z + dt_bias)) that feeds the KDA kernels its g, at the
+// bench's shape with an fp32 z (what a training step has), fused (kernels/kda_gate.h) against the
+// LibTorch formula (model::kda::gate_reference) on the same tensors: forward alone, and forward +
+// backward through autograd (dz, dA_log, d dt_bias). The fused passes' bytes (forward: z in, g out;
+// backward: z and dg in, dz out) against the copy rate measured in the same run.
+void bench_gate(const KernelsBenchOptions& o, int64_t batch, int64_t length, int64_t heads, double copy_gb_per_s,
+                KernelsBenchResult& r) {
+  const int64_t key = 128;
+  const at::AutoGradMode grad_mode(true);
+  const auto cuda = at::TensorOptions().device(at::kCUDA);
+  const at::Tensor z = (at::randn({batch, length, heads, key}, cuda) * 2).requires_grad_(true);
+  const at::Tensor a_log = (at::randn({heads}, cuda) * 0.5).requires_grad_(true);
+  const at::Tensor dt_bias = at::randn({heads * key}, cuda).requires_grad_(true);
+  const at::Tensor dg = at::randn(z.sizes(), cuda);
+  const double g_min = -5.0;
+  auto clear = [&] {
+    for (const at::Tensor* t : {&z, &a_log, &dt_bias}) t->mutable_grad() = at::Tensor();
+  };
+  const Timing fused_forward = time_cuda(
+      [&] {
+        const at::NoGradGuard no_grad;
+        kernels::kda_gate(z, a_log, dt_bias, g_min);
+      },
+      o.warmup, o.repeats);
+  const Timing reference_forward = time_cuda(
+      [&] {
+        const at::NoGradGuard no_grad;
+        kda::gate_reference(z, a_log, dt_bias, g_min);
+      },
+      o.warmup, o.repeats);
+  const Timing fused_train = time_cuda(
+      [&] {
+        clear();
+        kernels::kda_gate_autograd(z, a_log, dt_bias, g_min).backward(dg);
+      },
+      o.warmup, o.repeats);
+  const Timing reference_train = time_cuda(
+      [&] {
+        clear();
+        kda::gate_reference(z, a_log, dt_bias, g_min).backward(dg);
+      },
+      o.warmup, o.repeats);
+  clear();
+  const double element_bytes = static_cast<double>(z.numel()) * 4;
+  auto rate = [&](double bytes, double ms) { return 100.0 * bytes / (ms * 1e-3) / 1e9 / copy_gb_per_s; };
+  std::printf("kda gate    B=%ld T=%ld H=%ld K=128 fp32 z: forward fused best %8.3f ms (%.0f%% of copy) vs "
+              "LibTorch %8.3f ms -> %.1fx\n",
+              static_cast<long>(batch), static_cast<long>(length), static_cast<long>(heads), fused_forward.best_ms,
+              rate(2 * element_bytes, fused_forward.best_ms), reference_forward.best_ms,
+              reference_forward.best_ms / fused_forward.best_ms);
+  std::printf("kda gate    forward + backward (dz, dA_log, d dt_bias): fused best %8.3f ms (%.0f%% of copy for "
+              "its 5 passes over z's size) vs LibTorch autograd %8.3f ms -> %.1fx\n",
+              fused_train.best_ms, rate(5 * element_bytes, fused_train.best_ms), reference_train.best_ms,
+              reference_train.best_ms / fused_train.best_ms);
+  std::fflush(stdout);
+  r.kda_gate_train_ms = fused_train.best_ms;
+  r.kda_gate_reference_train_ms = reference_train.best_ms;
+}
+
 // ---- MoE ------------------------------------------------------------------------------------------
 
 // The layer at configs/model/small.toml's expert shapes.
@@ -1218,6 +1277,7 @@ Result<KernelsBenchResult> run_kernels_bench(const KernelsBenchOptions& options)
                 r.kda_forward_long_serial_ms / r.kda_forward_long_ms);
     r.kda_backward_ms = bench_backward(options, 2, 16384, 64, r.kda_forward_ms, r.copy_gb_per_s);
     r.kda_decode_ms = bench_decode(options, 256, 64, r.copy_gb_per_s);
+    bench_gate(options, 2, 16384, 64, r.copy_gb_per_s, r);
     std::printf("kda_backward_ms: %.3f (%.2fx the forward)\n", r.kda_backward_ms,
                 r.kda_backward_ms / r.kda_forward_ms);
     std::printf("kda_forward_ms: %.3f\n", r.kda_forward_ms);

@@ -72,6 +72,10 @@ struct KernelsBenchResult {
   double kda_forward_long_serial_ms = 0;  // the same, serial walk (8 CTAs)
   double kda_backward_ms = 0;           // B=2, T=16K, H=64, K=V=128, bf16, best
   double kda_decode_ms = 0;             // batch 256, H=64
+  // The layer's decay gate (model::kda::gate) at B=2, T=16K, H=64, K=128, fp32 z (training's
+  // dtype): fused forward + backward, and the LibTorch formula's autograd on the same tensors, best.
+  double kda_gate_train_ms = 0;
+  double kda_gate_reference_train_ms = 0;
   // MoE layer, small config's expert shapes, moe_tokens tokens, bf16 (0 when not run).
   double moe_forward_ms = 0;            // forward through the kernels, best
   double moe_train_ms = 0;              // forward + backward, best

@@ -61,6 +61,26 @@ class KdaChunkedFunction : public torch::autograd::Function<KdaChunkedFunction> 
   }
 };
 
+// The decay gate: saves z and the two parameters (not the LibTorch chain's two fp32
+// intermediates of z's size); the backward recomputes u and the sigmoid per element.
+class KdaGateFunction : public torch::autograd::Function<KdaGateFunction> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& z, const at::Tensor& a_log,
+                            const at::Tensor& dt_bias, double g_min) {
+    ctx->save_for_backward({z, a_log, dt_bias});
+    ctx->saved_data["g_min"] = g_min;
+    return kda_gate(z, a_log, dt_bias, g_min);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const KdaGateGradients d =
+        kda_gate_backward(saved[0], saved[1], saved[2], ctx->saved_data["g_min"].toDouble(), grads[0],
+                          ctx->needs_input_grad(0), ctx->needs_input_grad(1), ctx->needs_input_grad(2));
+    return {d.dz, d.d_a_log, d.d_dt_bias, at::Tensor()};
+  }
+};
+
 }  // namespace
 
 KdaChunkedOutput kda_chunked_autograd(const at::Tensor& q, const at::Tensor& k,
@@ -71,6 +91,15 @@ KdaChunkedOutput kda_chunked_autograd(const at::Tensor& q, const at::Tensor& k,
       initial_state.defined() ? initial_state : at::empty({0}, q.options().dtype(at::kFloat));
   const variable_list out = KdaChunkedFunction::apply(q, k, v, g, beta, state, scale, keep_chunk_states);
   return {out[0], out[1], /*chunk_states=*/at::Tensor(), /*new_values=*/at::Tensor()};
+}
+
+at::Tensor kda_gate_autograd(const at::Tensor& z, const at::Tensor& a_log, const at::Tensor& dt_bias,
+                             double g_min) {
+  TORCH_CHECK(kda_gate_supported(z, a_log, dt_bias), "kda_gate_autograd: needs CUDA bf16 / fp32 z [..., heads, width ",
+              "(a multiple of 4)], fp32 A_log [heads] and fp32 dt_bias [heads * width] on z's device, got z ",
+              z.sizes(), " ", z.scalar_type(), ", A_log ", a_log.sizes(), " ", a_log.scalar_type(), ", dt_bias ",
+              dt_bias.sizes(), " ", dt_bias.scalar_type());
+  return KdaGateFunction::apply(z, a_log, dt_bias, g_min);
 }
 
 }  // namespace odyssey::kernels

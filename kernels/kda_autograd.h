@@ -2,7 +2,8 @@
 // (kernels/kda.h, kda_chunked_forward) in the forward, the backward kernel (kda_chunked_backward)
 // in the backward. The inputs (and the initial state) are saved, and the backward recomputes
 // everything else, unless the forward is asked to keep the chunk states (keep_chunk_states). Built only with -DODYSSEY_CUDA=ON; model/kda.cpp's kda::chunked uses it for
-// CUDA inputs the kernels support when a gradient is needed.
+// CUDA inputs the kernels support when a gradient is needed. The layer's decay gate (kernels/kda_gate.h)
+// is recorded here too (kda_gate_autograd, below; model::kda::gate takes it).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -26,5 +27,14 @@ KdaChunkedOutput kda_chunked_autograd(const at::Tensor& q, const at::Tensor& k,
                                       const at::Tensor& v, const at::Tensor& g,
                                       const at::Tensor& beta, const at::Tensor& initial_state,
                                       double scale, bool keep_chunk_states = false);
+
+// The decay gate (model::kda::gate; kernels/kda_gate.h) recorded for autograd:
+// g = g_min sigmoid(exp(A_log[h]) (z + dt_bias[h, c])), fp32 [..., H, K] from z [..., H, K]
+// (bf16 / fp32), A_log fp32 [H], dt_bias fp32 [H K] (or [H, K]). Holds z and the parameters for
+// the backward, which gives dz (z's dtype), dA_log and d dt_bias (fp32, summed over the tokens in
+// a fixed order: the same bits every run) as far as each is needed. Conditions:
+// kda_gate_supported (kernels/torch_bindings.h). First order only.
+at::Tensor kda_gate_autograd(const at::Tensor& z, const at::Tensor& a_log, const at::Tensor& dt_bias,
+                             double g_min);
 
 }  // namespace odyssey::kernels

@@ -8,6 +8,7 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include "kernels/kda.h"
+#include "kernels/kda_gate.h"
 #include "kernels/moe.h"
 #include "kernels/rms_norm.h"
 
@@ -420,6 +421,93 @@ MoeRouterTopk moe_router_topk(const at::Tensor& scores, const at::Tensor& bias, 
   out.weights = at::empty({m, top_k}, scores.options().dtype(at::kFloat));
   check_launch(moe_router_topk(s.data_ptr<float>(), b.data_ptr<float>(), out.ids.data_ptr<int64_t>(),
                                out.weights.data_ptr<float>(), m, n, top_k, current_stream(s)),
+               where);
+  return out;
+}
+
+// ---- The KDA decay gate -------------------------------------------------------------------------
+
+bool kda_gate_supported(const at::Tensor& z, const at::Tensor& a_log, const at::Tensor& dt_bias) {
+  return z.defined() && a_log.defined() && dt_bias.defined() && z.is_cuda() && z.dim() >= 2 &&
+         is_kernel_dtype(z.scalar_type()) && a_log.scalar_type() == at::kFloat &&
+         dt_bias.scalar_type() == at::kFloat && a_log.device() == z.device() && dt_bias.device() == z.device() &&
+         a_log.dim() == 1 && a_log.size(0) == z.size(-2) && dt_bias.numel() == z.size(-2) * z.size(-1) &&
+         z.size(-1) >= 4 && z.size(-1) % 4 == 0;
+}
+
+namespace {
+
+void check_kda_gate(const char* where, const at::Tensor& z, const at::Tensor& a_log, const at::Tensor& dt_bias) {
+  TORCH_CHECK(z.defined() && z.dim() >= 2, where, ": z must be [..., heads, width], got ",
+              z.defined() ? z.sizes() : at::IntArrayRef{});
+  check_cuda(where, "z", z, z.device());
+  TORCH_CHECK(is_kernel_dtype(z.scalar_type()), where, ": z must be bf16 or fp32, got ", z.scalar_type());
+  const int64_t heads = z.size(-2), width = z.size(-1);
+  TORCH_CHECK(width >= 4 && width % 4 == 0, where, ": z's width (its last dimension) must be a positive multiple of 4, got ",
+              width, " (use model::kda::gate_reference)");
+  TORCH_CHECK(a_log.defined() && a_log.dim() == 1 && a_log.size(0) == heads && a_log.scalar_type() == at::kFloat,
+              where, ": A_log must be fp32 [", heads, "], got ", a_log.defined() ? a_log.sizes() : at::IntArrayRef{},
+              " ", a_log.defined() ? a_log.scalar_type() : at::ScalarType::Undefined);
+  TORCH_CHECK(dt_bias.defined() && dt_bias.numel() == heads * width && dt_bias.scalar_type() == at::kFloat, where,
+              ": dt_bias must be fp32 with heads x width = ", heads * width, " elements, got ",
+              dt_bias.defined() ? dt_bias.sizes() : at::IntArrayRef{}, " ",
+              dt_bias.defined() ? dt_bias.scalar_type() : at::ScalarType::Undefined);
+  check_cuda(where, "A_log", a_log, z.device());
+  check_cuda(where, "dt_bias", dt_bias, z.device());
+}
+
+// Contiguous and 16-byte aligned (the launchers' vector loads): a view starting inside its
+// storage is copied.
+at::Tensor dense_aligned(const at::Tensor& t) {
+  at::Tensor c = t.detach().contiguous();
+  if (reinterpret_cast<uintptr_t>(c.data_ptr()) % 16 != 0) c = c.clone();
+  return c;
+}
+
+}  // namespace
+
+at::Tensor kda_gate(const at::Tensor& z, const at::Tensor& a_log, const at::Tensor& dt_bias, double g_min) {
+  constexpr const char* where = "kernels::kda_gate";
+  check_kda_gate(where, z, a_log, dt_bias);
+  const c10::cuda::CUDAGuard guard(z.device());
+  const at::Tensor zc = dense_aligned(z), ac = a_log.detach().contiguous(), bc = dense_aligned(dt_bias);
+  const int64_t heads = z.size(-2), width = z.size(-1), tokens = z.numel() / (heads * width);
+  at::Tensor g = at::empty(z.sizes(), z.options().dtype(at::kFloat));
+  check_launch(kda_gate_forward(kernel_dtype(z.scalar_type()), zc.data_ptr(), ac.data_ptr<float>(),
+                                bc.data_ptr<float>(), static_cast<float>(g_min), g.data_ptr<float>(), tokens, heads,
+                                width, current_stream(zc)),
+               where);
+  return g;
+}
+
+KdaGateGradients kda_gate_backward(const at::Tensor& z, const at::Tensor& a_log, const at::Tensor& dt_bias,
+                                   double g_min, const at::Tensor& dg, bool want_dz, bool want_a_log,
+                                   bool want_dt_bias) {
+  constexpr const char* where = "kernels::kda_gate_backward";
+  check_kda_gate(where, z, a_log, dt_bias);
+  TORCH_CHECK(dg.defined() && dg.sizes() == z.sizes(), where, ": dg must be ", z.sizes(), ", got ",
+              dg.defined() ? dg.sizes() : at::IntArrayRef{});
+  check_cuda(where, "dg", dg, z.device());
+  const c10::cuda::CUDAGuard guard(z.device());
+  const at::Tensor zc = dense_aligned(z), ac = a_log.detach().contiguous(), bc = dense_aligned(dt_bias);
+  const at::Tensor dgc = dense_aligned(dg.to(at::kFloat));
+  const int64_t heads = z.size(-2), width = z.size(-1), tokens = z.numel() / (heads * width);
+  KdaGateGradients out;
+  if (want_dz) out.dz = at::empty(z.sizes(), z.options());
+  if (want_a_log) out.d_a_log = at::empty({heads}, a_log.options());
+  if (want_dt_bias) out.d_dt_bias = at::empty(dt_bias.sizes(), dt_bias.options());
+  at::Tensor workspace;
+  if (want_a_log || want_dt_bias) {
+    workspace = at::empty({static_cast<int64_t>(kda_gate_backward_workspace_bytes(tokens, heads, width))},
+                          z.options().dtype(at::kByte));
+  }
+  check_launch(kda_gate_backward(kernel_dtype(z.scalar_type()), zc.data_ptr(), ac.data_ptr<float>(),
+                                 bc.data_ptr<float>(), static_cast<float>(g_min), dgc.data_ptr<float>(),
+                                 want_dz ? out.dz.data_ptr() : nullptr,
+                                 want_a_log ? out.d_a_log.data_ptr<float>() : nullptr,
+                                 want_dt_bias ? out.d_dt_bias.data_ptr<float>() : nullptr,
+                                 workspace.defined() ? workspace.data_ptr() : nullptr, tokens, heads, width,
+                                 current_stream(zc)),
                where);
   return out;
 }

@@ -93,6 +93,29 @@ at::Tensor kda_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
                     const at::Tensor& g, const at::Tensor& beta, at::Tensor& state, double scale);
 
 
+// ---- The KDA decay gate (kernels/kda_gate.h) -----------------------------------------------------
+
+// Whether the fused gate can run: z a CUDA bf16 / fp32 tensor [..., H, K] with K a positive
+// multiple of 4, A_log fp32 [H] and dt_bias fp32 with H K elements ([H K] or [H, K]), on z's device.
+// (Other dtypes, e.g. a model converted to bf16 throughout, take model::kda::gate_reference.)
+bool kda_gate_supported(const at::Tensor& z, const at::Tensor& a_log, const at::Tensor& dt_bias);
+
+// model::kda::gate on the GPU (nothing recorded for autograd; kernels/kda_autograd.h records it):
+// g = g_min sigmoid(exp(A_log[h]) (z + dt_bias[h, c])), fp32, z's shape. Non-contiguous inputs
+// are copied.
+at::Tensor kda_gate(const at::Tensor& z, const at::Tensor& a_log, const at::Tensor& dt_bias, double g_min);
+
+struct KdaGateGradients {
+  at::Tensor dz;         // z's shape and dtype, or undefined when not wanted
+  at::Tensor d_a_log;    // fp32 [H], or undefined when not wanted
+  at::Tensor d_dt_bias;  // fp32, dt_bias's shape, or undefined when not wanted
+};
+// Its backward from dg (any float dtype, z's shape; converted to fp32). The parameters' gradients
+// are sums over the tokens in a fixed order (kernels/kda_gate.h): the same bits every run.
+KdaGateGradients kda_gate_backward(const at::Tensor& z, const at::Tensor& a_log, const at::Tensor& dt_bias,
+                                   double g_min, const at::Tensor& dg, bool want_dz, bool want_a_log,
+                                   bool want_dt_bias);
+
 // ---- RMSNorm (kernels/rms_norm.h) ---------------------------------------------------------------
 
 // Whether the fused RMSNorm can run: x a CUDA bf16 / fp32 tensor [..., width] with

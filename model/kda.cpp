@@ -517,6 +517,24 @@ at::Tensor step_reference(const at::Tensor& q, const at::Tensor& k, const at::Te
   return o.to(q.scalar_type());
 }
 
+at::Tensor gate(const at::Tensor& z, const at::Tensor& a_log, const at::Tensor& dt_bias, double g_min) {
+#ifdef ODYSSEY_WITH_CUDA_KERNELS
+  if (kernels::kda_gate_supported(z, a_log, dt_bias)) return kernels::kda_gate_autograd(z, a_log, dt_bias, g_min);
+#endif
+  return gate_reference(z, a_log, dt_bias, g_min);
+}
+
+at::Tensor gate_reference(const at::Tensor& z, const at::Tensor& a_log, const at::Tensor& dt_bias, double g_min) {
+  TORCH_CHECK(z.dim() >= 2, "kda::gate: z must be [..., H, K], got ", z.sizes());
+  const int64_t heads = z.size(-2), width = z.size(-1);
+  TORCH_CHECK(a_log.dim() == 1 && a_log.size(0) == heads, "kda::gate: A_log must be [", heads, "], got ",
+              a_log.sizes());
+  TORCH_CHECK(dt_bias.numel() == heads * width, "kda::gate: dt_bias must have H * K = ", heads * width,
+              " elements, got ", dt_bias.sizes());
+  // exp(A) * (z + dt_bias), not exp(A) * z + dt_bias.
+  return g_min * at::sigmoid(a_log.exp().view({heads, 1}) * (z + dt_bias.view({heads, width})));
+}
+
 }  // namespace kda
 
 // ---------------------------------------------------------------------------------------------
@@ -860,9 +878,7 @@ IncrementalAttentionImpl::Features IncrementalAttentionImpl::features(const at::
             .view({batch, length, o.heads, o.head_v_dim});
   f.beta = at::sigmoid(b_proj_(x));
   const at::Tensor z = f_b_proj_(f_a_proj_(x)).view({batch, length, o.heads, o.head_k_dim});
-  // exp(A) * (z + dt_bias), not exp(A) * z + dt_bias.
-  f.g = o.g_min * at::sigmoid(A_log_.exp().view({o.heads, 1}) *
-                              (z + dt_bias_.view({o.heads, o.head_k_dim})));
+  f.g = kda::gate(z, A_log_, dt_bias_, o.g_min);
   return f;
 }
 

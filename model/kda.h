@@ -72,7 +72,8 @@ Output recurrent(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 // {32, 64, 128}, chunk 16, fp32/fp64 initial state); the kernel assumes g in [-5, 0]. When a
 // gradient is needed (grad mode on and an input requires grad) it is recorded for autograd with
 // the backward kernel (kda_chunked_backward) as its backward, saving only the inputs; the
-// gradients of the gate parameters behind g come from autograd through the ops that made g.
+// gradients of the gate parameters behind g come from autograd through what made g (the layer's
+// kda::gate: a kernel of its own on CUDA, below).
 // Otherwise, and always on the CPU, it is chunked_reference. The kernels round matmul operands
 // to bf16 (kernels/kda.h, "Numerics"); the backward is first order only.
 Output chunked(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -165,6 +166,20 @@ at::Tensor step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 at::Tensor step_reference(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                           const at::Tensor& g, const at::Tensor& beta, at::Tensor& state,
                           double scale);
+
+// The layer's decay gate (MODEL.md): g = g_min * sigmoid(exp(A_log[h]) * (z + dt_bias[h, c])) for
+// z [..., H, K] (the low-rank projection W_fb W_fa x per head and key channel), A_log [H],
+// dt_bias [H K] (or [H, K]); g has z's shape, in the dtype LibTorch's promotion gives (fp32 for a
+// bf16 z with fp32 parameters), and lies in [g_min, 0]. Built with the CUDA kernels, CUDA inputs
+// with fp32 parameters and K a multiple of 4 run kernels/kda_gate.h (one pass forward, one
+// backward, recorded for autograd: dz, dA_log and d dt_bias from one kernel, without the
+// reference's two fp32 intermediates of z's size held for the backward); otherwise
+// gate_reference.
+at::Tensor gate(const at::Tensor& z, const at::Tensor& a_log, const at::Tensor& dt_bias, double g_min);
+
+// The plain LibTorch gate, whatever the build and device: exp(A) (z + dt_bias), not
+// exp(A) z + dt_bias; g_min scales the sigmoid (it is not a clamp).
+at::Tensor gate_reference(const at::Tensor& z, const at::Tensor& a_log, const at::Tensor& dt_bias, double g_min);
 
 }  // namespace kda
 

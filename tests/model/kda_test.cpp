@@ -431,6 +431,39 @@ TEST(Kda, ChunkedRejectsMismatchedShapes) {
                c10::Error);
 }
 
+TEST(Kda, GateFollowsTheModelFormulaAndNamesBadShapes) {
+  // g = g_min sigmoid(exp(A_h) (z + dt_bias)), element by element in fp64: exp(A) (z + b), not
+  // exp(A) z + b; g_min scales the sigmoid (saturated z reaches g_min and 0, never past them).
+  torch::manual_seed(31);
+  at::Tensor z = at::randn({3, 5, 2, 4}, at::kDouble) * 3;
+  z.index_put_({0, 0, 0, 0}, 1e5);
+  z.index_put_({0, 0, 0, 1}, -1e5);
+  const at::Tensor a_log = at::randn({2}, at::kDouble), dt_bias = at::randn({8}, at::kDouble);
+  const at::Tensor g = kda::gate(z, a_log, dt_bias, -5.0);
+  ASSERT_EQ(g.sizes(), z.sizes());
+  double worst = 0;
+  for (int64_t i = 0; i < z.numel(); ++i) {
+    const int64_t h = (i / 4) % 2, c = i % 4;
+    const double u = z.reshape({-1})[i].item<double>() + dt_bias[h * 4 + c].item<double>();
+    const double expected = -5.0 / (1.0 + std::exp(-std::exp(a_log[h].item<double>()) * u));
+    worst = std::max(worst, std::abs(g.reshape({-1})[i].item<double>() - expected));
+  }
+  EXPECT_LT(worst, 1e-14);
+  EXPECT_DOUBLE_EQ(g[0][0][0][0].item<double>(), -5.0);
+  EXPECT_DOUBLE_EQ(g[0][0][0][1].item<double>(), 0.0);
+  EXPECT_TRUE(at::equal(g, kda::gate_reference(z, a_log, dt_bias, -5.0)));
+  auto message = [&](const at::Tensor& a, const at::Tensor& b) {
+    try {
+      kda::gate(z, a, b, -5.0);
+    } catch (const c10::Error& e) {
+      return std::string(e.what_without_backtrace());
+    }
+    return std::string("accepted");
+  };
+  EXPECT_NE(message(at::zeros({3}, at::kDouble), dt_bias).find("A_log must be [2]"), std::string::npos);
+  EXPECT_NE(message(a_log, at::zeros({6}, at::kDouble)).find("dt_bias must have H * K = 8"), std::string::npos);
+}
+
 // ---------------------------------------------------------------------------------------------
 // The layer
 
