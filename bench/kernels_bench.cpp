@@ -445,6 +445,46 @@ void bench_gate(const KernelsBenchOptions& o, int64_t batch, int64_t length, int
   r.kda_gate_reference_train_ms = reference_train.best_ms;
 }
 
+// One KDA layer (model::IncrementalAttention at configs/model/small.toml's sizes: hidden 1024, 8
+// heads of K = V = 128, decay rank 128), forward + backward in fp32 (what the learner trains in) at
+// B=2, T=16K, against its attention core alone (kda::chunked through autograd on inputs of the
+// same shapes, fp32) in the same run: the share of the layer's step that is the core, the rest
+// being the projections, the short convolutions, SiLU, the L2 norms, the gates and the output norm.
+void bench_layer(const KernelsBenchOptions& o, int64_t batch, int64_t length) {
+  const at::AutoGradMode grad_mode(true);
+  model::IncrementalAttentionOptions lo;
+  lo.hidden = 1024;
+  lo.heads = 8;
+  lo.decay_rank = 128;
+  model::IncrementalAttention layer(lo);
+  layer->to(at::kCUDA);
+  const auto f32 = at::TensorOptions().device(at::kCUDA).dtype(at::kFloat);
+  const at::Tensor x = at::randn({batch, length, lo.hidden}, f32);
+  const at::Tensor dy = at::randn({batch, length, lo.hidden}, f32);
+  const Timing step = time_cuda(
+      [&] {
+        for (auto& p : layer->parameters()) p.mutable_grad() = at::Tensor();
+        layer->forward(x).backward(dy);
+      },
+      1, o.reference_repeats);
+  KdaInputs in = make_inputs(batch, length, lo.heads, lo.head_k_dim, lo.head_v_dim);
+  const at::Tensor q = in.q.to(at::kFloat).requires_grad_(true), k = in.k.to(at::kFloat).requires_grad_(true);
+  const at::Tensor v = in.v.to(at::kFloat).requires_grad_(true), g = in.g.clone().requires_grad_(true);
+  const at::Tensor beta = in.beta.to(at::kFloat).requires_grad_(true);
+  const at::Tensor d_o = at::randn(v.sizes(), f32);
+  const Timing core = time_cuda(
+      [&] {
+        for (const at::Tensor* t : {&q, &k, &v, &g, &beta}) t->mutable_grad() = at::Tensor();
+        kda::chunked(q, k, v, g, beta, at::Tensor(), in.scale).o.backward(d_o);
+      },
+      1, o.reference_repeats);
+  std::printf("kda layer   B=%ld T=%ld hidden 1024, 8 heads of 128, fp32: forward + backward best %8.3f ms; "
+              "its attention core alone %8.3f ms (%.0f%% of the layer)\n",
+              static_cast<long>(batch), static_cast<long>(length), step.best_ms, core.best_ms,
+              100.0 * core.best_ms / step.best_ms);
+  std::fflush(stdout);
+}
+
 // ---- MoE ------------------------------------------------------------------------------------------
 
 // The layer at configs/model/small.toml's expert shapes.
@@ -1278,6 +1318,7 @@ Result<KernelsBenchResult> run_kernels_bench(const KernelsBenchOptions& options)
     r.kda_backward_ms = bench_backward(options, 2, 16384, 64, r.kda_forward_ms, r.copy_gb_per_s);
     r.kda_decode_ms = bench_decode(options, 256, 64, r.copy_gb_per_s);
     bench_gate(options, 2, 16384, 64, r.copy_gb_per_s, r);
+    bench_layer(options, 2, 16384);
     std::printf("kda_backward_ms: %.3f (%.2fx the forward)\n", r.kda_backward_ms,
                 r.kda_backward_ms / r.kda_forward_ms);
     std::printf("kda_forward_ms: %.3f\n", r.kda_forward_ms);
