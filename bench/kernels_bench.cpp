@@ -445,6 +445,52 @@ void bench_gate(const KernelsBenchOptions& o, int64_t batch, int64_t length, int
   r.kda_gate_reference_train_ms = reference_train.best_ms;
 }
 
+// The short convolution on q (or k) at the bench's shape, fp32 (training's dtype): SiLU of the
+// causal depthwise convolution (W = 4) and each head's L2 norm, fused (kernels/kda_conv.h) against
+// the layer's LibTorch chain on the same tensors, forward + backward through autograd (dx, d
+// conv_inputs, d weight). The fused passes' bytes (x in and y out; x and dy in, dx out) against the
+// copy rate of the same run.
+void bench_conv(const KernelsBenchOptions& o, int64_t batch, int64_t length, int64_t heads, double copy_gb_per_s) {
+  const int64_t head = 128, channels = heads * head, width = 4;
+  const at::AutoGradMode grad_mode(true);
+  const auto cuda = at::TensorOptions().device(at::kCUDA);
+  const at::Tensor x = at::randn({batch, length, channels}, cuda).requires_grad_(true);
+  const at::Tensor conv_inputs = at::zeros({batch, width - 1, channels}, cuda);
+  const at::Tensor weight = (at::randn({channels, 1, width}, cuda) * 0.5).requires_grad_(true);
+  const at::Tensor dy = at::randn(x.sizes(), cuda);
+  auto reference = [&] {
+    const at::Tensor window = at::cat({conv_inputs, x}, 1);
+    const at::Tensor taps = weight.reshape({channels, width});
+    at::Tensor out = window.slice(1, 0, length) * taps.select(1, 0);
+    for (int64_t j = 1; j < width; ++j) out = out + window.slice(1, j, j + length) * taps.select(1, j);
+    const at::Tensor y = at::silu(out).view({batch, length, heads, head});
+    return y * at::rsqrt(y.pow(2).sum(-1, /*keepdim=*/true) + 1e-6);
+  };
+  auto clear = [&] {
+    for (const at::Tensor* t : {&x, &weight}) t->mutable_grad() = at::Tensor();
+  };
+  const Timing fused = time_cuda(
+      [&] {
+        clear();
+        kernels::kda_short_conv_autograd(x, conv_inputs, weight, head, 1e-6).backward(dy);
+      },
+      o.warmup, o.repeats);
+  const Timing plain = time_cuda(
+      [&] {
+        clear();
+        reference().backward(dy.view({batch, length, heads, head}));
+      },
+      o.warmup, o.repeats);
+  clear();
+  const double bytes = 5.0 * static_cast<double>(x.numel()) * 4;
+  std::printf("kda conv    B=%ld T=%ld D=%ld fp32, W=4, SiLU and per-head L2 norm: forward + backward fused best "
+              "%8.3f ms (%.0f%% of copy for its 5 passes over x's size) vs LibTorch autograd %8.3f ms -> %.1fx\n",
+              static_cast<long>(batch), static_cast<long>(length), static_cast<long>(channels), fused.best_ms,
+              100.0 * bytes / (fused.best_ms * 1e-3) / 1e9 / copy_gb_per_s, plain.best_ms,
+              plain.best_ms / fused.best_ms);
+  std::fflush(stdout);
+}
+
 // One KDA layer (model::IncrementalAttention at configs/model/small.toml's sizes: hidden 1024, 8
 // heads of K = V = 128, decay rank 128), forward + backward in fp32 (what the learner trains in) at
 // B=2, T=16K, against its attention core alone (kda::chunked through autograd on inputs of the
@@ -1318,6 +1364,7 @@ Result<KernelsBenchResult> run_kernels_bench(const KernelsBenchOptions& options)
     r.kda_backward_ms = bench_backward(options, 2, 16384, 64, r.kda_forward_ms, r.copy_gb_per_s);
     r.kda_decode_ms = bench_decode(options, 256, 64, r.copy_gb_per_s);
     bench_gate(options, 2, 16384, 64, r.copy_gb_per_s, r);
+    bench_conv(options, 2, 16384, 64, r.copy_gb_per_s);
     bench_layer(options, 2, 16384);
     std::printf("kda_backward_ms: %.3f (%.2fx the forward)\n", r.kda_backward_ms,
                 r.kda_backward_ms / r.kda_forward_ms);

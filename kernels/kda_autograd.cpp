@@ -81,6 +81,28 @@ class KdaGateFunction : public torch::autograd::Function<KdaGateFunction> {
   }
 };
 
+// The short convolution with SiLU and the per-head norm: saves x, conv_inputs and the weight (the
+// LibTorch chain keeps the window, each product and sum, SiLU's input and the norm's factors); the
+// backward recomputes them per element.
+class KdaShortConvFunction : public torch::autograd::Function<KdaShortConvFunction> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& conv_inputs,
+                            const at::Tensor& weight, int64_t head, double eps) {
+    ctx->save_for_backward({x, conv_inputs, weight});
+    ctx->saved_data["head"] = head;
+    ctx->saved_data["eps"] = eps;
+    return kda_short_conv(x, conv_inputs, weight, head, eps);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const KdaShortConvGradients d = kda_short_conv_backward(
+        saved[0], saved[1], saved[2], ctx->saved_data["head"].toInt(), ctx->saved_data["eps"].toDouble(), grads[0],
+        ctx->needs_input_grad(0), ctx->needs_input_grad(1), ctx->needs_input_grad(2));
+    return {d.dx, d.d_conv_inputs, d.d_weight, at::Tensor(), at::Tensor()};
+  }
+};
+
 }  // namespace
 
 KdaChunkedOutput kda_chunked_autograd(const at::Tensor& q, const at::Tensor& k,
@@ -100,6 +122,15 @@ at::Tensor kda_gate_autograd(const at::Tensor& z, const at::Tensor& a_log, const
               z.sizes(), " ", z.scalar_type(), ", A_log ", a_log.sizes(), " ", a_log.scalar_type(), ", dt_bias ",
               dt_bias.sizes(), " ", dt_bias.scalar_type());
   return KdaGateFunction::apply(z, a_log, dt_bias, g_min);
+}
+
+at::Tensor kda_short_conv_autograd(const at::Tensor& x, const at::Tensor& conv_inputs, const at::Tensor& weight,
+                                   int64_t head, double eps) {
+  TORCH_CHECK(kda_short_conv_supported(x, conv_inputs, weight, head),
+              "kda_short_conv_autograd: needs fp32 CUDA x [B, T, D] (D a multiple of 128), conv_inputs [B, W - 1, D], "
+              "weight [D, 1, W] (W <= 4) and head 0 or a power-of-two multiple of 4 up to 128, got x ",
+              x.sizes(), ", conv_inputs ", conv_inputs.sizes(), ", weight ", weight.sizes(), ", head ", head);
+  return KdaShortConvFunction::apply(x, conv_inputs, weight, head, eps);
 }
 
 }  // namespace odyssey::kernels

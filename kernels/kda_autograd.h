@@ -37,4 +37,13 @@ KdaChunkedOutput kda_chunked_autograd(const at::Tensor& q, const at::Tensor& k,
 at::Tensor kda_gate_autograd(const at::Tensor& z, const at::Tensor& a_log, const at::Tensor& dt_bias,
                              double g_min);
 
+// The layer's short convolution on q, k or v (kernels/kda_conv.h) recorded for autograd: SiLU of
+// the causal depthwise convolution of [conv_inputs | x] with weight, then (head > 0) each head's
+// channels divided by sqrt(their sum of squares + eps); fp32 [B, T, D]. Holds x, conv_inputs and
+// the weight; the backward gives dx, d conv_inputs and d weight (summed in a fixed order) as far
+// as each is needed. Conditions: kda_short_conv_supported (kernels/torch_bindings.h). First order
+// only.
+at::Tensor kda_short_conv_autograd(const at::Tensor& x, const at::Tensor& conv_inputs, const at::Tensor& weight,
+                                   int64_t head, double eps);
+
 }  // namespace odyssey::kernels

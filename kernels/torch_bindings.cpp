@@ -8,6 +8,7 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include "kernels/kda.h"
+#include "kernels/kda_conv.h"
 #include "kernels/kda_gate.h"
 #include "kernels/moe.h"
 #include "kernels/rms_norm.h"
@@ -508,6 +509,106 @@ KdaGateGradients kda_gate_backward(const at::Tensor& z, const at::Tensor& a_log,
                                  want_dt_bias ? out.d_dt_bias.data_ptr<float>() : nullptr,
                                  workspace.defined() ? workspace.data_ptr() : nullptr, tokens, heads, width,
                                  current_stream(zc)),
+               where);
+  return out;
+}
+
+// ---- The KDA layer's short convolution ----------------------------------------------------------
+
+namespace {
+
+bool short_conv_head_supported(int64_t head, int64_t channels) {
+  if (head == 0) return true;
+  const int64_t lanes = head / 4;
+  return head >= 4 && head <= 128 && head % 4 == 0 && (lanes & (lanes - 1)) == 0 && channels % head == 0;
+}
+
+int64_t short_conv_width(const at::Tensor& weight) { return weight.size(-1); }
+
+}  // namespace
+
+bool kda_short_conv_supported(const at::Tensor& x, const at::Tensor& conv_inputs, const at::Tensor& weight,
+                              int64_t head) {
+  if (!x.defined() || !conv_inputs.defined() || !weight.defined() || !x.is_cuda() || x.dim() != 3) return false;
+  if (x.scalar_type() != at::kFloat || conv_inputs.scalar_type() != at::kFloat || weight.scalar_type() != at::kFloat) {
+    return false;
+  }
+  if (conv_inputs.device() != x.device() || weight.device() != x.device()) return false;
+  const int64_t channels = x.size(2);
+  const bool weight_shape = (weight.dim() == 3 && weight.size(1) == 1) || weight.dim() == 2;
+  if (!weight_shape || weight.size(0) != channels) return false;
+  const int64_t width = short_conv_width(weight);
+  return width >= 1 && width <= kKdaConvMaxWidth && channels % 128 == 0 && x.size(0) >= 1 && x.size(0) <= 65535 &&
+         conv_inputs.dim() == 3 && conv_inputs.size(0) == x.size(0) && conv_inputs.size(1) == width - 1 &&
+         conv_inputs.size(2) == channels && short_conv_head_supported(head, channels);
+}
+
+namespace {
+
+void check_short_conv(const char* where, const at::Tensor& x, const at::Tensor& conv_inputs, const at::Tensor& weight,
+                      int64_t head) {
+  TORCH_CHECK(x.defined() && x.dim() == 3, where, ": x must be [B, T, D], got ",
+              x.defined() ? x.sizes() : at::IntArrayRef{});
+  check_cuda(where, "x", x, x.device());
+  TORCH_CHECK(kda_short_conv_supported(x, conv_inputs, weight, head), where,
+              ": needs fp32 x [B, T, D] (D a multiple of 128), conv_inputs [B, W - 1, D] and weight [D, 1, W] "
+              "(1 <= W <= ",
+              kKdaConvMaxWidth, ") on x's device, and head 0 or a power-of-two multiple of 4 up to 128 dividing D; got x ",
+              x.sizes(), " ", x.scalar_type(), ", conv_inputs ",
+              conv_inputs.defined() ? conv_inputs.sizes() : at::IntArrayRef{}, ", weight ",
+              weight.defined() ? weight.sizes() : at::IntArrayRef{}, ", head ", head,
+              " (use the layer's LibTorch short_conv)");
+}
+
+}  // namespace
+
+at::Tensor kda_short_conv(const at::Tensor& x, const at::Tensor& conv_inputs, const at::Tensor& weight, int64_t head,
+                          double eps) {
+  constexpr const char* where = "kernels::kda_short_conv";
+  check_short_conv(where, x, conv_inputs, weight, head);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const at::Tensor xc = dense_aligned(x), cc = dense_aligned(conv_inputs), wc = weight.detach().contiguous();
+  at::Tensor y = at::empty(x.sizes(), x.options());
+  check_launch(kda_short_conv_forward(xc.data_ptr<float>(), cc.numel() > 0 ? cc.data_ptr<float>() : nullptr,
+                                      wc.data_ptr<float>(), y.data_ptr<float>(), x.size(0), x.size(1), x.size(2),
+                                      static_cast<int>(short_conv_width(weight)), static_cast<int>(head),
+                                      static_cast<float>(eps), current_stream(xc)),
+               where);
+  return y;
+}
+
+KdaShortConvGradients kda_short_conv_backward(const at::Tensor& x, const at::Tensor& conv_inputs,
+                                              const at::Tensor& weight, int64_t head, double eps,
+                                              const at::Tensor& dy, bool want_dx, bool want_conv_inputs,
+                                              bool want_weight) {
+  constexpr const char* where = "kernels::kda_short_conv_backward";
+  check_short_conv(where, x, conv_inputs, weight, head);
+  TORCH_CHECK(dy.defined() && dy.sizes() == x.sizes(), where, ": dy must be ", x.sizes(), ", got ",
+              dy.defined() ? dy.sizes() : at::IntArrayRef{});
+  check_cuda(where, "dy", dy, x.device());
+  const c10::cuda::CUDAGuard guard(x.device());
+  const at::Tensor xc = dense_aligned(x), cc = dense_aligned(conv_inputs), wc = weight.detach().contiguous();
+  const at::Tensor gc = dense_aligned(dy.to(at::kFloat));
+  const int64_t batch = x.size(0), length = x.size(1), channels = x.size(2), width = short_conv_width(weight);
+  KdaShortConvGradients out;
+  if (want_dx) out.dx = at::empty(x.sizes(), x.options());
+  if (want_conv_inputs) out.d_conv_inputs = at::zeros(conv_inputs.sizes(), conv_inputs.options());
+  if (want_weight) out.d_weight = at::empty(weight.sizes(), weight.options());
+  at::Tensor workspace;
+  if (want_weight) {
+    workspace = at::empty(
+        {static_cast<int64_t>(kda_short_conv_backward_workspace_bytes(batch, length, channels, static_cast<int>(width)))},
+        x.options().dtype(at::kByte));
+  }
+  float* d_conv = want_conv_inputs && out.d_conv_inputs.numel() > 0 ? out.d_conv_inputs.data_ptr<float>() : nullptr;
+  check_launch(kda_short_conv_backward(xc.numel() > 0 ? xc.data_ptr<float>() : nullptr,
+                                       cc.numel() > 0 ? cc.data_ptr<float>() : nullptr, wc.data_ptr<float>(),
+                                       gc.numel() > 0 ? gc.data_ptr<float>() : nullptr,
+                                       want_dx && out.dx.numel() > 0 ? out.dx.data_ptr<float>() : nullptr, d_conv,
+                                       want_weight ? out.d_weight.data_ptr<float>() : nullptr,
+                                       workspace.defined() ? workspace.data_ptr() : nullptr, batch, length, channels,
+                                       static_cast<int>(width), static_cast<int>(head), static_cast<float>(eps),
+                                       current_stream(xc)),
                where);
   return out;
 }

@@ -116,6 +116,32 @@ KdaGateGradients kda_gate_backward(const at::Tensor& z, const at::Tensor& a_log,
                                    double g_min, const at::Tensor& dg, bool want_dz, bool want_a_log,
                                    bool want_dt_bias);
 
+// ---- The KDA layer's short convolution (kernels/kda_conv.h) -------------------------------------
+
+// Whether the fused short convolution can run: x fp32 CUDA [B, T, D] with D a multiple of 128,
+// conv_inputs fp32 [B, W - 1, D], weight fp32 [D, 1, W] or [D, W] with 1 <= W <= 4, on x's device;
+// head 0 (no norm) or a power-of-two multiple of 4 up to 128 dividing D.
+bool kda_short_conv_supported(const at::Tensor& x, const at::Tensor& conv_inputs, const at::Tensor& weight,
+                              int64_t head);
+
+// SiLU(causal depthwise convolution of [conv_inputs | x] with weight), then with head > 0 each
+// head's channels divided by sqrt(their sum of squares + eps): fp32 [B, T, D] (kernels/kda_conv.h;
+// nothing recorded for autograd, kernels/kda_autograd.h records it). Non-contiguous inputs are
+// copied.
+at::Tensor kda_short_conv(const at::Tensor& x, const at::Tensor& conv_inputs, const at::Tensor& weight, int64_t head,
+                          double eps);
+
+struct KdaShortConvGradients {
+  at::Tensor dx;             // x's shape, or undefined when not wanted
+  at::Tensor d_conv_inputs;  // conv_inputs' shape, or undefined when not wanted
+  at::Tensor d_weight;       // weight's shape, or undefined when not wanted
+};
+// Its backward from dy (any float dtype, x's shape). d_weight is summed in a fixed order.
+KdaShortConvGradients kda_short_conv_backward(const at::Tensor& x, const at::Tensor& conv_inputs,
+                                              const at::Tensor& weight, int64_t head, double eps,
+                                              const at::Tensor& dy, bool want_dx, bool want_conv_inputs,
+                                              bool want_weight);
+
 // ---- RMSNorm (kernels/rms_norm.h) ---------------------------------------------------------------
 
 // Whether the fused RMSNorm can run: x a CUDA bf16 / fp32 tensor [..., width] with

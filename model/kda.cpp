@@ -836,6 +836,24 @@ KdaState IncrementalAttentionImpl::initial_state(int64_t batch) const {
   return state;
 }
 
+at::Tensor IncrementalAttentionImpl::conv_features(const at::Tensor& projected, const at::Tensor& weight,
+                                                  at::Tensor& conv_inputs, int64_t head) const {
+#ifdef ODYSSEY_WITH_CUDA_KERNELS
+  if (kernels::kda_short_conv_supported(projected, conv_inputs, weight, head)) {
+    const at::Tensor y = kernels::kda_short_conv_autograd(projected, conv_inputs, weight, head, kL2NormEps);
+    // The inputs the next call's window starts with: the last W - 1 of [conv_inputs | projected].
+    const int64_t keep = options_.conv_width - 1, length = projected.size(1);
+    conv_inputs = length >= keep ? projected.slice(1, length - keep, length).contiguous()
+                                 : at::cat({conv_inputs.slice(1, length, keep), projected}, 1);
+    return y;
+  }
+#endif
+  const at::Tensor activated = at::silu(short_conv(projected, weight, conv_inputs));
+  if (head == 0) return activated;
+  const std::vector<int64_t> heads = {projected.size(0), projected.size(1), projected.size(2) / head, head};
+  return l2_normalize(activated.view(heads)).view(projected.sizes());
+}
+
 at::Tensor IncrementalAttentionImpl::short_conv(const at::Tensor& projected,
                                                const at::Tensor& weight,
                                                at::Tensor& conv_inputs) const {
@@ -870,11 +888,11 @@ IncrementalAttentionImpl::Features IncrementalAttentionImpl::features(const at::
   check_conv(state.v_conv_inputs, o.heads * o.head_v_dim, "v_conv_inputs");
 
   Features f;
-  f.q = l2_normalize(at::silu(short_conv(q_proj_(x), q_conv1d_->weight, state.q_conv_inputs))
-                         .view({batch, length, o.heads, o.head_k_dim}));
-  f.k = l2_normalize(at::silu(short_conv(k_proj_(x), k_conv1d_->weight, state.k_conv_inputs))
-                         .view({batch, length, o.heads, o.head_k_dim}));
-  f.v = at::silu(short_conv(v_proj_(x), v_conv1d_->weight, state.v_conv_inputs))
+  f.q = conv_features(q_proj_(x), q_conv1d_->weight, state.q_conv_inputs, o.head_k_dim)
+            .view({batch, length, o.heads, o.head_k_dim});
+  f.k = conv_features(k_proj_(x), k_conv1d_->weight, state.k_conv_inputs, o.head_k_dim)
+            .view({batch, length, o.heads, o.head_k_dim});
+  f.v = conv_features(v_proj_(x), v_conv1d_->weight, state.v_conv_inputs, 0)
             .view({batch, length, o.heads, o.head_v_dim});
   f.beta = at::sigmoid(b_proj_(x));
   const at::Tensor z = f_b_proj_(f_a_proj_(x)).view({batch, length, o.heads, o.head_k_dim});

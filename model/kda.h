@@ -285,6 +285,11 @@ class IncrementalAttentionImpl : public torch::nn::Module {
   at::Tensor output(const at::Tensor& x, const at::Tensor& o);
   at::Tensor short_conv(const at::Tensor& projected, const at::Tensor& weight,
                         at::Tensor& conv_inputs) const;
+  // SiLU(short_conv(...)), then with head > 0 each head's L2 norm: [B, T, D]. Built with the CUDA
+  // kernels, fp32 CUDA tensors the fused kernel supports take kernels/kda_conv.h (recorded for
+  // autograd); otherwise the LibTorch chain above.
+  at::Tensor conv_features(const at::Tensor& projected, const at::Tensor& weight, at::Tensor& conv_inputs,
+                           int64_t head) const;
 
   IncrementalAttentionOptions options_;
   torch::nn::Linear q_proj_{nullptr}, k_proj_{nullptr}, v_proj_{nullptr};
