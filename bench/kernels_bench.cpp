@@ -1341,6 +1341,11 @@ Result<KernelsBenchResult> run_kernels_bench(const KernelsBenchOptions& options)
     if (moe) bench_moe(options, r);
     if (!kda) return r;
     r.copy_gb_per_s = measure_copy_gb_per_s(options);
+    // The layer around the attention core: its decay gate and short convolutions fused, and one
+    // layer's training step against its core alone.
+    bench_gate(options, 2, 16384, 64, r.copy_gb_per_s, r);
+    bench_conv(options, 2, 16384, 64, r.copy_gb_per_s);
+    bench_layer(options, 2, 16384);
     // The same with two CTAs of 4 warps per head, 64 value columns each, instead of one CTA of
     // 16 specialized warps (KdaChunkedOptions::head_walk, on by default): what the whole-head
     // walk is worth, measured in the same run (bit for bit the same results).
@@ -1363,9 +1368,6 @@ Result<KernelsBenchResult> run_kernels_bench(const KernelsBenchOptions& options)
                 r.kda_forward_long_serial_ms / r.kda_forward_long_ms);
     r.kda_backward_ms = bench_backward(options, 2, 16384, 64, r.kda_forward_ms, r.copy_gb_per_s);
     r.kda_decode_ms = bench_decode(options, 256, 64, r.copy_gb_per_s);
-    bench_gate(options, 2, 16384, 64, r.copy_gb_per_s, r);
-    bench_conv(options, 2, 16384, 64, r.copy_gb_per_s);
-    bench_layer(options, 2, 16384);
     std::printf("kda_backward_ms: %.3f (%.2fx the forward)\n", r.kda_backward_ms,
                 r.kda_backward_ms / r.kda_forward_ms);
     std::printf("kda_forward_ms: %.3f\n", r.kda_forward_ms);

@@ -2,6 +2,13 @@
 // their plain LibTorch references, measured in the same run with CUDA events (warm-up, then
 // best and median of N). Rows:
 //   copy        device-to-device copy bandwidth (the memory floor's yardstick)
+//   kda gate    the layer's decay gate g = g_min sigmoid(exp(A) (z + dt_bias)) at B=2, T=16K, H=64,
+//               K=128, fp32 z: fused (kernels/kda_gate.h) vs the LibTorch formula, forward and
+//               forward + backward, and the fused passes' bytes as a fraction of the copy rate
+//   kda conv    the short convolution of q (W=4) with SiLU and the per-head L2 norm, same shape,
+//               fp32: fused (kernels/kda_conv.h) vs the layer's LibTorch chain, forward + backward
+//   kda layer   one IncrementalAttention layer (hidden 1024, 8 heads of 128) forward + backward in
+//               fp32 at B=2, T=16K, and its attention core (kda::chunked) alone: the core's share
 //   kda forward B=2, T=16K, H=64, K=V=128 bf16 and B=1, T=64K, H=4: kernel vs
 //               kda::chunked_reference (ratio), TFLOP/s, fraction of the memory floor (bytes of
 //               q, k, v, g, beta in and o out at the measured copy bandwidth); B=1, T=64K, H=4
