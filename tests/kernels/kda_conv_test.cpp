@@ -143,7 +143,10 @@ TEST_F(KdaConvKernel, LayerChunkByChunkEqualsOneCallThroughTheKernels) {
   const at::Tensor third = layer->forward_chunk(x.slice(1, 33, 70), state);
   const double error = (at::cat({first, second, third}, 1) - whole).abs().max().item<double>();
   std::printf("  layer chunk by chunk (2 + 31 + 37 tokens) against one call: max error %.2e\n", error);
-  EXPECT_LT(error, 2e-3 * std::max(1.0, whole.abs().max().item<double>()));
+  // The outputs go through the attention core's kernels, whose bf16 matmul operands round
+  // differently under another chunking (kernels/kda.h, "Numerics"; the core's own continuation test
+  // allows 2e-2): the convolution's share is the conv inputs it carries, equal bit for bit below.
+  EXPECT_LT(error, 2e-2 * std::max(1.0, whole.abs().max().item<double>()));
   // The conv inputs carried: the last three projections, as one call over all 70 tokens leaves them.
   model::KdaState once = layer->initial_state(2);
   layer->forward_chunk(x, once);

@@ -99,11 +99,22 @@ TEST_F(KdaGateKernel, ForwardAndBackwardMatchTheReferenceAndItsFp64Autograd) {
           EXPECT_EQ(a_log.grad().sizes(), a_log.sizes()) << name;
           EXPECT_EQ(dt_bias.grad().sizes(), dt_bias.sizes()) << name;
           const double e_dz = relative_error(z.grad(), zr.grad());
-          const double e_a = relative_error(a_log.grad(), ar.grad());
+          // A_log's gradient sums terms of both signs over the tokens and channels: its error is
+          // measured against the sum of their magnitudes (a single token's 32 terms can cancel to
+          // far below any one of them).
+          double e_a = 0.0;
+          if (tokens > 0) {
+            const at::Tensor u = zr.detach() + br.detach().view({heads, width});
+            const at::Tensor e_A = ar.detach().exp().view({heads, 1});
+            const at::Tensor s = at::sigmoid(e_A * u);
+            const at::Tensor magnitude =
+                (dg.to(at::kDouble) * kGMin * s * (1 - s) * u * e_A).abs().sum(at::IntArrayRef{0, 2});
+            e_a = ((a_log.grad().to(at::kDouble) - ar.grad()).abs() / magnitude.clamp_min(1e-30)).max().item<double>();
+          }
           const double e_b = relative_error(dt_bias.grad(), br.grad());
           if (tokens == 1000 && heads == 3) {
             std::printf("  gate %-38s g %.1e (%lld of %lld elements differ from fp32 LibTorch), dz %.1e, "
-                        "dA_log %.1e, d dt_bias %.1e (relative to the largest fp64 value)\n",
+                        "dA_log %.1e (of its terms' magnitude), d dt_bias %.1e (relative to the largest fp64 value)\n",
                         name.c_str(), g_error, static_cast<long long>(differing),
                         static_cast<long long>(g.numel()), e_dz, e_a, e_b);
           }
