@@ -458,14 +458,7 @@ void bench_conv(const KernelsBenchOptions& o, int64_t batch, int64_t length, int
   const at::Tensor conv_inputs = at::zeros({batch, width - 1, channels}, cuda);
   const at::Tensor weight = (at::randn({channels, 1, width}, cuda) * 0.5).requires_grad_(true);
   const at::Tensor dy = at::randn(x.sizes(), cuda);
-  auto reference = [&] {
-    const at::Tensor window = at::cat({conv_inputs, x}, 1);
-    const at::Tensor taps = weight.reshape({channels, width});
-    at::Tensor out = window.slice(1, 0, length) * taps.select(1, 0);
-    for (int64_t j = 1; j < width; ++j) out = out + window.slice(1, j, j + length) * taps.select(1, j);
-    const at::Tensor y = at::silu(out).view({batch, length, heads, head});
-    return y * at::rsqrt(y.pow(2).sum(-1, /*keepdim=*/true) + 1e-6);
-  };
+  auto reference = [&] { return kda::short_conv_reference(x, conv_inputs, weight, head, 1e-6); };
   auto clear = [&] {
     for (const at::Tensor* t : {&x, &weight}) t->mutable_grad() = at::Tensor();
   };
@@ -478,7 +471,7 @@ void bench_conv(const KernelsBenchOptions& o, int64_t batch, int64_t length, int
   const Timing plain = time_cuda(
       [&] {
         clear();
-        reference().backward(dy.view({batch, length, heads, head}));
+        reference().backward(dy);
       },
       o.warmup, o.repeats);
   clear();

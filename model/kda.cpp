@@ -535,6 +535,29 @@ at::Tensor gate_reference(const at::Tensor& z, const at::Tensor& a_log, const at
   return g_min * at::sigmoid(a_log.exp().view({heads, 1}) * (z + dt_bias.view({heads, width})));
 }
 
+at::Tensor short_conv_reference(const at::Tensor& x, const at::Tensor& conv_inputs, const at::Tensor& weight,
+                                int64_t head, double eps) {
+  TORCH_CHECK(x.dim() == 3, "kda::short_conv: x must be [B, T, D], got ", x.sizes());
+  const int64_t batch = x.size(0), length = x.size(1), channels = x.size(2), width = weight.size(-1);
+  TORCH_CHECK(weight.numel() == channels * width, "kda::short_conv: weight must be [", channels, ", 1, W], got ",
+              weight.sizes());
+  TORCH_CHECK(conv_inputs.dim() == 3 && conv_inputs.size(0) == batch && conv_inputs.size(1) == width - 1 &&
+                  conv_inputs.size(2) == channels,
+              "kda::short_conv: conv_inputs must be [", batch, ", ", width - 1, ", ", channels, "], got ",
+              conv_inputs.sizes());
+  TORCH_CHECK(head >= 0 && (head == 0 || channels % head == 0), "kda::short_conv: head must divide ", channels,
+              ", got ", head);
+  const at::Tensor window = at::cat({conv_inputs, x}, 1);  // [B, W-1+T, D]
+  const at::Tensor taps = weight.reshape({channels, width});
+  at::Tensor out = window.slice(1, 0, length) * taps.select(1, 0);
+  for (int64_t j = 1; j < width; ++j) out = out + window.slice(1, j, j + length) * taps.select(1, j);
+  const at::Tensor activated = at::silu(out);
+  if (head == 0) return activated;
+  const at::Tensor heads = activated.view({batch, length, channels / head, head});
+  // x / sqrt(sum(x^2) + eps) over each head's channels.
+  return (heads * at::rsqrt(heads.pow(2).sum(-1, /*keepdim=*/true) + eps)).view(x.sizes());
+}
+
 }  // namespace kda
 
 // ---------------------------------------------------------------------------------------------
@@ -769,13 +792,8 @@ Result<KdaState> KdaState::from_bytes(const std::string& bytes) {
 
 namespace {
 
-constexpr double kL2NormEps = 1e-6;
+constexpr double kL2NormEps = 1e-6;  // added to a head's sum of squares (q, k)
 constexpr double kRmsNormEps = 1e-5;
-
-// x / sqrt(sum(x^2) + eps) over the last dimension.
-at::Tensor l2_normalize(const at::Tensor& x) {
-  return x * at::rsqrt(x.pow(2).sum(-1, /*keepdim=*/true) + kL2NormEps);
-}
 
 }  // namespace
 
@@ -838,33 +856,18 @@ KdaState IncrementalAttentionImpl::initial_state(int64_t batch) const {
 
 at::Tensor IncrementalAttentionImpl::conv_features(const at::Tensor& projected, const at::Tensor& weight,
                                                   at::Tensor& conv_inputs, int64_t head) const {
+  at::Tensor y;
 #ifdef ODYSSEY_WITH_CUDA_KERNELS
   if (kernels::kda_short_conv_supported(projected, conv_inputs, weight, head)) {
-    const at::Tensor y = kernels::kda_short_conv_autograd(projected, conv_inputs, weight, head, kL2NormEps);
-    // The inputs the next call's window starts with: the last W - 1 of [conv_inputs | projected].
-    const int64_t keep = options_.conv_width - 1, length = projected.size(1);
-    conv_inputs = length >= keep ? projected.slice(1, length - keep, length).contiguous()
-                                 : at::cat({conv_inputs.slice(1, length, keep), projected}, 1);
-    return y;
+    y = kernels::kda_short_conv_autograd(projected, conv_inputs, weight, head, kL2NormEps);
   }
 #endif
-  const at::Tensor activated = at::silu(short_conv(projected, weight, conv_inputs));
-  if (head == 0) return activated;
-  const std::vector<int64_t> heads = {projected.size(0), projected.size(1), projected.size(2) / head, head};
-  return l2_normalize(activated.view(heads)).view(projected.sizes());
-}
-
-at::Tensor IncrementalAttentionImpl::short_conv(const at::Tensor& projected,
-                                               const at::Tensor& weight,
-                                               at::Tensor& conv_inputs) const {
-  // projected [B, T, D], weight [D, 1, W], conv_inputs [B, W-1, D] (the tokens before these).
-  const int64_t width = options_.conv_width, length = projected.size(1);
-  const at::Tensor window = at::cat({conv_inputs, projected}, 1);  // [B, W-1+T, D]
-  const at::Tensor taps = weight.squeeze(1);                       // [D, W]
-  at::Tensor out = window.slice(1, 0, length) * taps.select(1, 0);
-  for (int64_t j = 1; j < width; ++j) out = out + window.slice(1, j, j + length) * taps.select(1, j);
-  conv_inputs = window.slice(1, length, length + width - 1).contiguous();
-  return out;
+  if (!y.defined()) y = kda::short_conv_reference(projected, conv_inputs, weight, head, kL2NormEps);
+  // The inputs the next call's window starts with: the last W - 1 of [conv_inputs | projected].
+  const int64_t keep = options_.conv_width - 1, length = projected.size(1);
+  conv_inputs = length >= keep ? projected.slice(1, length - keep, length).contiguous()
+                               : at::cat({conv_inputs.slice(1, length, keep), projected}, 1);
+  return y;
 }
 
 IncrementalAttentionImpl::Features IncrementalAttentionImpl::features(const at::Tensor& x,

@@ -177,6 +177,16 @@ at::Tensor step_reference(const at::Tensor& q, const at::Tensor& k, const at::Te
 // gate_reference.
 at::Tensor gate(const at::Tensor& z, const at::Tensor& a_log, const at::Tensor& dt_bias, double g_min);
 
+// The layer's short convolution on q, k or v (MODEL.md: q, k = L2Norm(SiLU(CausalDepthwiseConv4(W x)))
+// per head, v = SiLU(Conv4(W_v x))) as plain LibTorch ops, whatever the build and device: SiLU of
+// the causal depthwise convolution of the window [conv_inputs | x] with weight (each output the
+// products and sums in tap order), then with head > 0 each head's channels times
+// rsqrt(sum of their squares + eps). x [B, T, D], conv_inputs [B, W - 1, D] (the inputs before x,
+// oldest first; zeros at a sequence's start), weight [D, 1, W]; returns [B, T, D]. The layer takes
+// kernels/kda_conv.h instead where it applies (IncrementalAttention, fp32 CUDA tensors).
+at::Tensor short_conv_reference(const at::Tensor& x, const at::Tensor& conv_inputs, const at::Tensor& weight,
+                                int64_t head, double eps);
+
 // The plain LibTorch gate, whatever the build and device: exp(A) (z + dt_bias), not
 // exp(A) z + dt_bias; g_min scales the sigmoid (it is not a clamp).
 at::Tensor gate_reference(const at::Tensor& z, const at::Tensor& a_log, const at::Tensor& dt_bias, double g_min);
@@ -283,11 +293,9 @@ class IncrementalAttentionImpl : public torch::nn::Module {
   };
   Features features(const at::Tensor& x, KdaState& state);
   at::Tensor output(const at::Tensor& x, const at::Tensor& o);
-  at::Tensor short_conv(const at::Tensor& projected, const at::Tensor& weight,
-                        at::Tensor& conv_inputs) const;
-  // SiLU(short_conv(...)), then with head > 0 each head's L2 norm: [B, T, D]. Built with the CUDA
-  // kernels, fp32 CUDA tensors the fused kernel supports take kernels/kda_conv.h (recorded for
-  // autograd); otherwise the LibTorch chain above.
+  // kda::short_conv_reference's result for this layer's projection, and conv_inputs replaced by
+  // the last W - 1 inputs of the window (the next call's). Built with the CUDA kernels, fp32 CUDA
+  // tensors the fused kernel supports take kernels/kda_conv.h (recorded for autograd).
   at::Tensor conv_features(const at::Tensor& projected, const at::Tensor& weight, at::Tensor& conv_inputs,
                            int64_t head) const;
 

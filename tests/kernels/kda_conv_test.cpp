@@ -32,17 +32,9 @@ double relative_error(const at::Tensor& got, const at::Tensor& expected) {
   return (got.to(at::kDouble) - expected.to(at::kDouble)).abs().max().item<double>() / scale;
 }
 
-// The layer's LibTorch chain (model/kda.cpp: short_conv, at::silu, l2_normalize), any dtype.
+// The layer's LibTorch chain, any dtype.
 at::Tensor reference(const at::Tensor& x, const at::Tensor& conv_inputs, const at::Tensor& weight, int64_t head) {
-  const int64_t length = x.size(1), channels = x.size(2), width = weight.size(-1);
-  const at::Tensor window = at::cat({conv_inputs, x}, 1);
-  const at::Tensor taps = weight.reshape({channels, width});
-  at::Tensor out = window.slice(1, 0, length) * taps.select(1, 0);
-  for (int64_t j = 1; j < width; ++j) out = out + window.slice(1, j, j + length) * taps.select(1, j);
-  at::Tensor y = at::silu(out);
-  if (head == 0) return y;
-  const at::Tensor heads = y.view({x.size(0), length, channels / head, head});
-  return (heads * at::rsqrt(heads.pow(2).sum(-1, /*keepdim=*/true) + kEps)).view(x.sizes());
+  return model::kda::short_conv_reference(x, conv_inputs, weight, head, kEps);
 }
 
 class KdaConvKernel : public ::testing::Test {

@@ -464,6 +464,46 @@ TEST(Kda, GateFollowsTheModelFormulaAndNamesBadShapes) {
   EXPECT_NE(message(a_log, at::zeros({6}, at::kDouble)).find("dt_bias must have H * K = 8"), std::string::npos);
 }
 
+TEST(Kda, ShortConvolutionFollowsTheModelFormulaAndNamesBadShapes) {
+  // y[t, d] = SiLU(sum_j w[d, j] window[t + j, d]) over the window [conv_inputs | x], then each
+  // head's channels divided by sqrt(their sum of squares + eps), element by element in fp64.
+  torch::manual_seed(32);
+  const at::Tensor x = at::randn({2, 5, 8}, at::kDouble), conv_inputs = at::randn({2, 3, 8}, at::kDouble);
+  const at::Tensor weight = at::randn({8, 1, 4}, at::kDouble);
+  const at::Tensor y = kda::short_conv_reference(x, conv_inputs, weight, 4, 1e-6);
+  const at::Tensor window = at::cat({conv_inputs, x}, 1);
+  double worst = 0;
+  for (int64_t b = 0; b < 2; ++b) {
+    for (int64_t t = 0; t < 5; ++t) {
+      double act[8];
+      for (int64_t d = 0; d < 8; ++d) {
+        double a = 0;
+        for (int64_t j = 0; j < 4; ++j) a += weight[d][0][j].item<double>() * window[b][t + j][d].item<double>();
+        act[d] = a / (1.0 + std::exp(-a));
+      }
+      for (int64_t d = 0; d < 8; ++d) {
+        double squares = 0;
+        for (int64_t e = (d / 4) * 4; e < (d / 4) * 4 + 4; ++e) squares += act[e] * act[e];
+        worst = std::max(worst, std::abs(y[b][t][d].item<double>() - act[d] / std::sqrt(squares + 1e-6)));
+      }
+    }
+  }
+  EXPECT_LT(worst, 1e-13);
+  auto message = [&](const at::Tensor& c, const at::Tensor& w, int64_t head) {
+    try {
+      kda::short_conv_reference(x, c, w, head, 1e-6);
+    } catch (const c10::Error& e) {
+      return std::string(e.what_without_backtrace());
+    }
+    return std::string("accepted");
+  };
+  EXPECT_NE(message(at::zeros({2, 2, 8}, at::kDouble), weight, 4).find("conv_inputs must be [2, 3, 8]"),
+            std::string::npos);
+  EXPECT_NE(message(conv_inputs, at::zeros({6, 1, 4}, at::kDouble), 4).find("weight must be [8, 1, W]"),
+            std::string::npos);
+  EXPECT_NE(message(conv_inputs, weight, 3).find("head must divide 8"), std::string::npos);
+}
+
 // ---------------------------------------------------------------------------------------------
 // The layer
 
