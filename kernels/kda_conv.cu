@@ -1,11 +1,12 @@
 // The KDA layer's short convolution, SiLU and per-head L2 norm, fused (contract: kernels/kda_conv.h;
-// reference: IncrementalAttention's short_conv, at::silu and l2_normalize in model/kda.cpp).
+// reference: model::kda::short_conv_reference).
 //
 // A thread takes four adjacent channels (one 16-byte piece); the head's pieces are adjacent lanes
 // of one warp (head / 4 of them, a power of two), so the norm's sums are shuffles. D is a multiple
 // of 128, so a warp's 32 pieces are all in range or all out.
-// Forward: one thread a (token, piece) (tokens along the grid's x, pieces along y); it reads the W window rows it needs (the window being the
-// conv_inputs rows, then x's), the weight's 4 W values once.
+// Forward: one thread a (token, piece) (tokens along the grid's x, pieces along y); it reads the W
+// window rows it needs (the window being the conv_inputs rows, then x's), the weight's 4 W values
+// once.
 // Backward: one thread a (batch, part of the window positions, piece), walking the positions in
 // order. Window position i feeds a[t] for t = i - j (j < W), so
 //   d window[i] = sum_j weight[j] da[i - j]       (i < W - 1: d_conv_inputs; else dx[i - W + 1])
