@@ -4,14 +4,15 @@
 // A thread takes four adjacent channels (one 16-byte piece); the head's pieces are adjacent lanes
 // of one warp (head / 4 of them, a power of two), so the norm's sums are shuffles. D is a multiple
 // of 128, so a warp's 32 pieces are all in range or all out.
-// Forward: one thread a (token, piece) (tokens along the grid's x, pieces along y); it reads the W
-// window rows it needs (the window being the conv_inputs rows, then x's), the weight's 4 W values
-// once.
+// Forward: one thread a (run of 8 tokens of one sequence, piece) (runs along the grid's x, pieces
+// along y); it slides the W window rows it needs (the window being the conv_inputs rows, then x's)
+// along its tokens, one new row a token, and reads the weight's 4 W values once.
 // Backward: one thread a (batch, part of the window positions, piece), walking the positions in
 // order. Window position i feeds a[t] for t = i - j (j < W), so
 //   d window[i] = sum_j weight[j] da[i - j]       (i < W - 1: d_conv_inputs; else dx[i - W + 1])
-// and the walk keeps da of the last W tokens in registers, recomputing each token's a, SiLU and norm
-// from x (W - 1 tokens of warm-up at a part's start). The weight's gradient, sum over the tokens of
+// and the walk keeps da of the last W tokens and the window rows of the current one in registers
+// (one new row a step), recomputing each token's a, SiLU and norm from x (W - 1 tokens of warm-up
+// at a part's start). The weight's gradient, sum over the tokens of
 // window[t + j] da[t], is kept per thread over its part and written to the workspace; one pass then
 // adds the parts in order.
 #include "kernels/kda_conv.h"
@@ -37,6 +38,7 @@ __device__ __forceinline__ float get(const float4& v, int e) { return e == 0 ? v
 template <int W>
 __device__ __forceinline__ float4 window_piece(const float* x, const float* conv_inputs, int64_t b, int64_t pos,
                                                int64_t length, int64_t channels, int c) {
+  if (pos < 0 || pos >= length + W - 1) return make_float4(0.f, 0.f, 0.f, 0.f);
   if (pos < W - 1) {
     if (conv_inputs == nullptr) return make_float4(0.f, 0.f, 0.f, 0.f);
     return load4(conv_inputs + (b * (W - 1) + pos) * channels + c);
@@ -70,6 +72,8 @@ __device__ __forceinline__ void load_weights(const float* weight, int c, float (
   }
 }
 
+constexpr int kTokensPerThread = 8;  // forward: consecutive tokens a thread, its window rows slid along
+
 template <int W>
 __global__ void __launch_bounds__(kThreads)
     conv_forward_kernel(const float* __restrict__ x, const float* __restrict__ conv_inputs,
@@ -77,35 +81,39 @@ __global__ void __launch_bounds__(kThreads)
                         int head_lanes, float eps) {
   const int c = 4 * (blockIdx.y * kThreads + threadIdx.x);
   if (c >= channels) return;  // whole warps (channels is a multiple of 128)
-  const int64_t row = blockIdx.x, b = row / length, t = row - b * length;
+  const int64_t spans = (length + kTokensPerThread - 1) / kTokensPerThread;
+  const int64_t b = blockIdx.x / spans, first = (blockIdx.x - b * spans) * kTokensPerThread;
+  const int64_t last = std::min(length, first + kTokensPerThread);
   float w[4][W];
   load_weights<W>(weight, c, w);
-  float4 in[W];
+  float4 in[W];  // in[j] = window row t + j at token t's step
 #pragma unroll
-  for (int j = 0; j < W; ++j) in[j] = window_piece<W>(x, conv_inputs, b, t + j, length, channels, c);
-  float out[4];
+  for (int j = 1; j < W; ++j) in[j] = window_piece<W>(x, conv_inputs, b, first + j - 1, length, channels, c);
+  for (int64_t t = first; t < last; ++t) {
 #pragma unroll
-  for (int e = 0; e < 4; ++e) out[e] = silu(convolve<W>(w, in, e));
-  if (head_lanes > 0) {
-    const float squares = out[0] * out[0] + out[1] * out[1] + out[2] * out[2] + out[3] * out[3];
-    const float r = rsqrtf(head_sum(squares, head_lanes) + eps);
+    for (int j = 0; j < W - 1; ++j) in[j] = in[j + 1];
+    in[W - 1] = window_piece<W>(x, conv_inputs, b, t + W - 1, length, channels, c);
+    float out[4];
 #pragma unroll
-    for (int e = 0; e < 4; ++e) out[e] *= r;
+    for (int e = 0; e < 4; ++e) out[e] = silu(convolve<W>(w, in, e));
+    if (head_lanes > 0) {
+      const float squares = out[0] * out[0] + out[1] * out[1] + out[2] * out[2] + out[3] * out[3];
+      const float r = rsqrtf(head_sum(squares, head_lanes) + eps);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) out[e] *= r;
+    }
+    *reinterpret_cast<float4*>(y + (b * length + t) * channels + c) = make_float4(out[0], out[1], out[2], out[3]);
   }
-  *reinterpret_cast<float4*>(y + row * channels + c) = make_float4(out[0], out[1], out[2], out[3]);
 }
 
-// da[t] for this thread's four channels (zero outside [0, length)); `in` returns the window rows
-// t .. t + W - 1 it read.
+// da[t] for this thread's four channels (zero outside [0, length)), from `in`: the window rows
+// t .. t + W - 1.
 template <int W>
-__device__ __forceinline__ float4 gradient_of_conv(const float* x, const float* conv_inputs, const float (&w)[4][W],
-                                                   const float* dy, int64_t b, int64_t t, int64_t length,
-                                                   int64_t channels, int c, int head_lanes, float eps,
-                                                   float4 (&in)[W]) {
+__device__ __forceinline__ float4 gradient_of_conv(const float (&w)[4][W], const float* dy, int64_t b, int64_t t,
+                                                   int64_t length, int64_t channels, int c, int head_lanes, float eps,
+                                                   const float4 (&in)[W]) {
   // Every lane of a head walks the same t, so the shuffles below see the whole head.
   if (t < 0 || t >= length) return make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-  for (int j = 0; j < W; ++j) in[j] = window_piece<W>(x, conv_inputs, b, t + j, length, channels, c);
   const float4 g = load4(dy + (b * length + t) * channels + c);
   float a[4], sig[4], act[4], dact[4];
 #pragma unroll
@@ -145,19 +153,29 @@ __global__ void __launch_bounds__(kThreads)
   float w[4][W];
   load_weights<W>(weight, c, w);
   float4 history[W];  // history[j] = da[i - j] after position i's step
-  float4 in[W];
+  float4 in[W];       // in[j] = window row t + j at token t's step, slid along
+  const int64_t start = first - (W - 1);
 #pragma unroll
   for (int j = 0; j < W; ++j) history[j] = make_float4(0.f, 0.f, 0.f, 0.f);
-  for (int64_t t = first - (W - 1); t < first; ++t) {  // warm-up: da of the W - 1 tokens before
+#pragma unroll
+  for (int j = 1; j < W; ++j) in[j] = window_piece<W>(x, conv_inputs, b, start + j - 1, length, channels, c);
+  auto slide = [&](int64_t t) {
+#pragma unroll
+    for (int j = 0; j < W - 1; ++j) in[j] = in[j + 1];
+    in[W - 1] = window_piece<W>(x, conv_inputs, b, t + W - 1, length, channels, c);
+  };
+  for (int64_t t = start; t < first; ++t) {  // warm-up: da of the W - 1 tokens before
+    slide(t);
 #pragma unroll
     for (int j = W - 1; j > 0; --j) history[j] = history[j - 1];
-    history[0] = gradient_of_conv<W>(x, conv_inputs, w, dy, b, t, length, channels, c, head_lanes, eps, in);
+    history[0] = gradient_of_conv<W>(w, dy, b, t, length, channels, c, head_lanes, eps, in);
   }
   float dw[4][W] = {};
   for (int64_t i = first; i < last; ++i) {
+    slide(i);
 #pragma unroll
     for (int j = W - 1; j > 0; --j) history[j] = history[j - 1];
-    history[0] = gradient_of_conv<W>(x, conv_inputs, w, dy, b, i, length, channels, c, head_lanes, eps, in);
+    history[0] = gradient_of_conv<W>(w, dy, b, i, length, channels, c, head_lanes, eps, in);
     if (i < length) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
@@ -228,7 +246,9 @@ cudaError_t kda_short_conv_forward(const float* x, const float* conv_inputs, con
   if (length == 0) return cudaSuccess;
   if (x == nullptr || weight == nullptr || y == nullptr) return cudaErrorInvalidValue;
   if (!aligned(x) || !aligned(conv_inputs) || !aligned(y)) return cudaErrorInvalidValue;
-  const dim3 grid(static_cast<unsigned>(batch * length),
+  const int64_t spans = batch * ((length + kTokensPerThread - 1) / kTokensPerThread);
+  if (spans > 0x7fffffff) return cudaErrorInvalidValue;
+  const dim3 grid(static_cast<unsigned>(spans),
                   static_cast<unsigned>(channels / 4 / kThreads + (channels / 4 % kThreads != 0)));
   return with_width(width, [&](auto w) {
     conv_forward_kernel<decltype(w)::value><<<grid, kThreads, 0, stream>>>(x, conv_inputs, weight, y, length, channels,
