@@ -29,6 +29,7 @@
 #include "model/balancing.h"
 #include "model/kda.h"
 #include "model/moe.h"
+#include "model/precision.h"
 
 namespace odyssey::bench {
 namespace {
@@ -517,10 +518,37 @@ void bench_layer(const KernelsBenchOptions& o, int64_t batch, int64_t length) {
         kda::chunked(q, k, v, g, beta, at::Tensor(), in.scale).o.backward(d_o);
       },
       1, o.reference_repeats);
+  // At the other float32 matmul precisions the learner may set (model/precision.h): high, cuBLAS
+  // TF32 for the projections; medium, that and the core's kernels on bf16 q, k, v, beta.
+  auto layer_step = [&](model::Float32MatmulPrecision precision) {
+    const model::Float32MatmulPrecisionScope scope(precision);
+    return time_cuda(
+        [&] {
+          for (auto& p : layer->parameters()) p.mutable_grad() = at::Tensor();
+          layer->forward(x).backward(dy);
+        },
+        1, o.reference_repeats);
+  };
+  const Timing step_high = layer_step(model::Float32MatmulPrecision::kHigh);
+  const Timing step_medium = layer_step(model::Float32MatmulPrecision::kMedium);
+  Timing core_medium;
+  {
+    const model::Float32MatmulPrecisionScope scope(model::Float32MatmulPrecision::kMedium);
+    core_medium = time_cuda(
+        [&] {
+          for (const at::Tensor* t : {&q, &k, &v, &g, &beta}) t->mutable_grad() = at::Tensor();
+          kda::chunked(q, k, v, g, beta, at::Tensor(), in.scale).o.backward(d_o);
+        },
+        1, o.reference_repeats);
+  }
   std::printf("kda layer   B=%ld T=%ld hidden 1024, 8 heads of 128, fp32: forward + backward best %8.3f ms; "
               "its attention core alone %8.3f ms (%.0f%% of the layer)\n",
               static_cast<long>(batch), static_cast<long>(length), step.best_ms, core.best_ms,
               100.0 * core.best_ms / step.best_ms);
+  std::printf("kda layer   the same at learner.float32_matmul_precision high (TF32 projections) %8.3f ms (%.2fx); "
+              "medium (and the core on bf16 q, k, v, beta) %8.3f ms (%.2fx), its core alone %8.3f ms (%.2fx)\n",
+              step_high.best_ms, step.best_ms / step_high.best_ms, step_medium.best_ms,
+              step.best_ms / step_medium.best_ms, core_medium.best_ms, core.best_ms / core_medium.best_ms);
   std::fflush(stdout);
 }
 

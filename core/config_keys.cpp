@@ -103,6 +103,10 @@ ConfigSchema build_config_schema() {
   s.add_bool("learner.kda_keep_chunk_states", false,
              "GPU: with recompute, each chunk's KDA kernels keep their chunk states for its backward (one pass "
              "less; chunk_tokens * heads * d_k * d_v / 8 bytes per KDA layer held until the chunk's backward)");
+  s.add_string("learner.float32_matmul_precision", "highest",
+               "GPU: what fp32 training may trade for speed: highest (fp32 matmuls), high (cuBLAS TF32 for the "
+               "projections), medium (high, and the KDA kernels on bf16 q, k, v, beta: their fast paths)",
+               {"highest", "high", "medium"});
   s.add_int("learner.steps", 200, "optimizer steps of the job", at_least(1));
   s.add_double("learner.lr", 1e-4, "peak learning rate (AdamW)", at_least(0));
   s.add_double("learner.weight_decay", 0.0, "AdamW weight decay", at_least(0));

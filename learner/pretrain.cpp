@@ -20,6 +20,7 @@
 #include "model/checkpoint.h"
 #include "model/config.h"
 #include "model/policy_checkpoint.h"
+#include "model/precision.h"
 
 namespace odyssey::learner {
 
@@ -100,6 +101,7 @@ Result<PretrainOptions> pretrain_options(const Config& config) {
   o.chunk_tokens = config.get_int("learner.chunk_tokens");
   o.recompute = config.get_bool("learner.recompute");
   o.kda_keep_chunk_states = config.get_bool("learner.kda_keep_chunk_states");
+  o.float32_matmul_precision = config.get_string("learner.float32_matmul_precision");
   o.eval.env = config.get_string("env.name");
   o.eval.env_config = json::parse(config.get_string("env.config"), nullptr, /*allow_exceptions=*/false);
   if (!o.eval.env_config.is_object()) {
@@ -333,6 +335,9 @@ Result<PretrainSummary> pretrain_impl(const PretrainOptions& o) {
                             mc.vocab_size, tokenizer.vocab_size());
   }
   const at::Device device(o.device);
+  const Result<model::Float32MatmulPrecision> precision = model::parse_float32_matmul_precision(o.float32_matmul_precision);
+  if (!precision.ok()) return invalid_argument("learner.float32_matmul_precision: {}", precision.status().message());
+  model::set_float32_matmul_precision(*precision);
   at::manual_seed(o.seed);
   model::Policy policy(mc);
   policy->to(device);

@@ -130,6 +130,7 @@ struct PretrainOptions {
   int64_t chunk_tokens = 2048;  // learner.chunk_tokens
   bool recompute = true;        // learner.recompute
   bool kda_keep_chunk_states = false;  // learner.kda_keep_chunk_states
+  std::string float32_matmul_precision = "highest";  // learner.float32_matmul_precision (model/precision.h)
   DataOptions data;             // data.seed = job.seed
   uint64_t seed = 0;            // job.seed: initial weights and data
   std::string job = "tiny";

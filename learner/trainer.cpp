@@ -24,6 +24,7 @@
 #include "model/config.h"
 #include "model/policy.h"
 #include "model/policy_checkpoint.h"
+#include "model/precision.h"
 #include "model/weight_channel.h"
 #include "replay/client.h"
 
@@ -51,6 +52,7 @@ TrainerOptions trainer_options(const Config& c, int rank, bool resume) {
   o.chunk_tokens = c.get_int("learner.chunk_tokens");
   o.recompute = c.get_bool("learner.recompute");
   o.kda_keep_chunk_states = c.get_bool("learner.kda_keep_chunk_states");
+  o.float32_matmul_precision = c.get_string("learner.float32_matmul_precision");
   o.steps = c.get_int("learner.steps");
   o.adamw.lr = c.get_double("learner.lr");
   o.adamw.weight_decay = c.get_double("learner.weight_decay");
@@ -158,6 +160,9 @@ Status Trainer::Impl::init() {
   if (o.device != "cpu" && o.device.rfind("cuda", 0) != 0)
     return invalid_argument("policy.device '{}': cpu or cuda", o.device);
   device = at::Device(o.device);
+  const Result<model::Float32MatmulPrecision> precision = model::parse_float32_matmul_precision(o.float32_matmul_precision);
+  if (!precision.ok()) return invalid_argument("learner.float32_matmul_precision: {}", precision.status().message());
+  model::set_float32_matmul_precision(*precision);
   ODY_ASSIGN_OR_RETURN(model_config, model::load_model_config({o.model_config}));
   config_json = json{{"model_config", o.model_config}, {"name", model_config.name}};
 

@@ -65,6 +65,7 @@ struct TrainerOptions {
   int64_t chunk_tokens = 2048;
   bool recompute = true;
   bool kda_keep_chunk_states = false;  // learner.kda_keep_chunk_states
+  std::string float32_matmul_precision = "highest";  // learner.float32_matmul_precision (model/precision.h)
   int64_t steps = 200;
   AdamWOptions adamw;
   ScheduleOptions schedule;

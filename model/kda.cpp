@@ -13,6 +13,8 @@
 #include <torch/types.h>
 #include <torch/utils.h>
 
+#include "model/precision.h"
+
 #ifdef ODYSSEY_WITH_CUDA_KERNELS
 #include "kernels/kda_autograd.h"
 #include "kernels/torch_bindings.h"
@@ -145,6 +147,13 @@ Output chunked(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   if (q.defined() && q.is_cuda() &&
       kernels::kda_chunked_supported(q, k, v, g, beta, initial_state, chunk)) {
     check_sequence_inputs("kda::chunked", q, k, v, g, beta, initial_state);
+    if (q.scalar_type() == at::kFloat && float32_matmul_precision() == Float32MatmulPrecision::kMedium) {
+      // model/precision.h: the kernels' bf16 paths on rounded copies (the casts are recorded, so
+      // the gradients come back in fp32), o back in fp32.
+      const Output rounded = chunked(q.to(at::kBFloat16), k.to(at::kBFloat16), v.to(at::kBFloat16), g,
+                                     beta.to(at::kBFloat16), initial_state, scale, chunk);
+      return {rounded.o.to(at::kFloat), rounded.final_state};
+    }
     // With a gradient wanted: the forward kernel recorded with the backward kernel as its
     // backward (only the inputs are saved, and the chunk states inside a KeepChunkStatesGuard);
     // otherwise the forward kernel alone.

@@ -75,7 +75,11 @@ Output recurrent(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 // gradients of the gate parameters behind g come from autograd through what made g (the layer's
 // kda::gate: a kernel of its own on CUDA, below).
 // Otherwise, and always on the CPU, it is chunked_reference. The kernels round matmul operands
-// to bf16 (kernels/kda.h, "Numerics"); the backward is first order only.
+// to bf16 (kernels/kda.h, "Numerics"); the backward is first order only. With fp32 inputs and
+// the process's float32 matmul precision at medium (model/precision.h, the learner's
+// learner.float32_matmul_precision), the kernels run on bf16 copies of q, k, v and beta (o is
+// returned in fp32, the gradients reach the fp32 inputs through the casts): their bf16 paths,
+// several times faster at the model's heads of 128 (bench kernels, `kda layer`).
 Output chunked(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                const at::Tensor& g, const at::Tensor& beta, const at::Tensor& initial_state,
                double scale, int64_t chunk = 16);

@@ -26,6 +26,7 @@
 #include "kernels/kda_autograd.h"
 #include "kernels/torch_bindings.h"
 #include "model/kda.h"
+#include "model/precision.h"
 
 namespace odyssey::kernels {
 namespace {
@@ -1170,9 +1171,56 @@ TEST_F(KdaKernel, ModelChunkedInsideTheKeepGuardGivesTheSameGradients) {
   }
 }
 
+TEST_F(KdaKernel, ModelChunkedAtMediumPrecisionRunsTheBf16KernelsOnRoundedInputs) {
+  // model/precision.h: at medium, kda::chunked on fp32 CUDA inputs is the kernels on bf16 copies
+  // of q, k, v, beta: o and every gradient bit for bit those of the bf16 call (cast to fp32), and
+  // the fp32 inputs' gradients arrive through the casts. At highest it is the fp32 kernels.
+  for (const int64_t width : {int64_t{128}, int64_t{64}}) {
+    const Inputs in = make_inputs(2, 100, 2, width, width, at::kFloat, Gates::kRandom, true, 83);
+    auto leaf = [](const at::Tensor& t, at::ScalarType dtype) {
+      return t.detach().to(dtype).clone().requires_grad_(true);
+    };
+    auto run = [&](at::ScalarType dtype, model::Float32MatmulPrecision precision) {
+      const model::Float32MatmulPrecisionScope scope(precision);
+      const at::Tensor q = leaf(in.q, dtype), k = leaf(in.k, dtype), v = leaf(in.v, dtype);
+      const at::Tensor beta = leaf(in.beta, dtype), g = leaf(in.g, at::kFloat), s0 = leaf(in.state, at::kFloat);
+      const kda::Output out = kda::chunked(q, k, v, g, beta, s0, in.scale);
+      EXPECT_EQ(out.o.scalar_type(), dtype);
+      (out.o.to(at::kFloat).pow(2).sum() + out.final_state.sum()).backward();
+      std::vector<at::Tensor> r{out.o.detach(), out.final_state.detach()};
+      for (const at::Tensor* t : {&q, &k, &v, &beta, &g, &s0}) {
+        EXPECT_EQ(t->grad().scalar_type(), dtype == at::kFloat || t == &g || t == &s0 ? at::kFloat : dtype);
+        r.push_back(t->grad().to(at::kFloat));
+      }
+      r[0] = r[0].to(at::kFloat);
+      return r;
+    };
+    const auto medium = run(at::kFloat, model::Float32MatmulPrecision::kMedium);
+    const auto bf16 = run(at::kBFloat16, model::Float32MatmulPrecision::kHighest);
+    const auto highest = run(at::kFloat, model::Float32MatmulPrecision::kHighest);
+    const char* names[] = {"o", "final state", "dq", "dk", "dv", "dbeta", "dg", "dS0"};
+    double moved = 0;
+    for (size_t i = 0; i < medium.size(); ++i) {
+      EXPECT_TRUE(at::equal(medium[i], bf16[i])) << "K = V = " << width << ": " << names[i] << " max diff "
+                                                 << max_error(medium[i], bf16[i]);
+      const double error = max_error(medium[i], highest[i]), magnitude = max_abs(highest[i]);
+      std::printf("  K = V = %3lld %-11s medium against highest: %.3e of %.3e\n", static_cast<long long>(width),
+                  names[i], error, magnitude);
+      EXPECT_LE(error, kGradientTolerance * std::max(1e-6, magnitude)) << names[i];
+      moved = std::max(moved, error);
+    }
+    EXPECT_GT(moved, 0.0) << "medium should round q, k, v and beta; nothing changed";
+  }
+}
+
 TEST_F(KdaKernel, LayerParametersGetTheReferenceGradientsThroughTheKernels) {
-  // Head widths 64 and 32 (the tiny model's layer: 2 heads of K = V = 32).
+  // Head widths 64 and 32 (the tiny model's layer: 2 heads of K = V = 32), at each float32 matmul
+  // precision the learner may set (model/precision.h: TF32 projections; bf16 kernels).
+  for (const auto precision : {model::Float32MatmulPrecision::kHighest, model::Float32MatmulPrecision::kHigh,
+                               model::Float32MatmulPrecision::kMedium})
   for (int64_t width : {64, 32}) {
+    const model::Float32MatmulPrecisionScope scope(precision);
+    std::printf("  precision %s\n", model::float32_matmul_precision_name(precision));
     model::IncrementalAttentionOptions options;
     options.hidden = 96;
     options.heads = 2;

@@ -21,6 +21,7 @@
 #include "learner_test_helpers.h"
 #include "model/config.h"
 #include "model/policy_checkpoint.h"
+#include "model/precision.h"
 #include "replay/client.h"
 #include "test_helpers.h"
 
@@ -130,6 +131,25 @@ TEST(Trainer, AStepTrainsOnWholeGroupsChangesTheWeightsPublishesReportsAndCommit
   const auto stats = stats_of(replay.endpoint());
   EXPECT_EQ(stats.consumed, 8u);
   EXPECT_EQ(stats.policy_version, 2u);
+}
+
+TEST(Trainer, Float32MatmulPrecisionIsSetWhenItStartsAndABadOneNamesTheKey) {
+  TempDir tmp;
+  InProcessReplay replay(tmp.str("replay"));
+  const std::string init = testing::save_init_checkpoint(tmp.str("init"), 1);
+  const model::Float32MatmulPrecisionScope restore(model::Float32MatmulPrecision::kHighest);
+  TrainerOptions o = testing::small_trainer_options(tmp.str("out"), replay.endpoint(), init);
+  o.float32_matmul_precision = "fast";
+  auto refused = Trainer::create(o);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("learner.float32_matmul_precision"), std::string::npos)
+      << refused.status().to_string();
+  EXPECT_EQ(model::float32_matmul_precision(), model::Float32MatmulPrecision::kHighest);
+  o.out_dir = tmp.str("out2");
+  o.float32_matmul_precision = "medium";
+  auto trainer = Trainer::create(o);
+  ASSERT_TRUE(trainer.ok()) << trainer.status().to_string();
+  EXPECT_EQ(model::float32_matmul_precision(), model::Float32MatmulPrecision::kMedium);
 }
 
 TEST(Trainer, AStepRaisesTheLogProbsOfPositiveAdvantageTrajectories) {

@@ -8,9 +8,12 @@
 #include <utility>
 #include <vector>
 
+#include <ATen/Context.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/utils.h>
+
+#include "model/precision.h"
 
 namespace odyssey::model {
 namespace {
@@ -81,6 +84,46 @@ TEST(Kda, KeepChunkStatesGuardNestsRestoresAndStaysOnItsThread) {
     EXPECT_FALSE(other) << "the setting leaked to another thread";
   }
   EXPECT_FALSE(kda::keep_chunk_states());
+}
+
+TEST(Kda, Float32MatmulPrecisionParsesScopesAndSwitchesCublasTf32) {
+  ASSERT_EQ(float32_matmul_precision(), Float32MatmulPrecision::kHighest);
+  for (const char* name : {"highest", "high", "medium"}) {
+    const Result<Float32MatmulPrecision> p = parse_float32_matmul_precision(name);
+    ASSERT_TRUE(p.ok()) << name;
+    EXPECT_STREQ(float32_matmul_precision_name(*p), name);
+  }
+  const Result<Float32MatmulPrecision> bad = parse_float32_matmul_precision("fast");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("'fast'"), std::string::npos) << bad.status().message();
+  EXPECT_NE(bad.status().message().find("highest, high, medium"), std::string::npos) << bad.status().message();
+  EXPECT_FALSE(at::globalContext().allowTF32CuBLAS());
+  {
+    const Float32MatmulPrecisionScope medium(Float32MatmulPrecision::kMedium);
+    EXPECT_EQ(float32_matmul_precision(), Float32MatmulPrecision::kMedium);
+    EXPECT_TRUE(at::globalContext().allowTF32CuBLAS()) << "medium includes high: TF32 for cuBLAS";
+    Float32MatmulPrecision seen = Float32MatmulPrecision::kHighest;
+    std::thread([&] { seen = float32_matmul_precision(); }).join();
+    EXPECT_EQ(seen, Float32MatmulPrecision::kMedium) << "process-wide: autograd's threads must see it";
+    {
+      const Float32MatmulPrecisionScope highest(Float32MatmulPrecision::kHighest);
+      EXPECT_FALSE(at::globalContext().allowTF32CuBLAS());
+    }
+    EXPECT_TRUE(at::globalContext().allowTF32CuBLAS());
+  }
+  EXPECT_EQ(float32_matmul_precision(), Float32MatmulPrecision::kHighest);
+  EXPECT_FALSE(at::globalContext().allowTF32CuBLAS());
+}
+
+TEST(Kda, ChunkedOnTheCpuIsTheSameAtEveryFloat32MatmulPrecision) {
+  // The precision trades only on CUDA: the CPU's (reference) path gives the same bits at medium.
+  const Inputs in = random_inputs(1, 40, 2, 16, 16, -5.0, 0.0, 11, at::kFloat);
+  const kda::Output highest = kda::chunked(in.q, in.k, in.v, in.g, in.beta, in.state, 0.25);
+  const Float32MatmulPrecisionScope medium(Float32MatmulPrecision::kMedium);
+  const kda::Output at_medium = kda::chunked(in.q, in.k, in.v, in.g, in.beta, in.state, 0.25);
+  EXPECT_EQ(at_medium.o.scalar_type(), at::kFloat);
+  EXPECT_TRUE(at::equal(highest.o, at_medium.o));
+  EXPECT_TRUE(at::equal(highest.final_state, at_medium.final_state));
 }
 
 TEST(Kda, ChunkedEqualsRecurrentInFp64OnRandomInputs) {

@@ -1,0 +1,47 @@
+// The precision fp32 training may trade for speed, process-wide: PyTorch's
+// torch.set_float32_matmul_precision, extended to the KDA core.
+//
+//   highest  every fp32 matmul in fp32 (cuBLAS without TF32); the KDA kernels take fp32 q, k, v,
+//            beta (their tensor-core products still round operands to bf16: kernels/kda.h)
+//   high     cuBLAS may use TF32 for fp32 matmuls (10-bit mantissas, fp32 accumulation): the
+//            layers' projections on tensor cores
+//   medium   high, and kda::chunked on fp32 CUDA tensors runs its kernels on bf16 copies of q, k,
+//            v and beta (o and the state come back in fp32; dq, dk, dv, dbeta are rounded to
+//            bf16 once, in the kernel). This takes the kernels' bf16 paths (the whole-head walk,
+//            the backward's pass 3 by 32-token blocks), which fp32 inputs do not reach.
+//
+// The learner sets it from learner.float32_matmul_precision when it starts (default highest).
+// It acts on CUDA only: CPU matmuls and the reference paths are unchanged at every setting.
+// Thread-safety: set it before the threads that compute start; reading is safe from any thread
+// (autograd's backward threads included).
+#pragma once
+
+#include <string>
+
+#include "core/status.h"
+
+namespace odyssey::model {
+
+enum class Float32MatmulPrecision { kHighest, kHigh, kMedium };
+
+// "highest", "high" or "medium"; anything else is kInvalidArgument naming the accepted values.
+Result<Float32MatmulPrecision> parse_float32_matmul_precision(const std::string& name);
+const char* float32_matmul_precision_name(Float32MatmulPrecision precision);
+
+// Sets the process-wide precision, cuBLAS's TF32 switch with it (at::globalContext()).
+void set_float32_matmul_precision(Float32MatmulPrecision precision);
+Float32MatmulPrecision float32_matmul_precision();
+
+// Sets a precision within a scope and restores the previous one on exit (tests, benchmarks).
+class Float32MatmulPrecisionScope {
+ public:
+  explicit Float32MatmulPrecisionScope(Float32MatmulPrecision precision);
+  ~Float32MatmulPrecisionScope();
+  Float32MatmulPrecisionScope(const Float32MatmulPrecisionScope&) = delete;
+  Float32MatmulPrecisionScope& operator=(const Float32MatmulPrecisionScope&) = delete;
+
+ private:
+  Float32MatmulPrecision previous_;
+};
+
+}  // namespace odyssey::model
