@@ -1333,6 +1333,30 @@ void bench_moe(const KernelsBenchOptions& o, KernelsBenchResult& r) {
                 ref_forward.best_ms, ref_forward.best_ms / forward.best_ms, ref_train.best_ms,
                 ref_train.best_ms / train.best_ms);
   }
+  {
+    // The layer as the learner trains it (fp32 parameters and activations, model/precision.h): at
+    // highest its routed experts have only a loop over the experts; at medium they run the fused
+    // bf16 kernels on rounded copies. Timed with the same step, best of a few.
+    model::Moe fp32(mo);
+    fp32->to(at::kCUDA, at::kFloat);
+    fp32->set_expert_bias(layer->router->bias);
+    const at::Tensor x32 = x.to(at::kFloat), dy32 = dy.to(at::kFloat);
+    auto fp32_step = [&](model::Float32MatmulPrecision precision) {
+      const model::Float32MatmulPrecisionScope scope(precision);
+      return time_cuda(
+          [&] {
+            const at::Tensor input = x32.detach().requires_grad_(true);
+            for (auto& p : fp32->parameters()) p.mutable_grad() = at::Tensor();
+            fp32->forward(input).y.backward(dy32);
+          },
+          1, std::max(1, o.reference_repeats));
+    };
+    const Timing highest = fp32_step(model::Float32MatmulPrecision::kHighest);
+    const Timing medium = fp32_step(model::Float32MatmulPrecision::kMedium);
+    std::printf("moe layer   fp32 (the learner's dtype) forward + backward: highest %8.3f ms, "
+                "learner.float32_matmul_precision medium %8.3f ms (%.1fx; bf16 layer above %.3f ms)\n",
+                highest.best_ms, medium.best_ms, highest.best_ms / medium.best_ms, train.best_ms);
+  }
   bench_moe_breakdown(o, *layer, x, dy, grouped, r);
   std::printf("moe_forward_ms: %.3f\n", r.moe_forward_ms);
   std::printf("moe_train_ms: %.3f\n", r.moe_train_ms);

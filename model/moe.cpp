@@ -9,6 +9,7 @@
 #include <c10/util/Exception.h>
 
 #include "model/balancing.h"
+#include "model/precision.h"
 
 #ifdef ODYSSEY_WITH_CUDA_KERNELS
 #include "kernels/moe.h"
@@ -234,9 +235,16 @@ MoeOutput MoeImpl::forward(const torch::Tensor& x) {
     const torch::Tensor tokens = x.reshape({-1, options_.hidden});
     const torch::Tensor z = latent_down(tokens).contiguous();
     const torch::Tensor rows = kernels::moe_permute_autograd(z, permutation);
-    const torch::Tensor expert_out =
-        kernels::moe_experts_autograd(rows, experts->gate_proj, experts->up_proj, experts->down_proj, permutation,
-                                      options_.situ_beta1, options_.situ_beta2);
+    // fp32 at the medium float32 matmul precision (model/precision.h): the routed experts on bf16
+    // copies of the rows and weights (the fused kernels; fp32 has only a loop over the experts),
+    // the casts recorded so that the gradients reach the fp32 parameters.
+    const bool rounded = x.scalar_type() == at::kFloat && float32_matmul_precision() == Float32MatmulPrecision::kMedium;
+    auto compute = [&](const torch::Tensor& t) { return rounded ? t.to(at::kBFloat16) : t; };
+    torch::Tensor expert_out =
+        kernels::moe_experts_autograd(compute(rows), compute(experts->gate_proj), compute(experts->up_proj),
+                                      compute(experts->down_proj), permutation, options_.situ_beta1,
+                                      options_.situ_beta2);
+    if (rounded) expert_out = expert_out.to(at::kFloat);
     const torch::Tensor u = kernels::moe_unpermute_autograd(expert_out, permutation, out.routing.weights);
     torch::Tensor y = latent_up(latent_norm(u).to(x.scalar_type()));
     if (!shared_experts.is_empty()) {

@@ -5,10 +5,13 @@
 //            beta (their tensor-core products still round operands to bf16: kernels/kda.h)
 //   high     cuBLAS may use TF32 for fp32 matmuls (10-bit mantissas, fp32 accumulation): the
 //            layers' projections on tensor cores
-//   medium   high, and kda::chunked on fp32 CUDA tensors runs its kernels on bf16 copies of q, k,
-//            v and beta (o and the state come back in fp32; dq, dk, dv, dbeta are rounded to
-//            bf16 once, in the kernel). This takes the kernels' bf16 paths (the whole-head walk,
-//            the backward's pass 3 by 32-token blocks), which fp32 inputs do not reach.
+//   medium   high, and the layers' CUDA kernels that are fast in bf16 only run on bf16 copies of
+//            their fp32 operands, the casts recorded for autograd (so the gradients reach the fp32
+//            parameters and inputs, each rounded to bf16 once on its way):
+//            - kda::chunked: q, k, v and beta (o and the state come back in fp32): the kernels'
+//              bf16 paths (the whole-head walk, the backward's pass 3 by 32-token blocks);
+//            - the MoE layer's routed experts: their rows and the three expert weights (the fused
+//              wgmma kernels; fp32 has only a loop over the experts). The router stays fp32.
 //
 // The learner sets it from learner.float32_matmul_precision when it starts (default highest).
 // It acts on CUDA only: CPU matmuls and the reference paths are unchanged at every setting.

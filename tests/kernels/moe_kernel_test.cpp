@@ -28,6 +28,7 @@
 #include "model/balancing.h"
 #include "model/ffn.h"
 #include "model/moe.h"
+#include "model/precision.h"
 
 namespace odyssey::kernels {
 namespace {
@@ -1175,8 +1176,14 @@ void copy_state(model::MoeImpl& dst, model::MoeImpl& src) {
 }
 
 TEST_F(MoeKernel, LayerForwardAndBackwardMatchTheFp64ReferenceOnCuda) {
+  // fp32, fp32 at the medium float32 matmul precision (model/precision.h: the routed experts on
+  // bf16 copies, the fused kernels), and bf16.
   const model::MoeOptions options = layer_options();
-  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+  at::Tensor y_fp32;
+  for (const auto& [dtype, medium] : {std::pair{at::kFloat, false}, std::pair{at::kFloat, true},
+                                      std::pair{at::kBFloat16, false}}) {
+    const model::Float32MatmulPrecisionScope scope(medium ? model::Float32MatmulPrecision::kMedium
+                                                          : model::Float32MatmulPrecision::kHighest);
     at::manual_seed(31);
     model::Moe source(options);
     {
@@ -1214,8 +1221,13 @@ TEST_F(MoeKernel, LayerForwardAndBackwardMatchTheFp64ReferenceOnCuda) {
     (got.y.to(at::kDouble) * dy).sum().backward();
     (expected.y * dy).sum().backward();
 
-    const std::string tag = dtype == at::kFloat ? " fp32" : " bf16";
-    const double tolerance = dtype == at::kFloat ? 2e-4 : 5e-2;
+    const std::string tag = dtype == at::kFloat ? (medium ? " fp32 at medium" : " fp32") : " bf16";
+    const double tolerance = dtype == at::kFloat && !medium ? 2e-4 : 5e-2;
+    if (dtype == at::kFloat && !medium) y_fp32 = got.y.detach();
+    if (medium) {
+      EXPECT_EQ(got.y.scalar_type(), at::kFloat);
+      EXPECT_FALSE(at::equal(got.y, y_fp32)) << "medium should run the experts on bf16 copies; nothing changed";
+    }
     expect_close("layer y" + tag, got.y, expected.y.detach(), tolerance);
     expect_close("layer p" + tag, std::get<0>(at::sort(got.routing.weights, 1)),
                  std::get<0>(at::sort(expected.routing.weights, 1)), tolerance);
