@@ -26,6 +26,7 @@
 #include "learner/policy_gradient.h"
 #include "model/config.h"
 #include "model/policy.h"
+#include "model/precision.h"
 
 namespace odyssey::bench {
 
@@ -98,10 +99,13 @@ Result<LearnerBenchResult> run_learner_bench(const LearnerBenchOptions& o) {
   for (int64_t length : o.lengths) {
     if (length < 2) return invalid_argument("bench learner: --lengths: {} is too short (a length is at least 2 tokens)", length);
   }
+  const Result<model::Float32MatmulPrecision> precision = model::parse_float32_matmul_precision(o.float32_matmul_precision);
+  if (!precision.ok()) return invalid_argument("bench learner: --float32-matmul-precision: {}", precision.status().message());
   at::set_num_threads(std::max(1, o.threads));
   if (o.device != "cpu" && o.device.rfind("cuda", 0) != 0)
     return invalid_argument("bench learner: --device must be cpu or cuda[:N], got '{}'", o.device);
   ODY_ASSIGN_OR_RETURN(auto cfg, model::load_model_config({o.model_config}));
+  const model::Float32MatmulPrecisionScope precision_scope(*precision);
   const at::Device device(o.device);
   if (device.is_cuda() && !at::hasCUDA())
     return invalid_argument("bench learner: --device {} needs the GPU build on a machine with a GPU", o.device);
@@ -130,9 +134,11 @@ Result<LearnerBenchResult> run_learner_bench(const LearnerBenchOptions& o) {
     synchronize(device);
   };
 
-  std::printf("model %s (%s) on %s, %d thread(s), chunk_tokens %ld, recompute %s, kda_keep_chunk_states %s\n",
+  std::printf("model %s (%s) on %s, %d thread(s), chunk_tokens %ld, recompute %s, kda_keep_chunk_states %s, "
+              "float32_matmul_precision %s\n",
               cfg.name.c_str(), o.model_config.c_str(), o.device.c_str(), std::max(1, o.threads),
-              static_cast<long>(o.chunk_tokens), o.recompute ? "on" : "off", o.kda_keep_chunk_states ? "on" : "off");
+              static_cast<long>(o.chunk_tokens), o.recompute ? "on" : "off", o.kda_keep_chunk_states ? "on" : "off",
+              model::float32_matmul_precision_name(*precision));
   LearnerBenchResult result;
   if (o.long_tokens > 0) {
     const auto batch = synthetic_batch(1, o.long_tokens, cfg.vocab_size);

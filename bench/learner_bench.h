@@ -32,6 +32,7 @@ struct LearnerBenchOptions {
   int threads = 1;
   int64_t long_tokens = 0;  // > 0: the long-trajectory check only
   std::string device = "cpu";  // "cuda" on the GPU build: the long check also reports peak GPU memory
+  std::string float32_matmul_precision = "highest";  // learner.float32_matmul_precision (model/precision.h)
 };
 
 struct LearnerBenchResult {

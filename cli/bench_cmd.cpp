@@ -134,6 +134,9 @@ void add_bench_commands(CLI::App& app, Action& action) {
   learner->add_option("--repeats", learner_options.repeats, "best of this many runs")->capture_default_str();
   learner->add_option("--long", learner_options.long_tokens, "instead: one step on one trajectory of this many tokens");
   learner->add_option("--device", learner_options.device, "cpu or cuda (GPU build)")->capture_default_str();
+  learner->add_option("--float32-matmul-precision", learner_options.float32_matmul_precision,
+                      "learner.float32_matmul_precision: highest, high (TF32) or medium (and bf16 KDA / MoE kernels)")
+      ->capture_default_str();
   learner->add_flag("--kda-keep-chunk-states", learner_options.kda_keep_chunk_states,
                     "learner.kda_keep_chunk_states: each chunk's forward keeps its KDA chunk states for the backward");
   learner->callback([&action] {

@@ -46,6 +46,8 @@ TEST(LearnerBench, RejectsALengthTooShortToTrain) {
   EXPECT_NE(out.find("--lengths: 1 is too short"), std::string::npos) << out;
   EXPECT_NE(testing::run_command({ODYSSEY_BINARY, "bench", "learner", "--device", "tpu"}, &out), 0);
   EXPECT_NE(out.find("--device must be cpu or cuda"), std::string::npos) << out;
+  EXPECT_NE(testing::run_command({ODYSSEY_BINARY, "bench", "learner", "--float32-matmul-precision", "low"}, &out), 0);
+  EXPECT_NE(out.find("--float32-matmul-precision: float32 matmul precision 'low'"), std::string::npos) << out;
 }
 
 }  // namespace
