@@ -1343,6 +1343,7 @@ void bench_moe(const KernelsBenchOptions& o, KernelsBenchResult& r) {
     const at::Tensor x32 = x.to(at::kFloat), dy32 = dy.to(at::kFloat);
     auto fp32_step = [&](model::Float32MatmulPrecision precision) {
       const model::Float32MatmulPrecisionScope scope(precision);
+      const c10::AutoGradMode grad(true);
       return time_cuda(
           [&] {
             const at::Tensor input = x32.detach().requires_grad_(true);

@@ -10,7 +10,9 @@
 // --long N instead trains one step on a single N-token trajectory through the learner's path
 // (the 64K check on the CPU, 1M with --device cuda: time, the process's peak resident memory and,
 // on a GPU, the peak of LibTorch's CUDA allocator), and prints
-// `learner_long_tokens_per_s: X` last.
+// `learner_long_tokens_per_s: X` last; with --repeats R > 1 it times the first step and then the
+// best of R - 1 more (warm). --float32-matmul-precision: learner.float32_matmul_precision
+// (model/precision.h), what the GPU may trade for speed.
 #pragma once
 
 #include <cstdint>
