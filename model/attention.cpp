@@ -15,6 +15,8 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/version.h>
 
+#include "model/precision.h"
+
 namespace odyssey::model {
 namespace {
 
@@ -263,15 +265,25 @@ int cpu_attention_threads() {
   return n;
 }
 
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1)
+namespace {
+// Everything fused_attention_applies asks but the dtypes.
+bool fused_attention_shapes_apply(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  int64_t causal_offset) {
+  const int64_t tq = q.size(2), tk = k.size(2);
+  const bool plain_causal = causal_offset == 0 && tq == tk;
+  const bool sees_all = causal_offset >= tk - 1;
+  return q.is_cuda() && q.size(1) == k.size(1) && std::max(q.size(3), v.size(3)) <= 256 && (plain_causal || sees_all);
+}
+}  // namespace
+#endif
+
 bool fused_attention_applies(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              int64_t causal_offset) {
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1)
   const bool half = q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf;
-  const int64_t tq = q.size(2), tk = k.size(2);
-  const bool plain_causal = causal_offset == 0 && tq == tk;
-  const bool sees_all = causal_offset >= tk - 1;
-  return q.is_cuda() && half && k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type() &&
-         q.size(1) == k.size(1) && std::max(q.size(3), v.size(3)) <= 256 && (plain_causal || sees_all);
+  return half && k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type() &&
+         fused_attention_shapes_apply(q, k, v, causal_offset);
 #else
   (void)q, (void)k, (void)v, (void)causal_offset;
   return false;  // LibTorch < 2.1 has no scaled_dot_product_attention with a scale
@@ -309,6 +321,15 @@ at::Tensor blockwise_attention(const at::Tensor& q, const at::Tensor& k, const a
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1)
   if (allow_fused && fused_attention_applies(q, k, v, causal_offset)) {
     return fused_attention(q, k, v, scale, causal_offset, keep_compute_dtype);
+  }
+  if (allow_fused && q.is_cuda() && q.scalar_type() == at::kFloat &&
+      k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat &&
+      float32_matmul_precision() == Float32MatmulPrecision::kMedium &&
+      fused_attention_shapes_apply(q, k, v, causal_offset)) {
+    // model/precision.h: fp32 at medium takes the fused kernel on bf16 copies (the casts recorded,
+    // so the gradients reach the fp32 inputs); its output comes back in fp32, q's dtype.
+    return fused_attention(q.to(at::kBFloat16), k.to(at::kBFloat16), v.to(at::kBFloat16), scale, causal_offset,
+                           /*keep_compute_dtype=*/true);
   }
 #endif
   // `block` is the CPU's tile (rows of queries, and keys per step: about block² scores, which

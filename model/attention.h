@@ -37,7 +37,9 @@
 // e.g. one decode token): LibTorch's fused scaled_dot_product_attention (flash or
 // memory-efficient kernel, O(T) memory too) runs instead, unless allow_fused is false; its
 // statistics are fp32 inside the kernel and its output is rounded to q's dtype before the
-// keep_compute_dtype cast. fused_attention_applies() says whether a call takes that path.
+// keep_compute_dtype cast. fused_attention_applies() says whether a call takes that path. fp32
+// CUDA tensors take it too, on bf16 copies with the output back in fp32, where the process's
+// float32 matmul precision is medium (model/precision.h, learner.float32_matmul_precision).
 // Chunks that continue a cache (0 < causal_offset < Tk - 1) always take the blockwise path: the
 // fused kernels' causal mask is aligned to the top-left, not to the cache's end.
 //

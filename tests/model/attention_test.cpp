@@ -12,6 +12,8 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/utils.h>
 
+#include "model/precision.h"
+
 namespace odyssey::model {
 namespace {
 
@@ -239,6 +241,43 @@ TEST(BlockwiseAttention, FusedKernelOnTheGpuAgreesWithTheBlockwisePath) {
     EXPECT_LT(fwd, 2e-2);
     EXPECT_LT(bwd, 3e-2);
   }
+}
+
+// fp32 at the medium float32 matmul precision (model/precision.h): the fused kernel on bf16 copies,
+// bit for bit the bf16 call's output and gradients (cast to fp32); at highest the fp32 blockwise
+// path; a chunk continuing a cache stays blockwise at every precision.
+TEST(BlockwiseAttention, Fp32AtMediumPrecisionTakesTheFusedKernelOnBf16Copies) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device: the fused path exists only on the GPU build";
+  at::manual_seed(5);
+  const auto opts = at::TensorOptions().device(at::kCUDA).dtype(at::kFloat);
+  const int64_t B = 1, H = 3, T = 300, D = 96, Dv = 64;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+  const at::Tensor q0 = at::randn({B, H, T, D}, opts), k0 = at::randn({B, H, T, D}, opts);
+  const at::Tensor v0 = at::randn({B, H, T, Dv}, opts), dout = at::randn({B, H, T, Dv}, opts);
+  auto run = [&](at::ScalarType dtype, Float32MatmulPrecision precision, int64_t offset) {
+    const Float32MatmulPrecisionScope scope(precision);
+    const at::Tensor q = q0.to(dtype).requires_grad_(true), k = k0.to(dtype).requires_grad_(true);
+    const at::Tensor v = v0.to(dtype).requires_grad_(true);
+    const at::Tensor o = blockwise_attention(q, k, v, scale, offset, kAttentionBlock, /*keep_compute_dtype=*/true);
+    EXPECT_EQ(o.scalar_type(), at::kFloat);
+    const auto g = torch::autograd::grad({o}, {q, k, v}, {dout});
+    return std::vector<at::Tensor>{o.detach(), g[0].to(at::kFloat), g[1].to(at::kFloat), g[2].to(at::kFloat)};
+  };
+  const auto medium = run(at::kFloat, Float32MatmulPrecision::kMedium, 0);
+  const auto bf16 = run(at::kBFloat16, Float32MatmulPrecision::kHighest, 0);
+  const auto highest = run(at::kFloat, Float32MatmulPrecision::kHighest, 0);
+  const char* names[] = {"o", "dq", "dk", "dv"};
+  for (size_t i = 0; i < medium.size(); ++i) {
+    EXPECT_TRUE(at::equal(medium[i], bf16[i])) << names[i] << " max diff " << max_abs_diff(medium[i], bf16[i]);
+    const double rel = max_abs_diff(medium[i], highest[i]) / (highest[i].abs().max().item<double>() + 1e-6);
+    std::printf("fp32 attention at medium against highest: %s %.3e of the largest\n", names[i], rel);
+    EXPECT_LT(rel, 3e-2) << names[i];
+    EXPECT_GT(rel, 0.0) << names[i] << ": medium should round to bf16; nothing changed";
+  }
+  // A chunk continuing a cache: blockwise in fp32 whatever the precision.
+  const auto medium_cont = run(at::kFloat, Float32MatmulPrecision::kMedium, 5);
+  const auto highest_cont = run(at::kFloat, Float32MatmulPrecision::kHighest, 5);
+  for (size_t i = 0; i < medium_cont.size(); ++i) EXPECT_TRUE(at::equal(medium_cont[i], highest_cont[i])) << names[i];
 }
 
 // On CUDA tensors the blockwise path takes GPU-sized tiles; a chunk continuing a long cache (the
