@@ -5,9 +5,11 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdio>
 #include <fstream>
 #include <set>
 #include <thread>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -79,11 +81,21 @@ uint32_t id_of(const Json& tokenizer_json, std::string_view raw) {
   return tokenizer_json["model"]["vocab"][spell(raw)].get<uint32_t>();
 }
 
+// The files write_file made, removed when the test process exits (it used to leave them behind).
+struct WrittenFiles {
+  std::vector<std::string> paths;
+  ~WrittenFiles() {
+    for (const std::string& path : paths) std::remove(path.c_str());
+  }
+};
+
 std::string write_file(const std::string& name, const std::string& text) {
   // Unique per process: ctest runs test cases in parallel processes.
+  static WrittenFiles written;
   const std::string path =
       ::testing::TempDir() + "bpe_tokenizer_test_" + std::to_string(::getpid()) + "_" + name + ".json";
   std::ofstream(path, std::ios::binary) << text;
+  written.paths.push_back(path);
   return path;
 }
 
