@@ -105,7 +105,8 @@ ConfigSchema build_config_schema() {
              "less; chunk_tokens * heads * d_k * d_v / 8 bytes per KDA layer held until the chunk's backward)");
   s.add_string("learner.float32_matmul_precision", "highest",
                "GPU: what fp32 training may trade for speed: highest (fp32 matmuls), high (cuBLAS TF32 for the "
-               "projections), medium (high, and the KDA kernels on bf16 q, k, v, beta: their fast paths)",
+               "projections), medium (high, and the KDA core, MoE routed experts and MLA attention on bf16 copies: their "
+               "fast kernels; model/precision.h)",
                {"highest", "high", "medium"});
   s.add_int("learner.steps", 200, "optimizer steps of the job", at_least(1));
   s.add_double("learner.lr", 1e-4, "peak learning rate (AdamW)", at_least(0));
