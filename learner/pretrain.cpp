@@ -335,9 +335,7 @@ Result<PretrainSummary> pretrain_impl(const PretrainOptions& o) {
                             mc.vocab_size, tokenizer.vocab_size());
   }
   const at::Device device(o.device);
-  const Result<model::Float32MatmulPrecision> precision = model::parse_float32_matmul_precision(o.float32_matmul_precision);
-  if (!precision.ok()) return invalid_argument("learner.float32_matmul_precision: {}", precision.status().message());
-  model::set_float32_matmul_precision(*precision);
+  ODY_RETURN_IF_ERROR(model::set_float32_matmul_precision(o.float32_matmul_precision, "learner.float32_matmul_precision"));
   at::manual_seed(o.seed);
   model::Policy policy(mc);
   policy->to(device);

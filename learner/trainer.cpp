@@ -160,9 +160,7 @@ Status Trainer::Impl::init() {
   if (o.device != "cpu" && o.device.rfind("cuda", 0) != 0)
     return invalid_argument("policy.device '{}': cpu or cuda", o.device);
   device = at::Device(o.device);
-  const Result<model::Float32MatmulPrecision> precision = model::parse_float32_matmul_precision(o.float32_matmul_precision);
-  if (!precision.ok()) return invalid_argument("learner.float32_matmul_precision: {}", precision.status().message());
-  model::set_float32_matmul_precision(*precision);
+  ODY_RETURN_IF_ERROR(model::set_float32_matmul_precision(o.float32_matmul_precision, "learner.float32_matmul_precision"));
   ODY_ASSIGN_OR_RETURN(model_config, model::load_model_config({o.model_config}));
   config_json = json{{"model_config", o.model_config}, {"name", model_config.name}};
 

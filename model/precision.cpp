@@ -31,6 +31,13 @@ void set_float32_matmul_precision(Float32MatmulPrecision precision) {
   at::globalContext().setAllowTF32CuBLAS(precision != Float32MatmulPrecision::kHighest);
 }
 
+Status set_float32_matmul_precision(const std::string& name, const std::string& key) {
+  const Result<Float32MatmulPrecision> precision = parse_float32_matmul_precision(name);
+  if (!precision.ok()) return invalid_argument("{}: {}", key, precision.status().message());
+  set_float32_matmul_precision(*precision);
+  return Status::Ok();
+}
+
 Float32MatmulPrecision float32_matmul_precision() { return g_precision.load(); }
 
 Float32MatmulPrecisionScope::Float32MatmulPrecisionScope(Float32MatmulPrecision precision)

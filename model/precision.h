@@ -35,6 +35,9 @@ const char* float32_matmul_precision_name(Float32MatmulPrecision precision);
 
 // Sets the process-wide precision, cuBLAS's TF32 switch with it (at::globalContext()).
 void set_float32_matmul_precision(Float32MatmulPrecision precision);
+// The same by name (what the learner reads from learner.float32_matmul_precision); an unknown
+// name is kInvalidArgument prefixed with `key` and changes nothing.
+Status set_float32_matmul_precision(const std::string& name, const std::string& key);
 Float32MatmulPrecision float32_matmul_precision();
 
 // Sets a precision within a scope and restores the previous one on exit (tests, benchmarks).
