@@ -126,12 +126,24 @@ Result<LearnerBenchResult> run_learner_bench(const LearnerBenchOptions& o) {
   pgo.kda_keep_chunk_states = o.kda_keep_chunk_states;
   pgo.device = device;
 
-  // The learner's step compute on `batch`.
-  auto learner_step = [&](const std::vector<learner::TrajectoryTokens>& batch) {
+  // The learner's step compute on `batch`. Given `phases`, each phase is timed to its end on the
+  // device: [0] the policy gradient (forward and backward), [1] clipping, [2] the optimizer.
+  auto learner_step = [&](const std::vector<learner::TrajectoryTokens>& batch, double* phases = nullptr) {
+    auto t = Clock::now();
+    auto lap = [&](int i) {
+      if (phases == nullptr) return;
+      synchronize(device);
+      const auto now = Clock::now();
+      phases[i] = std::chrono::duration<double>(now - t).count();
+      t = now;
+    };
     for (auto& p : params) p.mutable_grad() = at::Tensor();
     learner::accumulate_policy_gradient(runner, nullptr, batch, {}, pgo);
+    lap(0);
     learner::clip_grad_norm(params, 1.0);
+    lap(1);
     adamw.step(1e-5);
+    lap(2);
     synchronize(device);
   };
 
@@ -146,16 +158,21 @@ Result<LearnerBenchResult> run_learner_bench(const LearnerBenchOptions& o) {
     const double rss_before = peak_rss_mb();
     // The first step (which also pays for the process's first launches and allocations), then the
     // best of --repeats - 1 more where asked.
+    double phases[3] = {0, 0, 0}, best_phases[3] = {0, 0, 0};
     auto timed_step = [&] {
       const auto t0 = Clock::now();
-      learner_step(batch);
+      learner_step(batch, phases);
       return std::chrono::duration<double>(Clock::now() - t0).count();
     };
     const double first = timed_step();
     double secs = first;
-    if (o.repeats > 1) {
-      secs = timed_step();
-      for (int i = 2; i < o.repeats; ++i) secs = std::min(secs, timed_step());
+    std::copy(phases, phases + 3, best_phases);
+    for (int i = 1; i < o.repeats; ++i) {
+      const double s = timed_step();
+      if (i == 1 || s < secs) {
+        secs = s;
+        std::copy(phases, phases + 3, best_phases);
+      }
     }
     result.learner_tokens_per_s = static_cast<double>(o.long_tokens) / secs;
     std::printf("one trajectory of %ld tokens (%ld trained): one learner step in %.2f s (%s), peak RSS %.0f MB (%.0f MB "
@@ -164,6 +181,26 @@ Result<LearnerBenchResult> run_learner_bench(const LearnerBenchOptions& o) {
                 o.repeats > 1 ? fmt::format("best of {} after the first, which took {:.2f} s", o.repeats - 1, first).c_str()
                               : "the first",
                 peak_rss_mb(), rss_before);
+    std::printf("its phases: policy gradient (forward and backward) %.3f s, gradient clipping %.3f s, optimizer %.3f s\n",
+                best_phases[0], best_phases[1], best_phases[2]);
+    // The two phases alone against their baselines, on the step's gradients: the per-parameter
+    // AdamW (the same update in eight LibTorch passes a parameter) and LibTorch's clip_grad_norm_.
+    auto best_of_3 = [&](const std::function<void()>& f) {
+      return best_seconds(3, [&] {
+        f();
+        synchronize(device);
+      });
+    };
+    const double fused_s = best_of_3([&] { adamw.step(1e-5); });
+    adamw.set_fused(false);
+    const double per_parameter_s = best_of_3([&] { adamw.step(1e-5); });
+    adamw.set_fused(true);
+    const double clip_s = best_of_3([&] { learner::clip_grad_norm(params, 1.0); });
+    const double torch_clip_s = best_of_3([&] { torch::nn::utils::clip_grad_norm_(params, 1.0); });
+    std::printf("optimizer step alone: %.2f ms, per-parameter form %.2f ms (%.2fx); gradient clipping alone: %.2f ms, "
+                "torch::nn::utils::clip_grad_norm_ %.2f ms (%.2fx)\n",
+                fused_s * 1e3, per_parameter_s * 1e3, per_parameter_s / fused_s, clip_s * 1e3, torch_clip_s * 1e3,
+                torch_clip_s / clip_s);
     if (device.is_cuda()) std::printf("peak GPU memory (LibTorch allocator): %.0f MB\n", peak_gpu_mb(device));
     std::printf("learner_long_tokens_per_s: %.1f\n", result.learner_tokens_per_s);
     return result;

@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 #include <torch/types.h>
+#include <torch/version.h>
 
 namespace odyssey::learner {
 
@@ -16,20 +17,33 @@ double learning_rate(double peak, const ScheduleOptions& s, int64_t step) {
   return peak * 0.5 * (1.0 + std::cos(M_PI * progress));
 }
 
-double clip_grad_norm(const std::vector<at::Tensor>& params, double max_norm) {
-  const at::NoGradGuard no_grad;
+namespace {
+
+// The global norm in fp64 a parameter at a time: the fallback when the fp32 norms overflow.
+double grad_norm_fp64(const std::vector<at::Tensor>& grads) {
   double total = 0;
-  for (const auto& p : params) {
-    if (!p.grad().defined()) continue;
-    const double n = p.grad().to(at::kDouble).norm().item<double>();
+  for (const auto& g : grads) {
+    const double n = g.to(at::kDouble).norm().item<double>();
     total += n * n;
   }
-  const double norm = std::sqrt(total);
-  if (max_norm > 0 && norm > max_norm && std::isfinite(norm)) {
-    const double scale = max_norm / (norm + 1e-6);
-    for (const auto& p : params)
-      if (p.grad().defined()) p.grad().mul_(scale);
-  }
+  return std::sqrt(total);
+}
+
+}  // namespace
+
+double clip_grad_norm(const std::vector<at::Tensor>& params, double max_norm) {
+  const at::NoGradGuard no_grad;
+  std::vector<at::Tensor> grads;
+  for (const auto& p : params)
+    if (p.grad().defined()) grads.push_back(p.grad());
+  if (grads.empty()) return 0;
+  // Every gradient's norm in one multi-tensor pass (fp32 sums), summed in fp64 with one sync.
+  const std::vector<at::Tensor> norms = at::_foreach_norm(grads, 2);
+  double norm = at::stack(norms).to(at::kDouble).square().sum().sqrt().item<double>();
+  // fp32 squares overflow above ~1.8e19; such gradients are rare but not wrong, so their norm is
+  // taken again in fp64 rather than reported as inf (which would skip the update).
+  if (!std::isfinite(norm)) norm = grad_norm_fp64(grads);
+  if (max_norm > 0 && norm > max_norm && std::isfinite(norm)) at::_foreach_mul_(grads, max_norm / (norm + 1e-6));
   return norm;
 }
 
@@ -41,14 +55,35 @@ AdamW::AdamW(std::vector<std::pair<std::string, at::Tensor>> params, const AdamW
   }
 }
 
+bool AdamW::fused_step_applies(size_t i) const {
+#if TORCH_VERSION_MAJOR >= 2
+  const at::Tensor& p = params_[i].second;
+  const at::Tensor& g = p.grad();
+  // at::_fused_adamw_'s conditions: floating point, one device and dtype for a parameter, its
+  // gradient and moments, the same dense layout (the moments are made with the parameter's).
+  return options_.fused && p.is_cuda() && at::isFloatingType(p.scalar_type()) && g.scalar_type() == p.scalar_type() &&
+         g.device() == p.device() && p.is_non_overlapping_and_dense() && g.strides() == p.strides() &&
+         moments_[i].exp_avg.strides() == p.strides();
+#else
+  (void)i;
+  return false;
+#endif
+}
+
 void AdamW::step(double lr) {
   const at::NoGradGuard no_grad;
   const double b1 = options_.beta1, b2 = options_.beta2;
+  // Groups of parameters the fused multi-tensor step takes, by (device, dtype).
+  std::map<std::pair<std::string, int>, std::vector<size_t>> fused_groups;
   for (size_t i = 0; i < params_.size(); ++i) {
     at::Tensor& p = params_[i].second;
     if (!p.grad().defined()) continue;
-    const at::Tensor grad = p.grad();
     Moments& m = moments_[i];
+    if (fused_step_applies(i)) {
+      fused_groups[{p.device().str(), static_cast<int>(p.scalar_type())}].push_back(i);
+      continue;
+    }
+    const at::Tensor grad = p.grad();
     if (options_.weight_decay != 0) p.mul_(1 - lr * options_.weight_decay);
     m.step += 1;
     const double bc1 = 1 - std::pow(b1, static_cast<double>(m.step));
@@ -58,6 +93,27 @@ void AdamW::step(double lr) {
     const at::Tensor denom = (m.exp_avg_sq.sqrt() / std::sqrt(bc2)).add_(options_.eps);
     p.addcdiv_(m.exp_avg, denom, -lr / bc1);
   }
+#if TORCH_VERSION_MAJOR >= 2
+  for (const auto& group : fused_groups) {
+    std::vector<at::Tensor> ps, gs, exp_avgs, exp_avg_sqs, steps;
+    for (size_t i : group.second) {
+      Moments& m = moments_[i];
+      // The update count on the device, as the fused kernel reads it (fp32, exact to 2^24 steps);
+      // made from the host's count when first needed and after restore().
+      if (!m.device_step.defined())
+        m.device_step = at::full({}, static_cast<double>(m.step), params_[i].second.options().dtype(at::kFloat));
+      m.step += 1;
+      ps.push_back(params_[i].second);
+      gs.push_back(params_[i].second.grad());
+      exp_avgs.push_back(m.exp_avg);
+      exp_avg_sqs.push_back(m.exp_avg_sq);
+      steps.push_back(m.device_step);
+    }
+    at::_foreach_add_(steps, 1);
+    at::_fused_adamw_(ps, gs, exp_avgs, exp_avg_sqs, /*max_exp_avg_sqs=*/{}, steps, lr, b1, b2, options_.weight_decay,
+                      options_.eps, /*amsgrad=*/false, /*maximize=*/false);
+  }
+#endif
   ++steps_;
 }
 
@@ -96,6 +152,7 @@ Status AdamW::restore(const std::map<std::string, at::Tensor>& state, int64_t st
     moments_[i].exp_avg.copy_(state.at("exp_avg." + name));
     moments_[i].exp_avg_sq.copy_(state.at("exp_avg_sq." + name));
     moments_[i].step = state.at("step." + name).item<int64_t>();
+    moments_[i].device_step = at::Tensor();
   }
   steps_ = steps;
   return Status::Ok();
