@@ -107,7 +107,13 @@ void DataParallel::broadcast(at::Tensor& tensor, int root) {
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
   group_->pg->broadcast(t, opts)->wait();
-  if (!t[0].is_same(tensor)) tensor.copy_(t[0]);
+  if (!t[0].is_same(tensor)) {
+    tensor.copy_(t[0]);
+  } else {
+    // The collective wrote the tensor's memory behind LibTorch's back: bump its version as an
+    // in-place op would, so that what keys on it (model::Bf16Shadow) sees the new values.
+    tensor.unsafeGetTensorImpl()->bump_version();
+  }
 }
 
 void DataParallel::barrier() {

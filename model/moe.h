@@ -51,6 +51,7 @@
 #include <torch/types.h>
 
 #include "model/ffn.h"
+#include "model/precision.h"
 #include "model/rms_norm.h"
 
 namespace odyssey::kernels {
@@ -174,6 +175,8 @@ class MoeImpl : public torch::nn::Module {
   MoeRouting route(const torch::Tensor& x, kernels::MoePermutation* permutation);
 
   MoeOptions options_;
+  // The expert weights' bf16 copies at the medium float32 matmul precision (model/precision.h).
+  Bf16Shadow expert_weights_bf16_[3];
 };
 TORCH_MODULE(Moe);
 

@@ -2,7 +2,9 @@
 
 #include <atomic>
 
+#include <ATen/ATen.h>
 #include <ATen/Context.h>
+#include <torch/csrc/autograd/custom_function.h>
 
 namespace odyssey::model {
 
@@ -46,5 +48,59 @@ Float32MatmulPrecisionScope::Float32MatmulPrecisionScope(Float32MatmulPrecision 
 }
 
 Float32MatmulPrecisionScope::~Float32MatmulPrecisionScope() { set_float32_matmul_precision(previous_); }
+
+namespace {
+
+// source -> its bf16 copy, the copy made beforehand; the backward is source.to(kBFloat16)'s.
+struct ShadowCast : torch::autograd::Function<ShadowCast> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& source, const at::Tensor& copy) {
+    ctx->saved_data["dtype"] = static_cast<int64_t>(source.scalar_type());
+    return copy.detach();
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto dtype = static_cast<at::ScalarType>(ctx->saved_data["dtype"].toInt());
+    return {grads[0].to(dtype), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+Bf16Shadow& Bf16Shadow::operator=(const Bf16Shadow&) {
+  clear();
+  return *this;
+}
+
+at::Tensor Bf16Shadow::get(const at::Tensor& source) {
+  at::Tensor copy;
+  {
+    const std::lock_guard<std::mutex> lock(mu_);
+    const void* impl = source.unsafeGetTensorImpl();
+    if (!copy_.defined() || impl_ != impl || data_ != source.data_ptr() || version_ != source._version() ||
+        copy_.sizes() != source.sizes()) {
+      const at::NoGradGuard no_grad;
+      copy_ = source.detach().to(at::kBFloat16);
+      impl_ = impl;
+      data_ = source.data_ptr();
+      version_ = source._version();
+      ++casts_;
+    }
+    copy = copy_;
+  }
+  if (at::GradMode::is_enabled() && source.requires_grad()) return ShadowCast::apply(source, copy);
+  return copy.detach();
+}
+
+void Bf16Shadow::clear() {
+  const std::lock_guard<std::mutex> lock(mu_);
+  copy_ = at::Tensor();
+  impl_ = data_ = nullptr;
+  version_ = -1;
+}
+
+int64_t Bf16Shadow::casts() const {
+  const std::lock_guard<std::mutex> lock(mu_);
+  return casts_;
+}
 
 }  // namespace odyssey::model

@@ -21,7 +21,11 @@
 // (autograd's backward threads included).
 #pragma once
 
+#include <cstdint>
+#include <mutex>
 #include <string>
+
+#include <ATen/core/Tensor.h>
 
 #include "core/status.h"
 
@@ -50,6 +54,34 @@ class Float32MatmulPrecisionScope {
 
  private:
   Float32MatmulPrecision previous_;
+};
+
+// A bf16 copy of an fp32 tensor (a parameter), kept across calls while the tensor is unchanged:
+// the same TensorImpl, storage and version counter. Any in-place write through LibTorch (an
+// optimizer step, copy_, a checkpoint load) bumps the version and the next get() casts again.
+// For the medium precision's casts of parameters that several forwards of one learner step read:
+// the MoE layer's expert weights are cast once a step instead of once a forward and once a
+// recomputation (their bf16 copies stay resident: 2 bytes a parameter).
+//
+// get(source): the bf16 copy. With grad mode on and `source` requiring grad, it is recorded as
+// source.to(kBFloat16) is: the gradient reaches `source` in its dtype, the same values. A copy
+// (a cloned module) starts empty. Thread-safety: get() and clear() may be called from any thread.
+class Bf16Shadow {
+ public:
+  Bf16Shadow() = default;
+  Bf16Shadow(const Bf16Shadow&) {}
+  Bf16Shadow& operator=(const Bf16Shadow&);
+  at::Tensor get(const at::Tensor& source);
+  void clear();  // drops the copy (its memory)
+  int64_t casts() const;  // how many times get() has cast (tests, benchmarks)
+
+ private:
+  mutable std::mutex mu_;
+  at::Tensor copy_;
+  const void* impl_ = nullptr;
+  const void* data_ = nullptr;
+  int64_t version_ = -1;
+  int64_t casts_ = 0;
 };
 
 }  // namespace odyssey::model

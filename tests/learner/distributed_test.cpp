@@ -24,9 +24,12 @@ namespace {
 using testing::InProcessReplay;
 using testing::TempDir;
 
+// ... and broadcast rank 0's tensor in place, bumping its version as an in-place op does (what
+// keys on the version, model::Bf16Shadow, must see the new values).
 TEST(DataParallel, GlooAllReduceSumsAndMaxesAcrossTwoRanks) {
   const std::string master = "127.0.0.1:" + std::to_string(testing::free_port());
-  std::vector<at::Tensor> sums(2), maxes(2);
+  std::vector<at::Tensor> sums(2), maxes(2), broadcasts(2);
+  std::vector<int64_t> version_bumps(2);
   std::vector<std::string> errors(2);
   std::vector<std::thread> threads;
   for (int r = 0; r < 2; ++r) {
@@ -42,6 +45,11 @@ TEST(DataParallel, GlooAllReduceSumsAndMaxesAcrossTwoRanks) {
       (*dp)->all_reduce_max(m);
       sums[r] = s;
       maxes[r] = m;
+      at::Tensor b = at::full({4}, static_cast<float>(r + 10));
+      const int64_t version = b._version();
+      (*dp)->broadcast(b, 0);
+      broadcasts[r] = b;
+      version_bumps[r] = b._version() - version;
     });
   }
   for (auto& t : threads) t.join();
@@ -50,6 +58,8 @@ TEST(DataParallel, GlooAllReduceSumsAndMaxesAcrossTwoRanks) {
     EXPECT_TRUE(at::equal(sums[r], at::full({3}, 3.0, at::kDouble)));
     EXPECT_EQ(maxes[r][0].item<int64_t>(), 7);
     EXPECT_EQ(maxes[r][1].item<int64_t>(), 5);
+    EXPECT_TRUE(at::equal(broadcasts[r], at::full({4}, 10.0f))) << "rank " << r;
+    EXPECT_GE(version_bumps[r], 1) << "rank " << r;
   }
 }
 
