@@ -7,7 +7,11 @@
 #include <cmath>
 #include <cstdio>
 #include <functional>
+#include <map>
+#include <memory>
+#include <set>
 #include <string>
+#include <utility>
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -15,6 +19,8 @@
 // after torch/types.h, which it needs
 #include <torch/nn/utils/clip_grad.h>
 #include <torch/optim/adamw.h>
+#include <torch/csrc/autograd/profiler_kineto.h>
+#include <torch/version.h>
 
 #ifdef ODYSSEY_WITH_CUDA_KERNELS
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -92,9 +98,108 @@ std::vector<learner::TrajectoryTokens> synthetic_batch(int64_t rows, int64_t len
   return out;
 }
 
+// The kind of a device kernel, from its name (for the profile's summary).
+const char* kernel_kind(const std::string& name) {
+  auto has = [&](const char* s) { return name.find(s) != std::string::npos; };
+  if (has("kda")) return "KDA kernels";
+  if (has("moe") || has("situ") || has("router")) return "MoE kernels";
+  if (has("gemm") || has("Gemm") || has("cutlass") || has("xmma") || has("nvjet") || has("wgmma") || has("cublas"))
+    return "cuBLAS / CUTLASS GEMMs";
+  if (has("flash") || has("fmha") || has("attention")) return "fused attention";
+  if (has("Memcpy") || has("Memset") || has("memcpy") || has("memset")) return "copies and fills";
+  if (has("reduce") || has("Reduce") || has("norm")) return "reductions";
+  if (has("multi_tensor") || has("foreach") || has("fused_adam")) return "optimizer and clipping (multi-tensor)";
+  if (has("elementwise") || has("vectorized") || has("unrolled") || has("Elementwise")) return "elementwise";
+  if (has("index") || has("gather") || has("scatter") || has("Index")) return "index, gather, scatter";
+  return "other";
+}
+
+// One call of `step` under LibTorch's profiler (Kineto): the Chrome trace to `path`, and a summary
+// to stdout. On a GPU: the device's kernels by total time and by kind, and their sum against the
+// step's wall time (how busy the device was; the rest is the host's launches and syncs). On the
+// CPU: the operators by total time (inclusive of what they call).
+Status profile_step(const std::function<void()>& step, bool cuda, const std::string& path) {
+  namespace prof = torch::autograd::profiler;
+  using torch::profiler::impl::ActivityType;
+  std::set<ActivityType> activities{ActivityType::CPU};
+  if (cuda) activities.insert(ActivityType::CUDA);
+  const torch::profiler::impl::ProfilerConfig config(torch::profiler::impl::ProfilerState::KINETO);
+  std::unique_ptr<prof::ProfilerResult> result;
+  double wall_s = 0;
+  try {
+    prof::prepareProfiler(config, activities);
+    prof::enableProfiler(config, activities);
+    const auto t0 = Clock::now();
+    step();
+    wall_s = std::chrono::duration<double>(Clock::now() - t0).count();
+    result = prof::disableProfiler();
+  } catch (const c10::Error& e) {
+    return make_status(StatusCode::kFailedPrecondition, "bench learner --profile {}: LibTorch's profiler failed: {}", path,
+                       e.what_without_backtrace());
+  }
+  struct Total {
+    double us = 0;
+    int64_t count = 0;
+  };
+  std::map<std::string, Total> by_name, by_kind;
+  double device_us = 0;
+  for (const auto& e : result->events()) {
+    if ((e.deviceType() == c10::DeviceType::CUDA) != cuda) continue;
+#if TORCH_VERSION_MAJOR >= 2
+    const double us = static_cast<double>(e.durationNs()) * 1e-3;
+#else
+    const double us = static_cast<double>(e.durationUs());
+#endif
+    Total& t = by_name[e.name()];
+    t.us += us;
+    ++t.count;
+    if (cuda) {
+      Total& k = by_kind[kernel_kind(e.name())];
+      k.us += us;
+      ++k.count;
+      device_us += us;
+    }
+  }
+  auto print_top = [](const std::map<std::string, Total>& totals, size_t n) {
+    std::vector<std::pair<std::string, Total>> rows(totals.begin(), totals.end());
+    std::sort(rows.begin(), rows.end(), [](const auto& a, const auto& b) { return a.second.us > b.second.us; });
+    for (size_t i = 0; i < std::min(n, rows.size()); ++i) {
+      std::string name = rows[i].first;
+      if (name.size() > 110) name = name.substr(0, 107) + "...";
+      std::printf("  %10.3f ms %7ld  %s\n", rows[i].second.us * 1e-3, static_cast<long>(rows[i].second.count),
+                  name.c_str());
+    }
+  };
+  std::string written = "trace written to " + path;
+  try {
+    result->save(path);
+  } catch (const c10::Error& e) {
+    // Debian's LibTorch 1.13 is built without Kineto: the summary works, the trace file does not.
+    written = fmt::format("no trace written ({})", e.what_without_backtrace());
+    written = written.substr(0, written.find('\n'));
+  }
+  std::printf("profile of one more step: %.3f s wall, %s\n", wall_s, written.c_str());
+  if (cuda) {
+    int64_t kernels = 0;
+    for (const auto& k : by_kind) kernels += k.second.count;
+    std::printf("device time in kernels and copies: %.3f s over %ld launches, %.0f%% of the step's wall time\n",
+                device_us * 1e-6, static_cast<long>(kernels), 100.0 * device_us * 1e-6 / wall_s);
+    std::printf("by kind (total, launches):\n");
+    print_top(by_kind, by_kind.size());
+    std::printf("the 30 longest kernels by total time (total, launches):\n");
+    print_top(by_name, 30);
+  } else {
+    std::printf("the 30 longest operators by total time, inclusive of what they call (total, calls):\n");
+    print_top(by_name, 30);
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 Result<LearnerBenchResult> run_learner_bench(const LearnerBenchOptions& o) {
+  if (!o.profile_path.empty() && o.long_tokens <= 0)
+    return invalid_argument("bench learner: --profile needs --long N (it profiles one step on that trajectory)");
   if (o.repeats < 1 || o.batch_tokens < 2 || o.chunk_tokens < 16 || o.lengths.empty())
     return invalid_argument("bench learner: need repeats >= 1, batch_tokens >= 2, chunk_tokens >= 16 and a length");
   for (int64_t length : o.lengths) {
@@ -202,6 +307,8 @@ Result<LearnerBenchResult> run_learner_bench(const LearnerBenchOptions& o) {
                 fused_s * 1e3, per_parameter_s * 1e3, per_parameter_s / fused_s, clip_s * 1e3, torch_clip_s * 1e3,
                 torch_clip_s / clip_s);
     if (device.is_cuda()) std::printf("peak GPU memory (LibTorch allocator): %.0f MB\n", peak_gpu_mb(device));
+    if (!o.profile_path.empty())
+      ODY_RETURN_IF_ERROR(profile_step([&] { learner_step(batch); }, device.is_cuda(), o.profile_path));
     std::printf("learner_long_tokens_per_s: %.1f\n", result.learner_tokens_per_s);
     return result;
   }

@@ -12,7 +12,12 @@
 // on a GPU, the peak of LibTorch's CUDA allocator), and prints
 // `learner_long_tokens_per_s: X` last; with --repeats R > 1 it times the first step and then the
 // best of R - 1 more (warm). --float32-matmul-precision: learner.float32_matmul_precision
-// (model/precision.h), what the GPU may trade for speed.
+// (model/precision.h), what the GPU may trade for speed. The long check also prints the step's
+// phases (policy gradient, clipping, optimizer, each timed to its end on the device) and the
+// optimizer step and clipping alone against their baselines (the per-parameter AdamW on the same
+// moments, LibTorch's clip_grad_norm_). --profile FILE: one more warm step under LibTorch's
+// profiler (Kineto); its Chrome trace goes to FILE (chrome://tracing, Perfetto) and a summary to
+// stdout: the device's kernels by total time, by kind, and how busy the device was.
 #pragma once
 
 #include <cstdint>
@@ -35,6 +40,7 @@ struct LearnerBenchOptions {
   int64_t long_tokens = 0;  // > 0: the long-trajectory check only
   std::string device = "cpu";  // "cuda" on the GPU build: the long check also reports peak GPU memory
   std::string float32_matmul_precision = "highest";  // learner.float32_matmul_precision (model/precision.h)
+  std::string profile_path;  // with long_tokens: profile one more step, its trace here
 };
 
 struct LearnerBenchResult {

@@ -137,6 +137,9 @@ void add_bench_commands(CLI::App& app, Action& action) {
   learner->add_option("--float32-matmul-precision", learner_options.float32_matmul_precision,
                       "learner.float32_matmul_precision: highest, high (TF32) or medium (and bf16 KDA / MoE kernels)")
       ->capture_default_str();
+  learner->add_option("--profile", learner_options.profile_path,
+                      "with --long: profile one more warm step with LibTorch's profiler, write its Chrome trace to "
+                      "this file and print where the device's time went");
   learner->add_flag("--kda-keep-chunk-states", learner_options.kda_keep_chunk_states,
                     "learner.kda_keep_chunk_states: each chunk's forward keeps its KDA chunk states for the backward");
   learner->callback([&action] {

@@ -116,11 +116,13 @@ Output recurrent(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   at::Tensor state = state_or_zeros(initial_state, q, v, dtype);
   const at::Tensor qc = q.to(dtype), kc = k.to(dtype), vc = v.to(dtype), gc = g.to(dtype),
                    bc = beta.to(dtype);
+  // One unbind per input rather than a select per token (see chunked_reference: the backward).
+  const std::vector<at::Tensor> q_t = qc.unbind(1), k_t = kc.unbind(1), v_t = vc.unbind(1), g_t = gc.unbind(1),
+                                b_t = bc.unbind(1);
   std::vector<at::Tensor> outputs;
   outputs.reserve(q.size(1));
-  for (int64_t t = 0; t < q.size(1); ++t) {
-    auto [o, updated] = token_update(state, qc.select(1, t), kc.select(1, t), vc.select(1, t),
-                                     gc.select(1, t), bc.select(1, t), scale);
+  for (size_t t = 0; t < q_t.size(); ++t) {
+    auto [o, updated] = token_update(state, q_t[t], k_t[t], v_t[t], g_t[t], b_t[t], scale);
     outputs.push_back(o);
     state = updated;
   }
@@ -246,14 +248,18 @@ Output chunked_reference(const at::Tensor& q, const at::Tensor& k, const at::Ten
   const at::Tensor decay_last = gamma_last.exp().unsqueeze(-1);  // [B, H, N, K, 1]
   const at::Tensor k_bar_t = k_bar.transpose(-1, -2);
 
-  // The state hand-off is the only sequential part.
+  // The state hand-off is the only sequential part. Each operand is split into its chunks once
+  // (unbind): under autograd that is one backward stacking every chunk's gradient, where a
+  // select() per chunk would make each chunk's gradient a zero-filled tensor of the whole
+  // sequence's size and sum them (quadratic in the number of chunks).
+  const std::vector<at::Tensor> u_n = u.unbind(2), w_n = w.unbind(2), q_hat_n = q_hat.unbind(2),
+                                a_qk_n = a_qk.unbind(2), decay_n = decay_last.unbind(2), k_bar_t_n = k_bar_t.unbind(2);
   std::vector<at::Tensor> outputs;
   outputs.reserve(num_chunks);
-  for (int64_t n = 0; n < num_chunks; ++n) {
-    const at::Tensor v_new = u.select(2, n) - at::matmul(w.select(2, n), state);  // V'
-    outputs.push_back(at::matmul(q_hat.select(2, n), state) +
-                      at::matmul(a_qk.select(2, n), v_new));
-    state = decay_last.select(2, n) * state + at::matmul(k_bar_t.select(2, n), v_new);
+  for (size_t n = 0; n < static_cast<size_t>(num_chunks); ++n) {
+    const at::Tensor v_new = u_n[n] - at::matmul(w_n[n], state);  // V'
+    outputs.push_back(at::matmul(q_hat_n[n], state) + at::matmul(a_qk_n[n], v_new));
+    state = decay_n[n] * state + at::matmul(k_bar_t_n[n], v_new);
   }
   // [B, H, N, C, V] -> [B, N * C, H, V], padding dropped.
   const at::Tensor o = at::stack(outputs, 2)

@@ -88,19 +88,24 @@ torch::Tensor StackedExpertsImpl::forward(const torch::Tensor& rows, const torch
   TORCH_CHECK(tokens_per_expert.dim() == 1 && tokens_per_expert.size(0) == count_,
               "StackedExperts: tokens_per_expert must be [", count_, "], got ", tokens_per_expert.sizes());
   const torch::Tensor counts = tokens_per_expert.to(at::kCPU, at::kLong).contiguous();
-  const int64_t* count_of = counts.data_ptr<int64_t>();
-  std::vector<torch::Tensor> outputs;
-  int64_t start = 0;
-  for (int64_t e = 0; e < count_; ++e) {
-    if (count_of[e] == 0) continue;
-    const torch::Tensor slice = rows.narrow(0, start, count_of[e]);
-    const torch::Tensor h = situ_glu(at::matmul(slice, gate_proj.select(0, e).t()),
-                                     at::matmul(slice, up_proj.select(0, e).t()), beta1_, beta2_);
-    outputs.push_back(at::matmul(h, down_proj.select(0, e).t()));
-    start += count_of[e];
-  }
-  TORCH_CHECK(start == rows.size(0), "StackedExperts: tokens_per_expert sums to ", start, ", rows are ",
+  const std::vector<int64_t> count_of(counts.data_ptr<int64_t>(), counts.data_ptr<int64_t>() + count_);
+  int64_t total = 0;
+  for (int64_t c : count_of) total += c;
+  TORCH_CHECK(total == rows.size(0), "StackedExperts: tokens_per_expert sums to ", total, ", rows are ",
               rows.size(0));
+  // The rows and the weights are split once (split / unbind), not sliced per expert: under
+  // autograd each split has one backward that puts every expert's gradient in place, where a
+  // narrow() or select() per expert would make each expert's gradient a zero-filled tensor of the
+  // whole size and sum them (quadratic in the number of experts).
+  const std::vector<torch::Tensor> slices = rows.split_with_sizes(count_of, 0);
+  const std::vector<torch::Tensor> gates = gate_proj.unbind(0), ups = up_proj.unbind(0), downs = down_proj.unbind(0);
+  std::vector<torch::Tensor> outputs;
+  for (size_t e = 0; e < static_cast<size_t>(count_); ++e) {
+    if (count_of[e] == 0) continue;
+    const torch::Tensor h =
+        situ_glu(at::matmul(slices[e], gates[e].t()), at::matmul(slices[e], ups[e].t()), beta1_, beta2_);
+    outputs.push_back(at::matmul(h, downs[e].t()));
+  }
   if (outputs.empty()) return at::zeros_like(rows);
   return at::cat(outputs, /*dim=*/0);
 }

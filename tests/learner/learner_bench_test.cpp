@@ -40,6 +40,25 @@ TEST(LearnerBench, LongTrajectoryReportsTheStepAndPeakMemory) {
   EXPECT_GT(last_value(out, "learner_long_tokens_per_s"), 0.0) << out;
 }
 
+// The long check's phases, the optimizer and clipping against their baselines, and --profile's
+// summary (on the CPU, LibTorch's operators; Debian's LibTorch has no Kineto to write the trace
+// with, which the summary says rather than failing).
+TEST(LearnerBench, LongTrajectoryPrintsItsPhasesAndAProfile) {
+  std::string out;
+  const testing::TempDir tmp;
+  const std::string trace = tmp.str("trace.json");
+  const int code = testing::run_command({ODYSSEY_BINARY, "bench", "learner", "--model-config", kTiny, "--long", "200",
+                                         "--chunk-tokens", "64", "--profile", trace},
+                                        &out);
+  ASSERT_EQ(code, 0) << out;
+  EXPECT_NE(out.find("its phases: policy gradient (forward and backward) "), std::string::npos) << out;
+  EXPECT_NE(out.find("optimizer step alone: "), std::string::npos) << out;
+  EXPECT_NE(out.find("torch::nn::utils::clip_grad_norm_ "), std::string::npos) << out;
+  EXPECT_NE(out.find("profile of one more step: "), std::string::npos) << out;
+  EXPECT_NE(out.find("aten::mm"), std::string::npos) << "the operators' table names LibTorch's ops:\n" << out;
+  EXPECT_GT(last_value(out, "learner_long_tokens_per_s"), 0.0) << out;
+}
+
 TEST(LearnerBench, RejectsALengthTooShortToTrain) {
   std::string out;
   EXPECT_NE(testing::run_command({ODYSSEY_BINARY, "bench", "learner", "--lengths", "1"}, &out), 0);
@@ -48,6 +67,8 @@ TEST(LearnerBench, RejectsALengthTooShortToTrain) {
   EXPECT_NE(out.find("--device must be cpu or cuda"), std::string::npos) << out;
   EXPECT_NE(testing::run_command({ODYSSEY_BINARY, "bench", "learner", "--float32-matmul-precision", "low"}, &out), 0);
   EXPECT_NE(out.find("--float32-matmul-precision: float32 matmul precision 'low'"), std::string::npos) << out;
+  EXPECT_NE(testing::run_command({ODYSSEY_BINARY, "bench", "learner", "--profile", "t.json"}, &out), 0);
+  EXPECT_NE(out.find("--profile needs --long N"), std::string::npos) << out;
 }
 
 }  // namespace
