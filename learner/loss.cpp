@@ -85,14 +85,23 @@ LossSums token_loss_sums(const TokenLossInputs& in, const LossOptions& o, at::Te
   s.loss_sum = (keep * per_token).sum();
   const at::NoGradGuard no_grad;
   const at::Tensor binds = ((adv > 0) & (r.detach() > 1.0 + o.clip_high)) | ((adv < 0) & (r.detach() < 1.0 - o.clip_low));
-  s.tokens = mask.sum().item<double>();
-  s.kept = keep.sum().item<double>();
-  s.clipped = (binds.to(dtype) * keep).sum().item<double>();
-  s.ratio_sum = (rho * mask).sum().item<double>();
-  s.ratio_max = n > 0 && s.tokens > 0 ? (rho * mask).max().item<double>() : 0.0;
-  s.entropy_sum = (entropy.detach() * mask).sum().item<double>();
-  if (with_kl) s.kl_sum = (kl.detach() * mask).sum().item<double>();
-  s.loss_value = s.loss_sum.detach().item<double>();
+  // The metric sums come to the host together: one device sync a call, not one a figure.
+  const at::Tensor zero = at::zeros({}, mask.options());
+  const at::Tensor figures =
+      at::stack({mask.sum(), keep.sum(), (binds.to(dtype) * keep).sum(), (rho * mask).sum(),
+                 n > 0 ? (rho * mask).max() : zero, (entropy.detach() * mask).sum(),
+                 with_kl ? (kl.detach() * mask).sum() : zero, s.loss_sum.detach()})
+          .to(at::kDouble)
+          .to(at::kCPU);
+  const double* f = figures.data_ptr<double>();
+  s.tokens = f[0];
+  s.kept = f[1];
+  s.clipped = f[2];
+  s.ratio_sum = f[3];
+  s.ratio_max = s.tokens > 0 ? f[4] : 0.0;
+  s.entropy_sum = f[5];
+  if (with_kl) s.kl_sum = f[6];
+  s.loss_value = f[7];
   return s;
 }
 
