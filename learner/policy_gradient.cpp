@@ -114,7 +114,8 @@ PolicyGradientResult accumulate_policy_gradient(ChunkedPolicy& runner, ChunkedPo
       if (rows_valid.numel() == 0) return;
       for (size_t j = 0; j < v.output->routing.size() && j < balancers.size(); ++j) {
         const at::Tensor scores = v.output->routing[j].to(at::kFloat).index_select(0, rows_valid.to(o.device));
-        const at::Tensor h = balancers[j]->local_histogram(scores).to(at::kCPU);
+        // Summed where they are made (no device sync a layer and chunk); to the CPU at the end.
+        const at::Tensor h = balancers[j]->local_histogram(scores);
         result.histograms[j] = result.histograms[j].defined() ? result.histograms[j] + h : h;
       }
     };
@@ -137,6 +138,8 @@ PolicyGradientResult accumulate_policy_gradient(ChunkedPolicy& runner, ChunkedPo
     };
     chunked_backward(runner, B, T, ChunkedBackwardOptions{chunk, o.recompute, o.kda_keep_chunk_states}, cb);
   }
+  for (auto& h : result.histograms)
+    if (h.defined()) h = h.to(at::kCPU);
   return result;
 }
 
