@@ -20,7 +20,6 @@
 #include <torch/nn/utils/clip_grad.h>
 #include <torch/optim/adamw.h>
 #include <torch/csrc/autograd/profiler_kineto.h>
-#include <torch/version.h>
 
 #ifdef ODYSSEY_WITH_CUDA_KERNELS
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -114,6 +113,16 @@ const char* kernel_kind(const std::string& name) {
   return "other";
 }
 
+// An event's duration in ns: durationNs() where LibTorch has it (2.x), else durationUs() (1.13).
+template <typename Event>
+auto event_ns(const Event& e, int) -> decltype(static_cast<double>(e.durationNs())) {
+  return static_cast<double>(e.durationNs());
+}
+template <typename Event>
+double event_ns(const Event& e, long) {
+  return static_cast<double>(e.durationUs()) * 1e3;
+}
+
 // One call of `step` under LibTorch's profiler (Kineto): the Chrome trace to `path`, and a summary
 // to stdout. On a GPU: the device's kernels by total time and by kind, and their sum against the
 // step's wall time (how busy the device was; the rest is the host's launches and syncs). On the
@@ -145,11 +154,7 @@ Status profile_step(const std::function<void()>& step, bool cuda, const std::str
   double device_us = 0;
   for (const auto& e : result->events()) {
     if ((e.deviceType() == c10::DeviceType::CUDA) != cuda) continue;
-#if TORCH_VERSION_MAJOR >= 2
-    const double us = static_cast<double>(e.durationNs()) * 1e-3;
-#else
-    const double us = static_cast<double>(e.durationUs());
-#endif
+    const double us = event_ns(e, 0) * 1e-3;
     Total& t = by_name[e.name()];
     t.us += us;
     ++t.count;
