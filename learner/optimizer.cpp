@@ -86,6 +86,7 @@ void AdamW::step(double lr) {
     const at::Tensor grad = p.grad();
     if (options_.weight_decay != 0) p.mul_(1 - lr * options_.weight_decay);
     m.step += 1;
+    m.device_step = at::Tensor();  // the fused step's copy, remade from `step` if it is taken again
     const double bc1 = 1 - std::pow(b1, static_cast<double>(m.step));
     const double bc2 = 1 - std::pow(b2, static_cast<double>(m.step));
     m.exp_avg.mul_(b1).add_(grad, 1 - b1);
