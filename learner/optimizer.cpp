@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <tuple>
 
 #include <ATen/ATen.h>
 #include <torch/types.h>
@@ -74,13 +75,14 @@ void AdamW::step(double lr) {
   const at::NoGradGuard no_grad;
   const double b1 = options_.beta1, b2 = options_.beta2;
   // Groups of parameters the fused multi-tensor step takes, by (device, dtype).
-  std::map<std::pair<std::string, int>, std::vector<size_t>> fused_groups;
+  std::map<std::tuple<int, int, int>, std::vector<size_t>> fused_groups;  // (device type, index, dtype)
   for (size_t i = 0; i < params_.size(); ++i) {
     at::Tensor& p = params_[i].second;
     if (!p.grad().defined()) continue;
     Moments& m = moments_[i];
     if (fused_step_applies(i)) {
-      fused_groups[{p.device().str(), static_cast<int>(p.scalar_type())}].push_back(i);
+      fused_groups[{static_cast<int>(p.device().type()), p.device().index(), static_cast<int>(p.scalar_type())}]
+          .push_back(i);
       continue;
     }
     const at::Tensor grad = p.grad();
