@@ -111,9 +111,10 @@ PolicyGradientResult accumulate_policy_gradient(ChunkedPolicy& runner, ChunkedPo
       ++result.chunks;
       mb.logp_old.narrow(1, v.start, v.length).copy_(target_logp(v.output->logits, mb.targets.narrow(1, v.start, v.length)));
       const at::Tensor rows_valid = mb.valid.narrow(1, v.start, v.length).reshape({-1}).nonzero().squeeze(1);
-      if (rows_valid.numel() == 0) return;
+      if (rows_valid.numel() == 0 || balancers.empty()) return;
+      const at::Tensor rows_on_device = rows_valid.to(o.device);  // one copy for every layer
       for (size_t j = 0; j < v.output->routing.size() && j < balancers.size(); ++j) {
-        const at::Tensor scores = v.output->routing[j].to(at::kFloat).index_select(0, rows_valid.to(o.device));
+        const at::Tensor scores = v.output->routing[j].to(at::kFloat).index_select(0, rows_on_device);
         // Summed where they are made (no device sync a layer and chunk); to the CPU at the end.
         const at::Tensor h = balancers[j]->local_histogram(scores);
         result.histograms[j] = result.histograms[j].defined() ? result.histograms[j] + h : h;
