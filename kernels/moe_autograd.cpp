@@ -1,4 +1,5 @@
 #include "kernels/moe_autograd.h"
+#include "kernels/grouped_gemm.h"
 #include "kernels/moe_experts_sm90.h"
 
 #include <cstdint>
@@ -121,11 +122,11 @@ class MoeExpertsFunction : public torch::autograd::Function<MoeExpertsFunction> 
   static variable_list forward(AutogradContext* ctx, const at::Tensor& rows,
                                const at::Tensor& gate_proj, const at::Tensor& up_proj,
                                const at::Tensor& down_proj, const MoePermutation& permutation,
-                               double beta1, double beta2, bool grouped, bool fused) {
+                               double beta1, double beta2, bool grouped, bool fused, bool cublas) {
     // With `fused` the forward is one kernel, and so are the backward's dX (moe_experts_dx) and
     // its weight gradients (moe_experts_weight_grads); dH is a grouped GEMM or a loop.
     const MoeExpertGroups g =
-        moe_expert_groups(permutation.tokens_per_expert, permutation.group_ends, grouped);
+        moe_expert_groups(permutation.tokens_per_expert, permutation.group_ends, grouped, cublas);
     const at::Tensor x = rows.contiguous();
     at::Tensor gate, up, y;
     if (fused) {
@@ -144,12 +145,13 @@ class MoeExpertsFunction : public torch::autograd::Function<MoeExpertsFunction> 
     ctx->saved_data["beta2"] = beta2;
     ctx->saved_data["grouped"] = grouped;
     ctx->saved_data["fused"] = fused;
+    ctx->saved_data["cublas"] = g.cublas;
     if (!grouped) ctx->saved_data["host_counts"] = g.host;
     return {y};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    variable_list none(9);
+    variable_list none(10);
     if (!grads[0].defined()) return none;
     const variable_list saved = ctx->get_saved_variables();
     const at::Tensor &x = saved[0], &gate_proj = saved[1], &up_proj = saved[2],
@@ -158,6 +160,7 @@ class MoeExpertsFunction : public torch::autograd::Function<MoeExpertsFunction> 
     const double beta2 = ctx->saved_data["beta2"].toDouble();
     MoeExpertGroups g;
     g.grouped = ctx->saved_data["grouped"].toBool();
+    g.cublas = ctx->saved_data["cublas"].toBool();
     g.counts = ctx->saved_data["tokens_per_expert"].toTensor();
     g.ends = ctx->saved_data["group_ends"].toTensor();
     if (!g.grouped) g.host = ctx->saved_data["host_counts"].toIntVector();
@@ -167,7 +170,7 @@ class MoeExpertsFunction : public torch::autograd::Function<MoeExpertsFunction> 
     // H (for dW_down) is not saved: the SiTU-GLU backward recomputes it in its own pass.
     const bool want_down = ctx->needs_input_grad(3);
     const SituGluBackwardWithH d = situ_glu_backward_with_h(gate, up, dh, beta1, beta2, want_down);
-    variable_list out(9);
+    variable_list out(10);
     const bool fused = ctx->saved_data["fused"].toBool();
     if (ctx->needs_input_grad(0) && fused) {
       // dX = dG W_gate + dU W_up in one kernel: one fp32 sum over 2F, rounded once.
@@ -577,7 +580,7 @@ bool moe_grouped_mm_applies(const at::Tensor& rows, const at::Tensor& gate_proj,
 #endif
 }
 
-MoeExpertGroups moe_expert_groups(const at::Tensor& counts, const at::Tensor& ends, bool grouped) {
+MoeExpertGroups moe_expert_groups(const at::Tensor& counts, const at::Tensor& ends, bool grouped, bool cublas) {
   TORCH_CHECK(counts.defined() && counts.dim() == 1 && counts.scalar_type() == at::kLong,
               "kernels::moe_expert_groups: counts must be int64 [experts]");
   TORCH_CHECK(!grouped || (ends.defined() && ends.dim() == 1 && ends.size(0) == counts.size(0) &&
@@ -586,6 +589,7 @@ MoeExpertGroups moe_expert_groups(const at::Tensor& counts, const at::Tensor& en
               "] on the counts' device");
   MoeExpertGroups g;
   g.grouped = grouped;
+  g.cublas = !grouped && cublas;
   g.counts = counts;
   g.ends = ends;
   if (!grouped) {
@@ -601,6 +605,7 @@ at::Tensor moe_expert_rows_times(const at::Tensor& x, const at::Tensor& w,
   if (g.grouped) return at::_grouped_mm(x, w, g.ends);
 #endif
   TORCH_CHECK(!g.grouped, "kernels::moe_expert_rows_times: at::_grouped_mm is not compiled in");
+  if (g.cublas) return grouped_rows_times(x, w, g.host);
   at::Tensor out = at::empty({x.size(0), w.size(2)}, x.options());
   int64_t start = 0;
   for (size_t e = 0; e < g.host.size(); ++e) {
@@ -624,6 +629,7 @@ at::Tensor moe_expert_weight_grad(const at::Tensor& a, const at::Tensor& b,
   }
 #endif
   TORCH_CHECK(!g.grouped, "kernels::moe_expert_weight_grad: at::_grouped_mm is not compiled in");
+  if (g.cublas) return grouped_weight_grad(a, b, g.host);
   at::Tensor out = at::zeros({experts, a.size(1), b.size(1)}, a.options());
   int64_t start = 0;
   for (size_t e = 0; e < g.host.size(); ++e) {
@@ -714,10 +720,15 @@ at::Tensor moe_experts_autograd(const at::Tensor& rows, const at::Tensor& gate_p
               "newer, L in {128, 256, 384, 512}, F a multiple of 64, L + F <= 640, at most 1024 "
               "experts; got L = ", latent, ", F = ",
               ffn, ", ", experts, " experts, ", rows.scalar_type(), ")");
+  const bool cublas_applies = cublas_grouped_gemm_applies(rows, gate_proj);
+  TORCH_CHECK(gemm != MoeGemm::kCublas || cublas_applies, where,
+              ": cuBLAS's grouped GEMM does not apply here (needs CUDA bf16 / fp32 rows and weights and "
+              "cuBLAS >= 12.5; compiled in: ", cublas_grouped_gemm_compiled(), ")");
   const bool fused = gemm == MoeGemm::kFused || (gemm == MoeGemm::kAuto && fused_applies);
   const bool grouped = gemm == MoeGemm::kGrouped || ((gemm == MoeGemm::kAuto || fused) && applies);
+  const bool cublas = !grouped && (gemm == MoeGemm::kCublas || ((gemm == MoeGemm::kAuto || fused) && cublas_applies));
   return MoeExpertsFunction::apply(rows, gate_proj, up_proj, down_proj, permutation, beta1, beta2,
-                                   grouped, fused)[0];
+                                   grouped, fused, cublas)[0];
 }
 
 }  // namespace odyssey::kernels

@@ -21,6 +21,7 @@
 #include <gtest/gtest.h>
 #include <torch/cuda.h>
 
+#include "kernels/grouped_gemm.h"
 #include "kernels/moe.h"
 #include "kernels/moe_autograd.h"
 #include "kernels/moe_experts_sm90.h"
@@ -722,18 +723,84 @@ TEST_F(MoeKernel, ExpertGemmsMatchTheLoopAndTheFp64Reference) {
     const double tolerance = dtype == at::kFloat ? 1e-4 : 3e-2;
     std::vector<MoeGemm> gemms = {MoeGemm::kLoop};
     if (moe_grouped_mm_applies(rows, gate, up, down)) gemms.push_back(MoeGemm::kGrouped);
+    if (cublas_grouped_gemm_applies(rows, gate)) gemms.push_back(MoeGemm::kCublas);
     for (MoeGemm gemm : gemms) {
       const std::vector<at::Tensor> got = grads_of(false, gemm);
+      const char* form = gemm == MoeGemm::kGrouped ? "grouped " : gemm == MoeGemm::kCublas ? "cublas " : "loop ";
       for (size_t i = 0; i < got.size(); ++i) {
-        expect_close(std::string(gemm == MoeGemm::kGrouped ? "grouped " : "loop ") + names[i] + tag, got[i],
-                     expected[i], tolerance);
+        expect_close(std::string(form) + names[i] + tag, got[i], expected[i], tolerance);
       }
       // Experts without tokens get exactly zero weight gradients.
       for (size_t i = 2; i < got.size(); ++i) {
         EXPECT_EQ(max_abs(got[i].narrow(0, 9, 3)), 0.0) << names[i] << tag;
       }
     }
+    if (dtype == at::kFloat && cublas_grouped_gemm_applies(rows, gate)) {
+      // fp32 has no at::_grouped_mm: kAuto takes cuBLAS's grouped GEMM, not one at::mm an expert.
+      const std::vector<at::Tensor> automatic = grads_of(false, MoeGemm::kAuto), cublas = grads_of(false, MoeGemm::kCublas);
+      for (size_t i = 0; i < automatic.size(); ++i)
+        EXPECT_TRUE(at::equal(automatic[i], cublas[i])) << "kAuto is kCublas for fp32: " << names[i];
+    }
   }
+}
+
+TEST_F(MoeKernel, CublasGroupedGemmsMatchTheLoopOfMatmuls) {
+  // kernels/grouped_gemm.h: every expert's block of rows times its weight in one cuBLAS launch,
+  // against a loop of at::mm on the same operands. Blocks: empty at the start, in the middle and
+  // at the end, one expert with most of the rows; weights given as [E, K, N] and as the transposed
+  // view of [E, N, K] (both layouts the experts' GEMMs pass); fp32 and bf16.
+  if (!cublas_grouped_gemm_compiled()) GTEST_SKIP() << "built against cuBLAS < 12.5";
+  const std::vector<int64_t> counts = {0, 5, 301, 0, 1, 17, 64, 0, 3, 0};
+  const int64_t experts = static_cast<int64_t>(counts.size()), K = 96, N = 40;
+  int64_t rows_total = 0;
+  for (int64_t c : counts) rows_total += c;
+  at::manual_seed(77);
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    const std::string tag = dtype == at::kFloat ? " fp32" : " bf16";
+    const at::Tensor x = at::randn({rows_total, K}, cuda(dtype));
+    const at::Tensor w_kn = at::randn({experts, K, N}, cuda(dtype));
+    const at::Tensor w_nk = at::randn({experts, N, K}, cuda(dtype));
+    const at::Tensor dy = at::randn({rows_total, N}, cuda(dtype));
+    auto loop_rows_times = [&](const at::Tensor& a, const at::Tensor& w) {
+      at::Tensor out = at::empty({a.size(0), w.size(2)}, a.options());
+      int64_t start = 0;
+      for (int64_t e = 0; e < experts; ++e) {
+        if (counts[static_cast<size_t>(e)] == 0) continue;
+        out.narrow(0, start, counts[static_cast<size_t>(e)])
+            .copy_(at::mm(a.narrow(0, start, counts[static_cast<size_t>(e)]), w[e]));
+        start += counts[static_cast<size_t>(e)];
+      }
+      return out;
+    };
+    const double tolerance = dtype == at::kFloat ? 1e-5 : 1e-2;
+    expect_close("rows times [E, K, N]" + tag, grouped_rows_times(x, w_kn, counts), loop_rows_times(x, w_kn), tolerance);
+    expect_close("rows times the transposed [E, N, K]" + tag, grouped_rows_times(x, w_nk.transpose(1, 2), counts),
+                 loop_rows_times(x, w_nk.transpose(1, 2)), tolerance);
+    // The weight gradient: a_e^T b_e, zero for the empty blocks.
+    const at::Tensor grad = grouped_weight_grad(dy, x, counts);
+    ASSERT_EQ(grad.sizes(), (std::vector<int64_t>{experts, N, K}));
+    int64_t start = 0;
+    for (int64_t e = 0; e < experts; ++e) {
+      const int64_t c = counts[static_cast<size_t>(e)];
+      if (c == 0) {
+        EXPECT_EQ(max_abs(grad[e]), 0.0) << "empty expert " << e << tag;
+        continue;
+      }
+      expect_close("weight grad of expert " + std::to_string(e) + tag, grad[e],
+                   at::mm(dy.narrow(0, start, c).t(), x.narrow(0, start, c)), tolerance);
+      start += c;
+    }
+  }
+  // Bad input names the call and what is wrong.
+  const at::Tensor x = at::randn({10, 8}, cuda());
+  try {
+    grouped_rows_times(x, at::randn({3, 8, 4}, cuda()), {4, 4, 3});
+    ADD_FAILURE() << "counts summing to 11 for 10 rows were accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("the counts sum to 11, the rows are 10"), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(cublas_grouped_gemm_applies(x, x.to(at::kBFloat16)));
+  EXPECT_FALSE(cublas_grouped_gemm_applies(x.cpu(), x.cpu()));
 }
 
 TEST_F(MoeKernel, FusedExpertsMatchTheGroupedGemmsAndTheFp64Reference) {

@@ -1,0 +1,181 @@
+#include "kernels/grouped_gemm.h"
+
+#include <climits>
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cublas_v2.h>
+
+// cublasGemmGroupedBatchedEx exists from cuBLAS 12.5 on.
+#if defined(CUBLAS_VERSION) && CUBLAS_VERSION >= 120500
+#define ODYSSEY_HAVE_CUBLAS_GROUPED 1
+#else
+#define ODYSSEY_HAVE_CUBLAS_GROUPED 0
+#endif
+
+namespace odyssey::kernels {
+namespace {
+
+#if ODYSSEY_HAVE_CUBLAS_GROUPED
+// One problem of a grouped call, in cuBLAS's column-major terms: C [m, n] = op(A) op(B).
+struct Problem {
+  cublasOperation_t transa, transb;
+  int m, n, k, lda, ldb, ldc;
+  const void* a;
+  const void* b;
+  void* c;
+};
+
+int as_int(int64_t v, const char* what, const char* where) {
+  TORCH_CHECK(v >= 0 && v <= INT_MAX, where, ": ", what, " (", v, ") does not fit cuBLAS's 32-bit sizes");
+  return static_cast<int>(v);
+}
+
+// One grouped launch on the current stream: a group of one problem each (shapes differ by expert).
+void run_grouped(const std::vector<Problem>& problems, at::ScalarType dtype, const at::Device& device,
+                 const char* where) {
+  if (problems.empty()) return;
+  const size_t n = problems.size();
+  std::vector<cublasOperation_t> transa(n), transb(n);
+  std::vector<int> m(n), nn(n), k(n), lda(n), ldb(n), ldc(n), group_size(n, 1);
+  std::vector<float> alpha(n, 1.0f), beta(n, 0.0f);
+  // The pointer arrays live on the device: one pinned buffer of 3n pointers, copied on the stream.
+  at::Tensor host = at::empty({static_cast<int64_t>(3 * n)}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+  int64_t* pointers = host.data_ptr<int64_t>();
+  for (size_t i = 0; i < n; ++i) {
+    const Problem& p = problems[i];
+    transa[i] = p.transa, transb[i] = p.transb;
+    m[i] = p.m, nn[i] = p.n, k[i] = p.k, lda[i] = p.lda, ldb[i] = p.ldb, ldc[i] = p.ldc;
+    pointers[i] = reinterpret_cast<int64_t>(p.a);
+    pointers[n + i] = reinterpret_cast<int64_t>(p.b);
+    pointers[2 * n + i] = reinterpret_cast<int64_t>(p.c);
+  }
+  const at::Tensor on_device = host.to(at::TensorOptions().device(device), /*non_blocking=*/true);
+  const auto* base = reinterpret_cast<void* const*>(on_device.data_ptr<int64_t>());
+  const cudaDataType_t type = dtype == at::kBFloat16 ? CUDA_R_16BF : CUDA_R_32F;
+  // fp32 at LibTorch's float32 matmul precision (TF32 where allowed), as at::mm would compute it.
+  const cublasComputeType_t compute = dtype == at::kFloat && at::globalContext().allowTF32CuBLAS()
+                                          ? CUBLAS_COMPUTE_32F_FAST_TF32
+                                          : CUBLAS_COMPUTE_32F;
+  cublasHandle_t handle = at::cuda::getCurrentCUDABlasHandle();
+  const cublasStatus_t status = cublasGemmGroupedBatchedEx(
+      handle, transa.data(), transb.data(), m.data(), nn.data(), k.data(), alpha.data(),
+      reinterpret_cast<const void* const*>(base), type, lda.data(), reinterpret_cast<const void* const*>(base + n), type,
+      ldb.data(), beta.data(), base + 2 * n, type, ldc.data(), static_cast<int>(n), group_size.data(), compute);
+  TORCH_CHECK(status == CUBLAS_STATUS_SUCCESS, where, ": cublasGemmGroupedBatchedEx failed: ",
+              cublasGetStatusString(status), " (", n, " problems, ", dtype, ")");
+}
+#endif
+
+void check_operands(const at::Tensor& a, const at::Tensor& b, const std::vector<int64_t>& counts, const char* where) {
+  TORCH_CHECK(cublas_grouped_gemm_applies(a, b), where,
+              ": needs CUDA tensors of one device and one dtype (fp32 or bf16) and cuBLAS >= 12.5 (compiled in: ",
+              cublas_grouped_gemm_compiled(), "); got ", a.device(), " ", a.scalar_type(), " and ", b.device(), " ",
+              b.scalar_type());
+  TORCH_CHECK(a.dim() == 2, where, ": the rows must be [R, K], got ", a.sizes());
+  int64_t total = 0;
+  for (size_t e = 0; e < counts.size(); ++e) {
+    TORCH_CHECK(counts[e] >= 0, where, ": block ", e, " has a negative count (", counts[e], ")");
+    total += counts[e];
+  }
+  TORCH_CHECK(total == a.size(0), where, ": the counts sum to ", total, ", the rows are ", a.size(0));
+}
+
+}  // namespace
+
+bool cublas_grouped_gemm_compiled() { return ODYSSEY_HAVE_CUBLAS_GROUPED != 0; }
+
+bool cublas_grouped_gemm_applies(const at::Tensor& a, const at::Tensor& b) {
+  if (!cublas_grouped_gemm_compiled()) return false;
+  if (!a.defined() || !b.defined() || !a.is_cuda() || b.device() != a.device()) return false;
+  if (a.scalar_type() != b.scalar_type()) return false;
+  return a.scalar_type() == at::kFloat || a.scalar_type() == at::kBFloat16;
+}
+
+at::Tensor grouped_rows_times(const at::Tensor& x_in, const at::Tensor& w_in, const std::vector<int64_t>& counts) {
+  constexpr const char* where = "kernels::grouped_rows_times";
+  check_operands(x_in, w_in, counts, where);
+  TORCH_CHECK(w_in.dim() == 3 && w_in.size(0) == static_cast<int64_t>(counts.size()) && w_in.size(1) == x_in.size(1),
+              where, ": w must be [E = ", counts.size(), ", K = ", x_in.size(1), ", N], got ", w_in.sizes());
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const at::Tensor x = x_in.contiguous();
+  const int64_t K = x.size(1), N = w_in.size(2);
+  at::Tensor out = at::empty({x.size(0), N}, x.options());
+  if (x.size(0) == 0 || N == 0) return out;
+  if (K == 0) return out.zero_();
+  // w[e] is row-major [K, N] (unit stride along N) or its transpose's view (unit stride along K);
+  // anything else is made contiguous.
+  at::Tensor w = w_in;
+  const bool rows_n = w.stride(2) == 1 && w.stride(1) >= N;
+  const bool rows_k = !rows_n && w.stride(1) == 1 && w.stride(2) >= K;
+  if (!rows_n && !rows_k) w = w.contiguous();
+#if ODYSSEY_HAVE_CUBLAS_GROUPED
+  // Row-major out_e [m_e, N] = x_e [m_e, K] w_e [K, N] is column-major out_e^T = w_e^T x_e^T.
+  const int64_t esize = x.element_size();
+  const char* xp = static_cast<const char*>(x.data_ptr());
+  const char* wp = static_cast<const char*>(w.data_ptr());
+  char* op = static_cast<char*>(out.data_ptr());
+  std::vector<Problem> problems;
+  int64_t start = 0;
+  for (size_t e = 0; e < counts.size(); ++e) {
+    const int64_t rows = counts[e];
+    if (rows == 0) continue;
+    Problem p;
+    p.transa = rows_k ? CUBLAS_OP_T : CUBLAS_OP_N;
+    p.transb = CUBLAS_OP_N;
+    p.m = as_int(N, "N", where), p.n = as_int(rows, "an expert's rows", where), p.k = as_int(K, "K", where);
+    p.lda = as_int(rows_k ? w.stride(2) : w.stride(1), "w's row stride", where);
+    p.ldb = as_int(K, "K", where);
+    p.ldc = p.m;
+    p.a = wp + static_cast<int64_t>(e) * w.stride(0) * esize;
+    p.b = xp + start * K * esize;
+    p.c = op + start * N * esize;
+    problems.push_back(p);
+    start += rows;
+  }
+  run_grouped(problems, x.scalar_type(), x.device(), where);
+#endif
+  return out;
+}
+
+at::Tensor grouped_weight_grad(const at::Tensor& a_in, const at::Tensor& b_in, const std::vector<int64_t>& counts) {
+  constexpr const char* where = "kernels::grouped_weight_grad";
+  check_operands(a_in, b_in, counts, where);
+  TORCH_CHECK(b_in.dim() == 2 && b_in.size(0) == a_in.size(0), where, ": b must be [R = ", a_in.size(0),
+              ", N], got ", b_in.sizes());
+  const c10::cuda::CUDAGuard guard(a_in.device());
+  const at::Tensor a = a_in.contiguous(), b = b_in.contiguous();
+  const int64_t M = a.size(1), N = b.size(1);
+  at::Tensor out = at::zeros({static_cast<int64_t>(counts.size()), M, N}, a.options());
+  if (M == 0 || N == 0) return out;
+#if ODYSSEY_HAVE_CUBLAS_GROUPED
+  // Row-major out_e [M, N] = a_e^T b_e is column-major out_e^T [N, M] = b_e^T a_e, where b_e's
+  // memory is column-major [N, m_e] and a_e's [M, m_e], taken transposed.
+  const int64_t esize = a.element_size();
+  const char* ap = static_cast<const char*>(a.data_ptr());
+  const char* bp = static_cast<const char*>(b.data_ptr());
+  char* op = static_cast<char*>(out.data_ptr());
+  std::vector<Problem> problems;
+  int64_t start = 0;
+  for (size_t e = 0; e < counts.size(); ++e) {
+    const int64_t rows = counts[e];
+    if (rows == 0) continue;
+    Problem p;
+    p.transa = CUBLAS_OP_N;
+    p.transb = CUBLAS_OP_T;
+    p.m = as_int(N, "N", where), p.n = as_int(M, "M", where), p.k = as_int(rows, "an expert's rows", where);
+    p.lda = p.m;
+    p.ldb = p.n;
+    p.ldc = p.m;
+    p.a = bp + start * N * esize;
+    p.b = ap + start * M * esize;
+    p.c = op + static_cast<int64_t>(e) * M * N * esize;
+    problems.push_back(p);
+    start += rows;
+  }
+  run_grouped(problems, a.scalar_type(), a.device(), where);
+#endif
+  return out;
+}
+
+}  // namespace odyssey::kernels

@@ -1,0 +1,43 @@
+// Grouped GEMMs over row blocks: the routed experts' products in one cuBLAS launch.
+//
+// After the token permutation, expert e's rows are the block [start_e, start_e + counts[e]) of
+// one [R, K] tensor (start_e the sum of the counts before e). The products over all experts,
+// block e times expert e's weight, are one cuBLAS grouped batched GEMM (cuBLAS >= 12.5, one
+// problem a non-empty expert, one launch): where a loop of at::mm makes one launch and one
+// LibTorch dispatch per expert (896 experts: ~900 launches a product, ~8K a layer's forward and
+// backward), which bound the fp32 training step at LibTorch's highest float32 matmul precision.
+//
+// Precision is what a loop of at::mm computes on the same device: fp32 in fp32 (TF32 tensor cores
+// where LibTorch's `allowTF32CuBLAS` allows them, as LibTorch's own fp32 GEMMs), bf16 with fp32
+// accumulation rounded once. Sums run in cuBLAS's order, so results equal the loop's to fp32
+// rounding, not bit for bit.
+//
+// The counts are on the host (the caller brought them over once: the group sizes are the GEMMs'
+// shapes). The problem pointers go to the device through a pinned buffer, asynchronously on the
+// current stream; nothing here synchronizes.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+namespace odyssey::kernels {
+
+// Whether this build has cuBLAS's grouped GEMM (compiled against cuBLAS >= 12.5).
+bool cublas_grouped_gemm_compiled();
+
+// Whether grouped_rows_times / grouped_weight_grad take these operands: CUDA tensors of one
+// device and one dtype, fp32 or bf16, and a build with cuBLAS's grouped GEMM.
+bool cublas_grouped_gemm_applies(const at::Tensor& a, const at::Tensor& b);
+
+// x [R, K] (rows in blocks of `counts`, which sum to R), w [E, K, N] with E = counts.size() and
+// any strides -> [R, N]: block e times w[e]. Blocks of zero rows are skipped.
+at::Tensor grouped_rows_times(const at::Tensor& x, const at::Tensor& w, const std::vector<int64_t>& counts);
+
+// a [R, M], b [R, N] in blocks of `counts` -> [E, M, N]: a_e^T b_e, exactly zero for empty blocks
+// (the weight gradient of grouped_rows_times: a the output's gradient, b its input, or the
+// reverse for the transposed weight).
+at::Tensor grouped_weight_grad(const at::Tensor& a, const at::Tensor& b, const std::vector<int64_t>& counts);
+
+}  // namespace odyssey::kernels
