@@ -22,6 +22,7 @@
 #include <torch/cuda.h>
 
 #include "kernels/kda.h"
+#include "kernels/grouped_gemm.h"
 #include "kernels/kda_autograd.h"
 #include "kernels/moe_autograd.h"
 #include "kernels/moe_experts_sm90.h"
@@ -1357,6 +1358,34 @@ void bench_moe(const KernelsBenchOptions& o, KernelsBenchResult& r) {
     std::printf("moe layer   fp32 (the learner's dtype) forward + backward: highest %8.3f ms, "
                 "learner.float32_matmul_precision medium %8.3f ms (%.1fx; bf16 layer above %.3f ms)\n",
                 highest.best_ms, medium.best_ms, highest.best_ms / medium.best_ms, train.best_ms);
+    // The routed experts alone in fp32 at highest, forward + backward on the same rows and
+    // permutation: cuBLAS's grouped GEMMs (what kAuto takes for fp32) against one at::mm an expert
+    // (the loop the layer ran before them).
+    const at::Tensor rows32 = at::randn({tokens * mo.top_k, mo.latent}, x32.options());
+    if (kernels::cublas_grouped_gemm_applies(rows32, fp32->experts->gate_proj)) {
+      const model::Float32MatmulPrecisionScope scope(model::Float32MatmulPrecision::kHighest);
+      const at::Tensor scores = fp32->router->forward(x32);
+      const kernels::MoePermutation perm = kernels::moe_permutation(
+          kernels::moe_router_topk(scores, fp32->router->bias, mo.top_k).ids, mo.num_experts);
+      const at::Tensor dy_rows = at::randn_like(rows32);
+      auto experts_step = [&](kernels::MoeGemm gemm) {
+        const c10::AutoGradMode grad(true);
+        return time_cuda(
+            [&] {
+              const at::Tensor input = rows32.detach().requires_grad_(true);
+              for (auto& p : fp32->experts->parameters()) p.mutable_grad() = at::Tensor();
+              kernels::moe_experts_autograd(input, fp32->experts->gate_proj, fp32->experts->up_proj,
+                                            fp32->experts->down_proj, perm, mo.situ_beta1, mo.situ_beta2, gemm)
+                  .backward(dy_rows);
+            },
+            1, std::max(1, o.reference_repeats));
+      };
+      const Timing cublas = experts_step(kernels::MoeGemm::kCublas);
+      const Timing loop = experts_step(kernels::MoeGemm::kLoop);
+      std::printf("moe experts fp32 at highest, forward + backward: cuBLAS grouped GEMMs %8.3f ms, one at::mm an "
+                  "expert %8.3f ms (%.1fx)\n",
+                  cublas.best_ms, loop.best_ms, loop.best_ms / cublas.best_ms);
+    }
   }
   bench_moe_breakdown(o, *layer, x, dy, grouped, r);
   std::printf("moe_forward_ms: %.3f\n", r.moe_forward_ms);
