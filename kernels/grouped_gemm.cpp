@@ -31,6 +31,19 @@ int as_int(int64_t v, const char* what, const char* where) {
   return static_cast<int>(v);
 }
 
+// One problem for each non-empty block: make(e, first row, rows).
+template <typename Make>
+std::vector<Problem> per_block(const std::vector<int64_t>& counts, Make make) {
+  std::vector<Problem> problems;
+  int64_t start = 0;
+  for (size_t e = 0; e < counts.size(); ++e) {
+    if (counts[e] == 0) continue;
+    problems.push_back(make(static_cast<int64_t>(e), start, counts[e]));
+    start += counts[e];
+  }
+  return problems;
+}
+
 // One grouped launch on the current stream: a group of one problem each (shapes differ by expert).
 void run_grouped(const std::vector<Problem>& problems, at::ScalarType dtype, const at::Device& device,
                  const char* where) {
@@ -115,11 +128,7 @@ at::Tensor grouped_rows_times(const at::Tensor& x_in, const at::Tensor& w_in, co
   const char* xp = static_cast<const char*>(x.data_ptr());
   const char* wp = static_cast<const char*>(w.data_ptr());
   char* op = static_cast<char*>(out.data_ptr());
-  std::vector<Problem> problems;
-  int64_t start = 0;
-  for (size_t e = 0; e < counts.size(); ++e) {
-    const int64_t rows = counts[e];
-    if (rows == 0) continue;
+  const std::vector<Problem> problems = per_block(counts, [&](int64_t e, int64_t start, int64_t rows) {
     Problem p;
     p.transa = rows_k ? CUBLAS_OP_T : CUBLAS_OP_N;
     p.transb = CUBLAS_OP_N;
@@ -127,12 +136,11 @@ at::Tensor grouped_rows_times(const at::Tensor& x_in, const at::Tensor& w_in, co
     p.lda = as_int(rows_k ? w.stride(2) : w.stride(1), "w's row stride", where);
     p.ldb = as_int(K, "K", where);
     p.ldc = p.m;
-    p.a = wp + static_cast<int64_t>(e) * w.stride(0) * esize;
+    p.a = wp + e * w.stride(0) * esize;
     p.b = xp + start * K * esize;
     p.c = op + start * N * esize;
-    problems.push_back(p);
-    start += rows;
-  }
+    return p;
+  });
   run_grouped(problems, x.scalar_type(), x.device(), where);
 #endif
   return out;
@@ -155,11 +163,7 @@ at::Tensor grouped_weight_grad(const at::Tensor& a_in, const at::Tensor& b_in, c
   const char* ap = static_cast<const char*>(a.data_ptr());
   const char* bp = static_cast<const char*>(b.data_ptr());
   char* op = static_cast<char*>(out.data_ptr());
-  std::vector<Problem> problems;
-  int64_t start = 0;
-  for (size_t e = 0; e < counts.size(); ++e) {
-    const int64_t rows = counts[e];
-    if (rows == 0) continue;
+  const std::vector<Problem> problems = per_block(counts, [&](int64_t e, int64_t start, int64_t rows) {
     Problem p;
     p.transa = CUBLAS_OP_N;
     p.transb = CUBLAS_OP_T;
@@ -169,10 +173,9 @@ at::Tensor grouped_weight_grad(const at::Tensor& a_in, const at::Tensor& b_in, c
     p.ldc = p.m;
     p.a = bp + start * N * esize;
     p.b = ap + start * M * esize;
-    p.c = op + static_cast<int64_t>(e) * M * N * esize;
-    problems.push_back(p);
-    start += rows;
-  }
+    p.c = op + e * M * N * esize;
+    return p;
+  });
   run_grouped(problems, a.scalar_type(), a.device(), where);
 #endif
   return out;
