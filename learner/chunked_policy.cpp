@@ -137,18 +137,21 @@ void chunked_backward(ChunkedPolicy& runner, int64_t batch, int64_t length, cons
   }
 
   // Pass 1: no graph; keep each chunk's incoming KDA states and, at the end, the MLA histories.
+  // The last chunk is not run here: pass 2 starts with it and runs its forward once, with graph
+  // (2C - 1 chunk forwards a step, not 2C).
   std::vector<std::vector<model::KdaState>> incoming(static_cast<size_t>(chunks));
   CarriedState state = runner.initial_state(batch);
   {
     const at::NoGradGuard no_grad;
-    for (int64_t c = 0; c < chunks; ++c) {
+    for (int64_t c = 0; c + 1 < chunks; ++c) {
       const int64_t start = c * chunk, len = std::min(chunk, length - start);
       incoming[static_cast<size_t>(c)] = state.kda;  // forward_chunk replaces (never edits) these tensors
       const ChunkOutput out = runner.forward_chunk(cb.tokens(start, len), state);
       if (cb.observe) cb.observe(ChunkView{c, start, len, &out});
     }
   }
-  const std::vector<at::Tensor> history = state.mla;  // [B, length, W] per MLA layer
+  incoming[static_cast<size_t>(chunks - 1)] = state.kda;
+  const std::vector<at::Tensor> history = state.mla;  // [B, start of the last chunk, W] per MLA layer
   const size_t layers = history.size();
 
   // Pass 2: chunks in reverse; G = gradient with respect to the state leaving the chunk.
@@ -178,6 +181,7 @@ void chunked_backward(ChunkedPolicy& runner, int64_t batch, int64_t length, cons
     // This chunk's backward follows at once: its KDA kernels may keep their chunk states for it.
     const model::kda::KeepChunkStatesGuard keep(options.keep_kda_chunk_states);
     const ChunkOutput out = runner.forward_chunk(cb.tokens(start, len), in);
+    if (c == chunks - 1 && cb.observe) cb.observe(ChunkView{c, start, len, &out});  // its only forward
     const at::Tensor l = cb.loss(ChunkView{c, start, len, &out});
 
     std::vector<at::Tensor> roots, grads;

@@ -18,9 +18,10 @@
 //   recompute = false: one forward over all chunks keeping the whole graph (states carried with
 //     their graph), then one backward. Activation memory grows with the sequence.
 //   recompute = true (the default for the learner):
-//     pass 1, no graph: run chunks 0..C-1, keeping only each chunk's incoming state (KDA states:
+//     pass 1, no graph: run chunks 0..C-2, keeping only each chunk's incoming state (KDA states:
 //       constant size per chunk; the MLA history once, since chunk c's incoming history is the
-//       first start_c rows of the final one); the observer sees every chunk's logits.
+//       first start_c rows of the one leaving chunk C-2); the observer sees their logits, and
+//       the last chunk's in pass 2, whose first forward is that chunk's only one.
 //     pass 2, chunks C-1..0: rebuild chunk c's graph from its incoming state made a leaf, and
 //       backpropagate from two roots at once: loss_c (grad 1) and the chunk's outgoing state
 //       (grad G_{c+1} = the gradient later chunks sent into it; none for the last chunk). The
@@ -29,7 +30,7 @@
 //     full-sequence gradient (it is backpropagation through the chunk sequence, with each
 //     chunk's forward recomputed from its saved input). Memory: one chunk's activations, the
 //     saved KDA states, the MLA history and its gradient G (both O(T · (Lkv + S)) per MLA layer).
-//   Cost: two forwards and one backward per chunk.
+//   Cost: two forwards and one backward per chunk, but one forward for the last (2C - 1 in all).
 //
 // Routing: every chunk's per-MoE-layer router scores (detached) are handed to the observer, so
 // balancing sees every token (Policy::last_routing only keeps the last call's).
@@ -86,7 +87,7 @@ struct ChunkView {
   int64_t index = 0;
   int64_t start = 0;
   int64_t length = 0;
-  const ChunkOutput* output = nullptr;  // logits: detached in recompute's pass 1, with graph otherwise
+  const ChunkOutput* output = nullptr;  // logits: detached in recompute's pass 1 (every chunk but the last), with graph otherwise
 };
 
 struct ChunkedBackwardOptions {

@@ -102,6 +102,42 @@ TEST(ChunkedBackward, GradientChunkByChunkEqualsTheFullSequenceGradient) {
   }
 }
 
+TEST(ChunkedBackward, RecomputeObservesEveryChunkInOrderBeforeAnyLossAndRunsTheLastChunkOnce) {
+  // The callbacks' contract (learner/chunked_policy.h) with recompute over C chunks: observe once
+  // per chunk, in order, each with the chunk's logits; every loss after the last observe, in
+  // reverse chunk order; and 2C - 1 chunk forwards (tokens is asked once a forward): pass 1 does
+  // not run the last chunk, whose one forward in pass 2 serves its observe and its loss.
+  model::Policy policy = tiny_fp64(15);
+  ChunkedPolicy runner(policy);
+  const int64_t B = 2, T = 45, chunk = 16, chunks = 3;
+  const at::Tensor tokens = at::randint(0, 256, {B, T}, at::kLong);
+  at::Tensor full;
+  {
+    const at::NoGradGuard no_grad;
+    full = policy->forward(tokens);
+  }
+  std::vector<std::string> calls;
+  int64_t forwards = 0;
+  ChunkCallbacks cb;
+  cb.tokens = [&](int64_t s, int64_t n) {
+    ++forwards;
+    return tokens.narrow(1, s, n);
+  };
+  cb.observe = [&](const ChunkView& v) {
+    calls.push_back("observe " + std::to_string(v.index));
+    const double diff = (v.output->logits.detach() - full.narrow(1, v.start, v.length)).abs().max().item<double>();
+    EXPECT_LT(diff, 1e-10) << "chunk " << v.index << "'s observed logits";
+  };
+  cb.loss = [&](const ChunkView& v) {
+    calls.push_back("loss " + std::to_string(v.index));
+    return v.output->logits.sum();
+  };
+  zero_grads(policy);
+  chunked_backward(runner, B, T, ChunkedBackwardOptions{chunk, true}, cb);
+  EXPECT_EQ(calls, (std::vector<std::string>{"observe 0", "observe 1", "observe 2", "loss 2", "loss 1", "loss 0"}));
+  EXPECT_EQ(forwards, 2 * chunks - 1);
+}
+
 TEST(ChunkedBackward, KdaChunkStatesAreKeptOnlyWhileAChunksBackwardFollows) {
   // model::kda::keep_chunk_states() as each chunk's loss sees it (the loss runs right after the
   // chunk's forward, in the same scope): set in the recompute pass (each chunk's backward follows at
