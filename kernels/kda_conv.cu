@@ -24,11 +24,21 @@ namespace odyssey::kernels {
 namespace {
 
 constexpr int kThreads = 128;
-constexpr int64_t kPositionsPerPart = 64;  // window positions a backward part walks, until kMaxParts
-constexpr int64_t kMaxParts = 1024;        // parts a sequence's positions are cut into, at most
+constexpr int64_t kPositionsPerPart = 64;     // window positions a backward part walks, until kMaxParts
+constexpr int64_t kMinPositionsPerPart = 8;   // ... and at least, where more parts fill the GPU
+constexpr int64_t kMaxParts = 1024;           // parts a sequence's positions are cut into, at most
+constexpr int64_t kFillThreads = int64_t{1} << 17;  // backward threads wanted in flight (~a GPU's worth)
 
-int64_t parts_for(int64_t positions) {
-  return std::clamp<int64_t>((positions + kPositionsPerPart - 1) / kPositionsPerPart, 1, kMaxParts);
+// Parts of 64 positions; where those leave the GPU short of threads (a learner chunk: one sequence
+// of 2048 tokens and 1024 channels makes 66 CTAs of 64-step walks), more and shorter parts, down
+// to 8 positions (each part recomputes W - 1 tokens before its first). A function of the shape
+// alone, so the weight gradient's order of sums is the same every run.
+int64_t parts_for(int64_t batch, int64_t positions, int64_t channels) {
+  const int64_t by_length = (positions + kPositionsPerPart - 1) / kPositionsPerPart;
+  const int64_t pieces = std::max<int64_t>(1, batch * (channels / 4));
+  const int64_t to_fill = (kFillThreads + pieces - 1) / pieces;
+  const int64_t most = std::min(kMaxParts, (positions + kMinPositionsPerPart - 1) / kMinPositionsPerPart);
+  return std::clamp<int64_t>(std::max(by_length, to_fill), 1, std::max<int64_t>(1, most));
 }
 
 __device__ __forceinline__ float4 load4(const float* p) { return *reinterpret_cast<const float4*>(p); }
@@ -259,7 +269,7 @@ cudaError_t kda_short_conv_forward(const float* x, const float* conv_inputs, con
 
 size_t kda_short_conv_backward_workspace_bytes(int64_t batch, int64_t length, int64_t channels, int width) {
   if (batch < 1 || length < 0 || channels < 1 || width < 1 || width > kKdaConvMaxWidth) return 0;
-  return static_cast<size_t>(batch * parts_for(length + width - 1)) * static_cast<size_t>(channels * width) *
+  return static_cast<size_t>(batch * parts_for(batch, length + width - 1, channels)) * static_cast<size_t>(channels * width) *
          sizeof(float);
 }
 
@@ -275,7 +285,7 @@ cudaError_t kda_short_conv_backward(const float* x, const float* conv_inputs, co
     return cudaErrorInvalidValue;
   }
   if (width == 1) d_conv_inputs = nullptr;  // no such rows
-  const int64_t positions = length + width - 1, parts = parts_for(positions);
+  const int64_t positions = length + width - 1, parts = parts_for(batch, positions, channels);
   const int64_t per_part = (positions + parts - 1) / parts;
   float* weight_parts = d_weight != nullptr ? static_cast<float*>(workspace) : nullptr;
   if (positions > 0 && (dx != nullptr || d_conv_inputs != nullptr || weight_parts != nullptr)) {

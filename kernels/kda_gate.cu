@@ -22,11 +22,21 @@ constexpr int kThreads = 256;             // forward: pieces a CTA
 constexpr int kBackwardThreads = 128;     // backward: columns of pieces a CTA
 constexpr int kFinishThreads = 128;       // the parts' sum: one CTA a head
 constexpr int64_t kRowsPerPart = 128;     // tokens a part at most, until kMaxParts
+constexpr int64_t kMinRowsPerPart = 8;    // ... and at least, where more parts fill the GPU
 constexpr int64_t kMaxParts = 256;
+constexpr int64_t kFillThreads = int64_t{1} << 17;  // backward threads wanted in flight (~a GPU's worth)
 
-// The parts the tokens are cut into: a function of `tokens` alone, so that the sums are the same
-// on every GPU.
-int64_t parts_for(int64_t tokens) { return std::clamp<int64_t>((tokens + kRowsPerPart - 1) / kRowsPerPart, 1, kMaxParts); }
+// The parts the tokens are cut into: parts of 128 tokens, or more and shorter ones (down to 8)
+// where those leave the GPU short of threads (a learner chunk of 2048 tokens and 1024 channels
+// made 16 parts of 256 pieces). A function of the shape alone, not of the GPU, so that the sums
+// are the same on every GPU.
+int64_t parts_for(int64_t tokens, int64_t columns) {
+  const int64_t by_length = (tokens + kRowsPerPart - 1) / kRowsPerPart;
+  const int64_t pieces = std::max<int64_t>(1, columns / 4);
+  const int64_t to_fill = (kFillThreads + pieces - 1) / pieces;
+  const int64_t most = std::min(kMaxParts, (tokens + kMinRowsPerPart - 1) / kMinRowsPerPart);
+  return std::clamp<int64_t>(std::max(by_length, to_fill), 1, std::max<int64_t>(1, most));
+}
 
 __device__ __forceinline__ float4 load4(const float* p) { return *reinterpret_cast<const float4*>(p); }
 __device__ __forceinline__ float4 load4(const bf16* p) {
@@ -171,7 +181,7 @@ cudaError_t kda_gate_forward(KdaDtype z_dtype, const void* z, const float* a_log
 
 size_t kda_gate_backward_workspace_bytes(int64_t tokens, int64_t heads, int64_t width) {
   if (!sizes_supported(tokens, heads, width)) return 0;
-  return 2 * static_cast<size_t>(parts_for(tokens)) * static_cast<size_t>(heads * width) * sizeof(float);
+  return 2 * static_cast<size_t>(parts_for(tokens, heads * width)) * static_cast<size_t>(heads * width) * sizeof(float);
 }
 
 cudaError_t kda_gate_backward(KdaDtype z_dtype, const void* z, const float* a_log, const float* dt_bias,
@@ -189,7 +199,7 @@ cudaError_t kda_gate_backward(KdaDtype z_dtype, const void* z, const float* a_lo
   }
   if (!parameters && dz == nullptr) return cudaSuccess;
   const int row_pieces = static_cast<int>(heads * width / 4);
-  const int64_t columns = heads * width, parts = parts_for(tokens);
+  const int64_t columns = heads * width, parts = parts_for(tokens, columns);
   float* bias_parts = parameters ? static_cast<float*>(workspace) : nullptr;
   float* scale_parts = parameters ? bias_parts + parts * columns : nullptr;
   if (tokens > 0) {
