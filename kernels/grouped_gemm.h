@@ -7,10 +7,9 @@
 // LibTorch dispatch per expert (896 experts: ~900 launches a product, ~8K a layer's forward and
 // backward), which bound the fp32 training step at LibTorch's highest float32 matmul precision.
 //
-// Precision is what a loop of at::mm computes on the same device: fp32 in fp32 (TF32 tensor cores
-// where LibTorch's `allowTF32CuBLAS` allows them, as LibTorch's own fp32 GEMMs), bf16 with fp32
-// accumulation rounded once. Sums run in cuBLAS's order, so results equal the loop's to fp32
-// rounding, not bit for bit.
+// Precision: fp32 in fp32 at every float32 matmul precision (TF32, which `high` allows, made
+// cuBLAS's grouped GEMM slower on an H200, not faster), bf16 with fp32 accumulation rounded once.
+// Sums run in cuBLAS's order, so results equal a loop of at::mm to fp32 rounding, not bit for bit.
 //
 // The counts are on the host (the caller brought them over once: the group sizes are the GEMMs'
 // shapes). The problem pointers go to the device through a pinned buffer, asynchronously on the
