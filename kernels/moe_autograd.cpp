@@ -720,7 +720,9 @@ at::Tensor moe_experts_autograd(const at::Tensor& rows, const at::Tensor& gate_p
               "newer, L in {128, 256, 384, 512}, F a multiple of 64, L + F <= 640, at most 1024 "
               "experts; got L = ", latent, ", F = ",
               ffn, ", ", experts, " experts, ", rows.scalar_type(), ")");
-  const bool cublas_applies = cublas_grouped_gemm_applies(rows, gate_proj);
+  const bool cublas_applies = cublas_grouped_gemm_applies(rows, gate_proj) &&
+                              cublas_grouped_gemm_applies(rows, up_proj) &&
+                              cublas_grouped_gemm_applies(rows, down_proj);
   TORCH_CHECK(gemm != MoeGemm::kCublas || cublas_applies, where,
               ": cuBLAS's grouped GEMM does not apply here (needs CUDA bf16 / fp32 rows and weights and "
               "cuBLAS >= 12.5; compiled in: ", cublas_grouped_gemm_compiled(), ")");
