@@ -16,6 +16,7 @@
 // window[t + j] da[t], is kept per thread over its part and written to the workspace; one pass then
 // adds the parts in order.
 #include "kernels/kda_conv.h"
+#include "kernels/walk_parts.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -24,21 +25,13 @@ namespace odyssey::kernels {
 namespace {
 
 constexpr int kThreads = 128;
-constexpr int64_t kPositionsPerPart = 64;     // window positions a backward part walks, until kMaxParts
-constexpr int64_t kMinPositionsPerPart = 8;   // ... and at least, where more parts fill the GPU
-constexpr int64_t kMaxParts = 1024;           // parts a sequence's positions are cut into, at most
-constexpr int64_t kFillThreads = int64_t{1} << 17;  // backward threads wanted in flight (~a GPU's worth)
+constexpr int64_t kPositionsPerPart = 64;    // window positions a backward part walks (walk_parts.h) ...
+constexpr int64_t kMinPositionsPerPart = 8;  // ... and at least, where more parts fill the GPU
+constexpr int64_t kMaxParts = 1024;          // parts a sequence's positions are cut into, at most
 
-// Parts of 64 positions; where those leave the GPU short of threads (a learner chunk: one sequence
-// of 2048 tokens and 1024 channels makes 66 CTAs of 64-step walks), more and shorter parts, down
-// to 8 positions (each part recomputes W - 1 tokens before its first). A function of the shape
-// alone, so the weight gradient's order of sums is the same every run.
+// Each part recomputes W - 1 tokens before its first; each sequence walks apart.
 int64_t parts_for(int64_t batch, int64_t positions, int64_t channels) {
-  const int64_t by_length = (positions + kPositionsPerPart - 1) / kPositionsPerPart;
-  const int64_t pieces = std::max<int64_t>(1, batch * (channels / 4));
-  const int64_t to_fill = (kFillThreads + pieces - 1) / pieces;
-  const int64_t most = std::min(kMaxParts, (positions + kMinPositionsPerPart - 1) / kMinPositionsPerPart);
-  return std::clamp<int64_t>(std::max(by_length, to_fill), 1, std::max<int64_t>(1, most));
+  return walk_parts(positions, batch * (channels / 4), kPositionsPerPart, kMinPositionsPerPart, kMaxParts);
 }
 
 __device__ __forceinline__ float4 load4(const float* p) { return *reinterpret_cast<const float4*>(p); }

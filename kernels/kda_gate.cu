@@ -7,6 +7,7 @@
 // part's sums go to the workspace, and one CTA per head then adds the parts in order (dt_bias's
 // gradient per column, A_log's over the head's columns in a fixed tree).
 #include "kernels/kda_gate.h"
+#include "kernels/walk_parts.h"
 
 #include <cuda_bf16.h>
 
@@ -21,21 +22,12 @@ using bf16 = __nv_bfloat16;
 constexpr int kThreads = 256;             // forward: pieces a CTA
 constexpr int kBackwardThreads = 128;     // backward: columns of pieces a CTA
 constexpr int kFinishThreads = 128;       // the parts' sum: one CTA a head
-constexpr int64_t kRowsPerPart = 128;     // tokens a part at most, until kMaxParts
+constexpr int64_t kRowsPerPart = 128;     // tokens a part (walk_parts.h) ...
 constexpr int64_t kMinRowsPerPart = 8;    // ... and at least, where more parts fill the GPU
 constexpr int64_t kMaxParts = 256;
-constexpr int64_t kFillThreads = int64_t{1} << 17;  // backward threads wanted in flight (~a GPU's worth)
 
-// The parts the tokens are cut into: parts of 128 tokens, or more and shorter ones (down to 8)
-// where those leave the GPU short of threads (a learner chunk of 2048 tokens and 1024 channels
-// made 16 parts of 256 pieces). A function of the shape alone, not of the GPU, so that the sums
-// are the same on every GPU.
 int64_t parts_for(int64_t tokens, int64_t columns) {
-  const int64_t by_length = (tokens + kRowsPerPart - 1) / kRowsPerPart;
-  const int64_t pieces = std::max<int64_t>(1, columns / 4);
-  const int64_t to_fill = (kFillThreads + pieces - 1) / pieces;
-  const int64_t most = std::min(kMaxParts, (tokens + kMinRowsPerPart - 1) / kMinRowsPerPart);
-  return std::clamp<int64_t>(std::max(by_length, to_fill), 1, std::max<int64_t>(1, most));
+  return walk_parts(tokens, columns / 4, kRowsPerPart, kMinRowsPerPart, kMaxParts);
 }
 
 __device__ __forceinline__ float4 load4(const float* p) { return *reinterpret_cast<const float4*>(p); }
