@@ -228,7 +228,7 @@ cudaError_t moe_experts_forward(const void* rows, const void* gate_proj, const v
 // expert as above (expert e owns rows [group_ends[e - 1], group_ends[e])):
 //   d_gate_proj[e] = dG_e^T X_e    d_up_proj[e] = dU_e^T X_e    [F, L] each
 //   d_down_proj[e] = dY_e^T H_e                                  [L, F]
-// and exact zeros for experts without rows (so no separate zeroing pass). All bf16:
+// and exact zeros for experts without rows (so no separate zeroing pass). All bf16 (the outputs fp32 with fp32_outputs, below):
 //   rows (X) [R, L]   d_gate, d_up (dG, dU) [R, F]   dy [R, L]   h [R, F]   group_ends int32 [E]
 //   d_gate_proj, d_up_proj [E, F, L] (both or neither: then rows, d_gate, d_up are not read)
 //   d_down_proj [E, L, F] (or nullptr: then dy, h are not read)
@@ -241,13 +241,18 @@ cudaError_t moe_experts_forward(const void* rows, const void* gate_proj, const v
 // Two kernels (MoeExpertsKernel, as the forward's): kMmaSync, sm_80 and newer; kWgmma, sm_90
 // devices (kernels/moe_experts_sm90.h), the same jobs with the rows summed in chunks of 64 (equal
 // up to the order of the fp32 sums). kAuto takes kWgmma where it is supported.
+// fp32_outputs: d_gate_proj, d_up_proj, d_down_proj are fp32, the sums themselves, unrounded (for
+// fp32 weights trained through bf16 copies: no bf16 gradient to cast back); the bf16 outputs are
+// exactly these rounded once. The wgmma kernel's alone: elsewhere (or with kMmaSync) it is
+// cudaErrorInvalidValue.
 bool moe_experts_weight_grads_supported(int64_t latent, int64_t ffn, int64_t experts);
 cudaError_t moe_experts_weight_grads(const void* rows, const void* d_gate, const void* d_up,
                                      const void* dy, const void* h, const int32_t* group_ends,
                                      void* d_gate_proj, void* d_up_proj, void* d_down_proj,
                                      int64_t total_rows, int64_t experts, int64_t latent,
                                      int64_t ffn, cudaStream_t stream,
-                                     MoeExpertsKernel kernel = MoeExpertsKernel::kAuto);
+                                     MoeExpertsKernel kernel = MoeExpertsKernel::kAuto,
+                                     bool fp32_outputs = false);
 
 // ---- Routed experts' dX (moe_experts_backward.cu) -------------------------------------------------
 // The rows' gradient of the routed experts' first two GEMMs as one kernel, on tensor cores:

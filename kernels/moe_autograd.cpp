@@ -119,10 +119,20 @@ class SituGluFunction : public torch::autograd::Function<SituGluFunction> {
 
 class MoeExpertsFunction : public torch::autograd::Function<MoeExpertsFunction> {
  public:
+  // gate_proj, up_proj, down_proj: the weights the gradients are for. gate_copy, up_copy,
+  // down_copy: their bf16 copies, or undefined. Given, the products run on them and the weights'
+  // gradients come back in the weights' dtype (fp32).
   static variable_list forward(AutogradContext* ctx, const at::Tensor& rows,
-                               const at::Tensor& gate_proj, const at::Tensor& up_proj,
-                               const at::Tensor& down_proj, const MoePermutation& permutation,
-                               double beta1, double beta2, bool grouped, bool fused, bool cublas) {
+                               const at::Tensor& weight_gate, const at::Tensor& weight_up,
+                               const at::Tensor& weight_down, const at::Tensor& gate_copy,
+                               const at::Tensor& up_copy, const at::Tensor& down_copy,
+                               const MoePermutation& permutation, double beta1, double beta2,
+                               bool grouped, bool fused, bool cublas) {
+    const bool copies = gate_copy.defined();
+    const at::Tensor& gate_proj = copies ? gate_copy : weight_gate;
+    const at::Tensor& up_proj = copies ? up_copy : weight_up;
+    const at::Tensor& down_proj = copies ? down_copy : weight_down;
+    ctx->saved_data["weight_dtype"] = static_cast<int64_t>(weight_gate.scalar_type());
     // With `fused` the forward is one kernel, and so are the backward's dX (moe_experts_dx) and
     // its weight gradients (moe_experts_weight_grads); dH is a grouped GEMM or a loop.
     const MoeExpertGroups g =
@@ -151,8 +161,9 @@ class MoeExpertsFunction : public torch::autograd::Function<MoeExpertsFunction> 
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    variable_list none(10);
+    variable_list none(13);
     if (!grads[0].defined()) return none;
+    const auto weight_dtype = static_cast<at::ScalarType>(ctx->saved_data["weight_dtype"].toInt());
     const variable_list saved = ctx->get_saved_variables();
     const at::Tensor &x = saved[0], &gate_proj = saved[1], &up_proj = saved[2],
                      &down_proj = saved[3], &gate = saved[4], &up = saved[5];
@@ -170,7 +181,7 @@ class MoeExpertsFunction : public torch::autograd::Function<MoeExpertsFunction> 
     // H (for dW_down) is not saved: the SiTU-GLU backward recomputes it in its own pass.
     const bool want_down = ctx->needs_input_grad(3);
     const SituGluBackwardWithH d = situ_glu_backward_with_h(gate, up, dh, beta1, beta2, want_down);
-    variable_list out(10);
+    variable_list out(13);
     const bool fused = ctx->saved_data["fused"].toBool();
     if (ctx->needs_input_grad(0) && fused) {
       // dX = dG W_gate + dU W_up in one kernel: one fp32 sum over 2F, rounded once.
@@ -181,16 +192,26 @@ class MoeExpertsFunction : public torch::autograd::Function<MoeExpertsFunction> 
       out[0].add_(moe_expert_rows_times(d.d_up, up_proj, g));
     }
     const bool want_gate_up = ctx->needs_input_grad(1) || ctx->needs_input_grad(2);
+    // Weights of another dtype than the products' (fp32 weights run on bf16 copies) get their
+    // gradients in their own: from the kernel's fp32 sums where its wgmma form writes them, else
+    // the bf16 gradients cast.
+    auto in_weight_dtype = [&](at::Tensor& t) {
+      if (t.defined() && t.scalar_type() != weight_dtype) t = t.to(weight_dtype);
+    };
     if (fused && (want_gate_up || want_down)) {
       // One kernel for all three, empty experts zeroed in the same pass.
-      MoeExpertWeightGrads w = moe_experts_weight_grads(x, d.d_gate, d.d_up, dy, d.h, g.ends.to(at::kInt),
-                                                        want_gate_up, want_down);
+      const bool fp32_sums = weight_dtype == at::kFloat &&
+                             moe_experts_weight_grads_wgmma_supported(x.size(1), gate.size(1), gate_proj.size(0));
+      MoeExpertWeightGrads w =
+          moe_experts_weight_grads(x, d.d_gate, d.d_up, dy, d.h, g.ends.to(at::kInt), want_gate_up, want_down,
+                                   MoeExpertsKernel::kAuto, fp32_sums ? at::kFloat : x.scalar_type());
       out[1] = std::move(w.d_gate_proj), out[2] = std::move(w.d_up_proj), out[3] = std::move(w.d_down_proj);
-      return out;
+    } else {
+      if (ctx->needs_input_grad(1)) out[1] = moe_expert_weight_grad(d.d_gate, x, g);
+      if (ctx->needs_input_grad(2)) out[2] = moe_expert_weight_grad(d.d_up, x, g);
+      if (want_down) out[3] = moe_expert_weight_grad(dy, d.h, g);
     }
-    if (ctx->needs_input_grad(1)) out[1] = moe_expert_weight_grad(d.d_gate, x, g);
-    if (ctx->needs_input_grad(2)) out[2] = moe_expert_weight_grad(d.d_up, x, g);
-    if (want_down) out[3] = moe_expert_weight_grad(dy, d.h, g);
+    for (int i = 1; i <= 3; ++i) in_weight_dtype(out[i]);
     return out;
   }
 };
@@ -487,8 +508,11 @@ bool moe_experts_weight_grads_applies(const at::Tensor& rows, const at::Tensor& 
 MoeExpertWeightGrads moe_experts_weight_grads(const at::Tensor& rows, const at::Tensor& d_gate,
                                               const at::Tensor& d_up, const at::Tensor& dy,
                                               const at::Tensor& h, const at::Tensor& group_ends,
-                                              bool want_gate_up, bool want_down, MoeExpertsKernel kernel) {
+                                              bool want_gate_up, bool want_down, MoeExpertsKernel kernel,
+                                              at::ScalarType out_dtype) {
   constexpr const char* where = "kernels::moe_experts_weight_grads";
+  TORCH_CHECK(out_dtype == at::kBFloat16 || out_dtype == at::kFloat, where,
+              ": out_dtype must be bf16 or fp32, got ", out_dtype);
   if (!want_gate_up && !want_down) return {};
   // The widths come from the operands of the parts wanted: rows and d_gate, else dy and h.
   const at::Tensor& wide = want_gate_up ? rows : dy;
@@ -529,10 +553,14 @@ MoeExpertWeightGrads moe_experts_weight_grads(const at::Tensor& rows, const at::
   TORCH_CHECK(kernel != MoeExpertsKernel::kWgmma || moe_experts_weight_grads_wgmma_supported(latent, ffn, experts),
               where, ": the wgmma kernel does not apply to L = ", latent, ", F = ", ffn, ", ", experts,
               " experts on this device (it needs an sm_90 GPU; MoeExpertsKernel::kMmaSync runs elsewhere)");
+  const bool fp32_outputs = out_dtype == at::kFloat;
+  TORCH_CHECK(!fp32_outputs || (kernel != MoeExpertsKernel::kMmaSync &&
+                                moe_experts_weight_grads_wgmma_supported(latent, ffn, experts)),
+              where, ": fp32 outputs are the wgmma kernel's alone (an sm_90 GPU); ask for bf16 elsewhere");
   auto dense = [](const at::Tensor& t) { return t.defined() ? t.contiguous() : t; };
   const at::Tensor x = dense(rows), dg = dense(d_gate), du = dense(d_up), dyc = dense(dy),
                    hc = dense(h), ends = group_ends.contiguous();
-  const at::TensorOptions options = wide.options();
+  const at::TensorOptions options = wide.options().dtype(out_dtype);
   MoeExpertWeightGrads out;
   if (want_gate_up) {
     out.d_gate_proj = at::empty({experts, ffn, latent}, options);
@@ -545,7 +573,7 @@ MoeExpertWeightGrads moe_experts_weight_grads(const at::Tensor& rows, const at::
       pointer(dyc, want_down), pointer(hc, want_down), ends.data_ptr<int32_t>(),
       pointer(out.d_gate_proj, want_gate_up), pointer(out.d_up_proj, want_gate_up),
       pointer(out.d_down_proj, want_down), total, experts, latent, ffn,
-      at::cuda::getCurrentCUDAStream(device.index()).stream(), kernel);
+      at::cuda::getCurrentCUDAStream(device.index()).stream(), kernel, fp32_outputs);
   TORCH_CHECK(error == cudaSuccess, where, ": CUDA error ", cudaGetErrorName(error), " (",
               cudaGetErrorString(error), ")");
   return out;
@@ -685,10 +713,15 @@ at::Tensor situ_glu_autograd(const at::Tensor& gate, const at::Tensor& up, doubl
   return SituGluFunction::apply(gate, up, beta1, beta2)[0];
 }
 
-at::Tensor moe_experts_autograd(const at::Tensor& rows, const at::Tensor& gate_proj,
-                                const at::Tensor& up_proj, const at::Tensor& down_proj,
-                                const MoePermutation& permutation, double beta1, double beta2,
-                                MoeGemm gemm) {
+namespace {
+
+// Which products MoeExpertsFunction runs (its last three arguments), the arguments checked: rows
+// and the weights the products read.
+struct ExpertProducts {
+  bool grouped, fused, cublas;
+};
+ExpertProducts expert_products(const at::Tensor& rows, const at::Tensor& gate_proj, const at::Tensor& up_proj,
+                               const at::Tensor& down_proj, const MoePermutation& permutation, MoeGemm gemm) {
   constexpr const char* where = "kernels::moe_experts_autograd";
   TORCH_CHECK(rows.dim() == 2 && gate_proj.dim() == 3 && up_proj.sizes() == gate_proj.sizes() &&
                   down_proj.dim() == 3,
@@ -729,8 +762,46 @@ at::Tensor moe_experts_autograd(const at::Tensor& rows, const at::Tensor& gate_p
   const bool fused = gemm == MoeGemm::kFused || (gemm == MoeGemm::kAuto && fused_applies);
   const bool grouped = gemm == MoeGemm::kGrouped || ((gemm == MoeGemm::kAuto || fused) && applies);
   const bool cublas = !grouped && (gemm == MoeGemm::kCublas || ((gemm == MoeGemm::kAuto || fused) && cublas_applies));
-  return MoeExpertsFunction::apply(rows, gate_proj, up_proj, down_proj, permutation, beta1, beta2,
-                                   grouped, fused, cublas)[0];
+  return {grouped, fused, cublas};
+}
+
+}  // namespace
+
+at::Tensor moe_experts_autograd(const at::Tensor& rows, const at::Tensor& gate_proj,
+                                const at::Tensor& up_proj, const at::Tensor& down_proj,
+                                const MoePermutation& permutation, double beta1, double beta2,
+                                MoeGemm gemm, const MoeExpertWeightCopies& copies) {
+  constexpr const char* where = "kernels::moe_experts_autograd";
+  const bool with_copies = copies.gate_proj.defined() || copies.up_proj.defined() || copies.down_proj.defined();
+  if (with_copies) {
+    struct Pair {
+      const char* name;
+      const at::Tensor* weight;
+      const at::Tensor* copy;
+    };
+    for (const Pair& p : {Pair{"gate_proj", &gate_proj, &copies.gate_proj}, Pair{"up_proj", &up_proj, &copies.up_proj},
+                          Pair{"down_proj", &down_proj, &copies.down_proj}}) {
+      const at::Tensor &weight = *p.weight, &copy = *p.copy;
+      TORCH_CHECK(weight.defined() && weight.scalar_type() == at::kFloat && copy.defined() &&
+                      copy.scalar_type() == at::kBFloat16 && copy.sizes() == weight.sizes() &&
+                      copy.device() == weight.device() && !copy.requires_grad(),
+                  where, ": copies.", p.name, " must be a bf16 copy of the fp32 ", p.name,
+                  " on its device, not recorded for autograd; got the weight ",
+                  weight.defined() ? c10::str(weight.sizes(), " ", weight.scalar_type()) : std::string("none"),
+                  " and the copy ",
+                  copy.defined() ? c10::str(copy.sizes(), " ", copy.scalar_type(), " on ", copy.device(),
+                                            copy.requires_grad() ? ", requiring grad" : "")
+                                 : std::string("none"));
+    }
+    TORCH_CHECK(rows.scalar_type() == at::kBFloat16, where,
+                ": with bf16 copies of the weights the rows must be bf16 too, got ", rows.scalar_type());
+  }
+  const ExpertProducts products =
+      with_copies ? expert_products(rows, copies.gate_proj, copies.up_proj, copies.down_proj, permutation, gemm)
+                  : expert_products(rows, gate_proj, up_proj, down_proj, permutation, gemm);
+  return MoeExpertsFunction::apply(rows, gate_proj, up_proj, down_proj, copies.gate_proj, copies.up_proj,
+                                   copies.down_proj, permutation, beta1, beta2, products.grouped, products.fused,
+                                   products.cublas)[0];
 }
 
 }  // namespace odyssey::kernels

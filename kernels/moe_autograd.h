@@ -85,7 +85,10 @@ at::Tensor moe_experts_dx(const at::Tensor& d_gate, const at::Tensor& d_up,
 // zeros for experts without rows. rows [R, L], d_gate / d_up / h [R, F], dy [R, L], all CUDA
 // bf16 on one device; group_ends int32 [E] as the permutation's. MoeExpertsFunction's backward
 // takes it whenever its forward ran fused (MoeGemm::kFused, or kAuto where that applies).
-// Errors name the tensor or the width that does not fit.
+// out_dtype kFloat: the gradients are the kernel's fp32 sums themselves (the bf16 ones are these
+// rounded once, bit for bit), for fp32 weights trained through bf16 copies; the wgmma kernel's
+// alone (moe_experts_weight_grads_wgmma_supported: an sm_90 GPU). Errors name the tensor or the
+// width that does not fit.
 struct MoeExpertWeightGrads {
   at::Tensor d_gate_proj, d_up_proj, d_down_proj;
 };
@@ -96,7 +99,8 @@ MoeExpertWeightGrads moe_experts_weight_grads(const at::Tensor& rows, const at::
                                               const at::Tensor& d_up, const at::Tensor& dy,
                                               const at::Tensor& h, const at::Tensor& group_ends,
                                               bool want_gate_up, bool want_down,
-                                              MoeExpertsKernel kernel = MoeExpertsKernel::kAuto);
+                                              MoeExpertsKernel kernel = MoeExpertsKernel::kAuto,
+                                              at::ScalarType out_dtype = at::kBFloat16);
 
 // model::permute with autograd: rows[r] = tokens[permutation.token[r]]; tokens [m, width] CUDA
 // (2- or 4-byte elements). Backward: each token's gradient is the sum of its k copies' (fp32, no
@@ -112,14 +116,25 @@ at::Tensor moe_unpermute_autograd(const at::Tensor& copies, const MoePermutation
 at::Tensor situ_glu_autograd(const at::Tensor& gate, const at::Tensor& up, double beta1,
                              double beta2);
 
+// bf16 copies of fp32 expert weights (model::Bf16Shadow's), not recorded for autograd: for
+// training fp32 weights on the bf16 kernels (the medium float32 matmul precision).
+struct MoeExpertWeightCopies {
+  at::Tensor gate_proj, up_proj, down_proj;
+};
+
 // StackedExperts::forward with autograd: rows [R, L] grouped by expert as permutation says
 // (R = m k), gate_proj / up_proj [E, F, L], down_proj [E, L, F], all one dtype (bf16 or fp32);
 // SiTU-GLU between the GEMMs fused. Returns [R, L] in rows' dtype. Saves rows and the gate and up
 // activations ([R, F] each); H is recomputed in the backward, inside the SiTU-GLU backward's pass.
+// With `copies` (all three, bf16, the weights' shapes; the weights fp32 and rows bf16) the products
+// run on the copies and rows, and the gradients go to the fp32 weights themselves, in fp32: on an
+// sm_90 GPU the weight-gradient kernel's fp32 sums, unrounded (no bf16 gradient, no cast pass),
+// elsewhere the bf16 gradients cast. gemm picks the products as for bf16 weights.
 at::Tensor moe_experts_autograd(const at::Tensor& rows, const at::Tensor& gate_proj,
                                 const at::Tensor& up_proj, const at::Tensor& down_proj,
                                 const MoePermutation& permutation, double beta1, double beta2,
-                                MoeGemm gemm = MoeGemm::kAuto);
+                                MoeGemm gemm = MoeGemm::kAuto,
+                                const MoeExpertWeightCopies& copies = {});
 
 // ---- the steps of moe_experts_autograd one at a time --------------------------------------------
 // Exactly what MoeExpertsFunction runs (no autograd), for the bench's per-stage breakdown

@@ -229,7 +229,7 @@ __global__ void __launch_bounds__(kThreads, 2) moe_experts_weight_grads_kernel(G
 #pragma unroll
       for (int i = 0; i < kTile * kTile / 8 / kThreads; ++i) {
         const int r = rho + i * (kThreads / 16), m = job.m0 + r;
-        bf16* out;
+        void* out;
         int64_t out_row;
         if (job.down) {
           out = a.d_down_proj, out_row = int64_t{job.expert} * a.latent + m;
@@ -238,7 +238,7 @@ __global__ void __launch_bounds__(kThreads, 2) moe_experts_weight_grads_kernel(G
         } else {
           out = a.d_up_proj, out_row = int64_t{job.expert} * a.ffn + m - a.ffn;
         }
-        *reinterpret_cast<uint4*>(out + out_row * width + job.n0 + col) =
+        *reinterpret_cast<uint4*>(static_cast<bf16*>(out) + out_row * width + job.n0 + col) =
             *reinterpret_cast<const uint4*>(staging + r * kStride + col);
       }
     }
@@ -397,12 +397,14 @@ cudaError_t moe_experts_weight_grads(const void* rows, const void* d_gate, const
                                      const void* dy, const void* h, const int32_t* group_ends,
                                      void* d_gate_proj, void* d_up_proj, void* d_down_proj,
                                      int64_t total_rows, int64_t experts, int64_t latent,
-                                     int64_t ffn, cudaStream_t stream, MoeExpertsKernel kernel) {
+                                     int64_t ffn, cudaStream_t stream, MoeExpertsKernel kernel,
+                                     bool fp32_outputs) {
   const bool wgmma = moe_experts_weight_grads_wgmma_supported(latent, ffn, experts);
   if (kernel == MoeExpertsKernel::kWgmma || (kernel == MoeExpertsKernel::kAuto && wgmma)) {
     return moe_experts_weight_grads_wgmma(rows, d_gate, d_up, dy, h, group_ends, d_gate_proj, d_up_proj,
-                                          d_down_proj, total_rows, experts, latent, ffn, stream);
+                                          d_down_proj, total_rows, experts, latent, ffn, stream, fp32_outputs);
   }
+  if (fp32_outputs) return cudaErrorInvalidValue;  // the wgmma kernel's alone
   if (!moe_experts_weight_grads_supported(latent, ffn, experts) ||
       !grad_arguments_valid(rows, d_gate, d_up, dy, h, group_ends, d_gate_proj, d_up_proj, d_down_proj, total_rows)) {
     return cudaErrorInvalidValue;

@@ -30,6 +30,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/mma.cuh"
 #include "kernels/moe_tiles.cuh"
@@ -581,6 +582,9 @@ constexpr int kGradStages = 3;
 constexpr int kGradStageBytes = 2 * kMatrixBytes;  // A then B
 constexpr size_t kGradSharedBytes = size_t{kGradStages} * kGradStageBytes + 1024;
 
+// kFp32Outputs: the outputs are the fp32 sums (moe_experts_weight_grads' fp32_outputs), a template argument so
+// that the bf16 kernel's registers stay as they were (with a run-time branch ptxas spilled).
+template <bool kFp32Outputs>
 __global__ void __launch_bounds__(kAllThreads, 2) moe_experts_weight_grads_wgmma_kernel(GradArgs a) {
 #if defined(ODYSSEY_NO_WGMMA)
   __trap();
@@ -670,24 +674,35 @@ __global__ void __launch_bounds__(kAllThreads, 2) moe_experts_weight_grads_wgmma
     };
     consume_chunks<kGradStages, kGradStageBytes>(stages, full, empty, chunks, position, lane, issue);
     // Row m of the tile is a row of dW_gate / dW_up (m < F / m >= F) or of dW_down; its columns past
-    // F (a half-filled dW_down tile) are not stored.
+    // F (a half-filled dW_down tile) are not stored. With fp32 outputs the sums themselves are
+    // stored: lane tq's pair of columns 8 nt + 2 tq of every 8-column block (the accumulators' own
+    // layout), each quad writing 32 whole bytes.
     const int width = job.down ? a.ffn : a.latent;
+    using Out = std::conditional_t<kFp32Outputs, float, bf16>;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int m = job.m0 + warpgroup * 64 + warp * 16 + gq + half * 8;
-      bf16* out;
+      Out* out;
       if (job.down) {
-        out = a.d_down_proj + (static_cast<int64_t>(job.expert) * a.latent + m) * a.ffn;
+        out = static_cast<Out*>(a.d_down_proj) + (static_cast<int64_t>(job.expert) * a.latent + m) * a.ffn;
       } else if (m < a.ffn) {
-        out = a.d_gate_proj + (static_cast<int64_t>(job.expert) * a.ffn + m) * a.latent;
+        out = static_cast<Out*>(a.d_gate_proj) + (static_cast<int64_t>(job.expert) * a.ffn + m) * a.latent;
       } else {
-        out = a.d_up_proj + (static_cast<int64_t>(job.expert) * a.ffn + m - a.ffn) * a.latent;
+        out = static_cast<Out*>(a.d_up_proj) + (static_cast<int64_t>(job.expert) * a.ffn + m - a.ffn) * a.latent;
       }
+      if constexpr (kFp32Outputs) {
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const uint4 piece = accumulator_piece(acc, half, q, tq);
-        const int n = job.n0 + q * 32 + tq * 8;
-        if (n < width) *reinterpret_cast<uint4*>(out + n) = piece;
+        for (int nt = 0; nt < 16; ++nt) {
+          const int n = job.n0 + nt * 8 + tq * 2;
+          if (n < width) *reinterpret_cast<float2*>(out + n) = make_float2(acc[4 * nt + 2 * half], acc[4 * nt + 2 * half + 1]);
+        }
+      } else {
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const uint4 piece = accumulator_piece(acc, half, q, tq);
+          const int n = job.n0 + q * 32 + tq * 8;
+          if (n < width) *reinterpret_cast<uint4*>(out + n) = piece;
+        }
       }
     }
   }
@@ -790,19 +805,21 @@ cudaError_t moe_experts_weight_grads_wgmma(const void* rows, const void* d_gate,
                                            const void* dy, const void* h, const int32_t* group_ends,
                                            void* d_gate_proj, void* d_up_proj, void* d_down_proj,
                                            int64_t total_rows, int64_t experts, int64_t latent,
-                                           int64_t ffn, cudaStream_t stream) {
+                                           int64_t ffn, cudaStream_t stream, bool fp32_outputs) {
   if (!moe_experts_weight_grads_wgmma_supported(latent, ffn, experts) ||
       !grad_arguments_valid(rows, d_gate, d_up, dy, h, group_ends, d_gate_proj, d_up_proj, d_down_proj, total_rows)) {
     return cudaErrorInvalidValue;
   }
   if (d_gate_proj == nullptr && d_down_proj == nullptr) return cudaSuccess;
   int sms = 0;
-  const cudaError_t error = prepare_launch(moe_experts_weight_grads_wgmma_kernel, kGradSharedBytes, sms);
+  void (*kernel)(GradArgs) =
+      fp32_outputs ? moe_experts_weight_grads_wgmma_kernel<true> : moe_experts_weight_grads_wgmma_kernel<false>;
+  const cudaError_t error = prepare_launch(kernel, kGradSharedBytes, sms);
   if (error != cudaSuccess) return error;
   const GradArgs a = grad_args(rows, d_gate, d_up, dy, h, group_ends, d_gate_proj, d_up_proj, d_down_proj, experts,
                                latent, ffn);
   const int grid = a.jobs < 2 * sms ? a.jobs : 2 * sms;
-  moe_experts_weight_grads_wgmma_kernel<<<grid, kAllThreads, kGradSharedBytes, stream>>>(a);
+  kernel<<<grid, kAllThreads, kGradSharedBytes, stream>>>(a);
   return cudaGetLastError();
 }
 

@@ -37,12 +37,13 @@ cudaError_t moe_experts_dx_wgmma(const void* d_gate, const void* d_up, const voi
 
 // The routed experts' three weight gradients (moe_experts_weight_grads' contract, kernels/moe.h)
 // on wgmma: the same jobs as the mma.sync kernel, sums over each expert's rows in 64-row chunks.
-// Supported: an sm_90 device, L a multiple of 128, F of 64, 1 <= E <= 1024.
+// Supported: an sm_90 device, L a multiple of 128, F of 64, 1 <= E <= 1024. fp32_outputs: the
+// three outputs are fp32, the sums themselves (the bf16 outputs are these rounded once).
 bool moe_experts_weight_grads_wgmma_supported(int64_t latent, int64_t ffn, int64_t experts);
 cudaError_t moe_experts_weight_grads_wgmma(const void* rows, const void* d_gate, const void* d_up,
                                            const void* dy, const void* h, const int32_t* group_ends,
                                            void* d_gate_proj, void* d_up_proj, void* d_down_proj,
                                            int64_t total_rows, int64_t experts, int64_t latent,
-                                           int64_t ffn, cudaStream_t stream);
+                                           int64_t ffn, cudaStream_t stream, bool fp32_outputs = false);
 
 }  // namespace odyssey::kernels

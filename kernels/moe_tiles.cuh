@@ -190,9 +190,9 @@ struct GradArgs {
   const __nv_bfloat16* dy;    // [R, L]
   const __nv_bfloat16* h;     // [R, F]
   const int32_t* group_ends;
-  __nv_bfloat16* d_gate_proj;
-  __nv_bfloat16* d_up_proj;    // [E, F, L] (both or neither)
-  __nv_bfloat16* d_down_proj;  // [E, L, F] (or nullptr)
+  void* d_gate_proj;
+  void* d_up_proj;    // [E, F, L] (both or neither)
+  void* d_down_proj;  // [E, L, F] (or nullptr); bf16, or fp32 where the wgmma kernel writes fp32
   int experts, latent, ffn;
   int gate_up_jobs, down_jobs;  // per expert (0 for a part not wanted)
   int jobs;                     // all experts'
@@ -257,9 +257,9 @@ inline GradArgs grad_args(const void* rows, const void* d_gate, const void* d_up
   a.dy = static_cast<const __nv_bfloat16*>(dy);
   a.h = static_cast<const __nv_bfloat16*>(h);
   a.group_ends = group_ends;
-  a.d_gate_proj = static_cast<__nv_bfloat16*>(d_gate_proj);
-  a.d_up_proj = static_cast<__nv_bfloat16*>(d_up_proj);
-  a.d_down_proj = static_cast<__nv_bfloat16*>(d_down_proj);
+  a.d_gate_proj = d_gate_proj;
+  a.d_up_proj = d_up_proj;
+  a.d_down_proj = d_down_proj;
   a.experts = static_cast<int>(experts);
   a.latent = static_cast<int>(latent);
   a.ffn = static_cast<int>(ffn);

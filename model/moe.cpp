@@ -241,19 +241,24 @@ MoeOutput MoeImpl::forward(const torch::Tensor& x) {
     const torch::Tensor z = latent_down(tokens).contiguous();
     const torch::Tensor rows = kernels::moe_permute_autograd(z, permutation);
     // fp32 at the medium float32 matmul precision (model/precision.h): the routed experts on bf16
-    // copies of the rows and weights (the fused kernels; fp32 has only a loop over the experts),
-    // the casts recorded so that the gradients reach the fp32 parameters. The weights' copies are
-    // kept until the weights change (the optimizer's step): one cast a learner step.
+    // copies of the rows and weights (the fused kernels), the rows' cast recorded for autograd and
+    // the weights' gradients sent to the fp32 weights in fp32 (kernels::MoeExpertWeightCopies).
+    // The weights' copies are kept until the weights change (the optimizer's step): one cast a
+    // learner step.
     const bool rounded = x.scalar_type() == at::kFloat && float32_matmul_precision() == Float32MatmulPrecision::kMedium;
     const torch::Tensor* weights[3] = {&experts->gate_proj, &experts->up_proj, &experts->down_proj};
-    torch::Tensor w[3];
+    kernels::MoeExpertWeightCopies copies;
+    torch::Tensor* copy[3] = {&copies.gate_proj, &copies.up_proj, &copies.down_proj};
     for (int i = 0; i < 3; ++i) {
-      if (!rounded) expert_weights_bf16_[i].clear();
-      w[i] = rounded ? expert_weights_bf16_[i].get(*weights[i]) : *weights[i];
+      if (rounded) {
+        *copy[i] = expert_weights_bf16_[i].value(*weights[i]);
+      } else {
+        expert_weights_bf16_[i].clear();
+      }
     }
-    torch::Tensor expert_out =
-        kernels::moe_experts_autograd(rounded ? rows.to(at::kBFloat16) : rows, w[0], w[1], w[2], permutation,
-                                      options_.situ_beta1, options_.situ_beta2);
+    torch::Tensor expert_out = kernels::moe_experts_autograd(
+        rounded ? rows.to(at::kBFloat16) : rows, *weights[0], *weights[1], *weights[2], permutation,
+        options_.situ_beta1, options_.situ_beta2, kernels::MoeGemm::kAuto, copies);
     if (rounded) expert_out = expert_out.to(at::kFloat);
     const torch::Tensor u = kernels::moe_unpermute_autograd(expert_out, permutation, out.routing.weights);
     torch::Tensor y = latent_up(latent_norm(u).to(x.scalar_type()));

@@ -72,6 +72,12 @@ Bf16Shadow& Bf16Shadow::operator=(const Bf16Shadow&) {
 }
 
 at::Tensor Bf16Shadow::get(const at::Tensor& source) {
+  const at::Tensor copy = value(source);
+  if (at::GradMode::is_enabled() && source.requires_grad()) return ShadowCast::apply(source, copy);
+  return copy;
+}
+
+at::Tensor Bf16Shadow::value(const at::Tensor& source) {
   at::Tensor copy;
   {
     const std::lock_guard<std::mutex> lock(mu_);
@@ -87,7 +93,6 @@ at::Tensor Bf16Shadow::get(const at::Tensor& source) {
     }
     copy = copy_;
   }
-  if (at::GradMode::is_enabled() && source.requires_grad()) return ShadowCast::apply(source, copy);
   return copy.detach();
 }
 

@@ -73,6 +73,9 @@ class Bf16Shadow {
   Bf16Shadow(const Bf16Shadow&) {}
   Bf16Shadow& operator=(const Bf16Shadow&);
   at::Tensor get(const at::Tensor& source);
+  // The same copy, never recorded for autograd: for a Function that reads the copy and sends the
+  // gradient to `source` itself (kernels::moe_experts_autograd's weight copies).
+  at::Tensor value(const at::Tensor& source);
   void clear();  // drops the copy (its memory)
   int64_t casts() const;  // how many times get() has cast (tests, benchmarks)
 

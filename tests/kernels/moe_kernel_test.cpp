@@ -1027,6 +1027,28 @@ TEST_F(MoeKernel, ExpertWeightGradsMatchTheFp64ReferenceAndTheGroupedGemms) {
                      weight_grad_reference(a, b, perm.tokens_per_expert), 1e-2);
         expect_close(std::string("weight grads wgmma vs mma.sync ") + name + tag, mine, other, 1e-2);
       }
+      // fp32 outputs: the sums themselves. Rounded once they are the bf16 outputs bit for bit, and
+      // they are 100x closer to fp64 than bf16 outputs can be (a bf16 rounding alone is ~2e-3).
+      const MoeExpertWeightGrads sums = moe_experts_weight_grads(x, dg, du, dy, h, perm.group_ends, true, true,
+                                                                 MoeExpertsKernel::kAuto, at::kFloat);
+      const std::vector<std::tuple<const char*, at::Tensor, at::Tensor, at::Tensor, at::Tensor>> fp32_parts = {
+          {"dW_gate", sums.d_gate_proj, wgmma.d_gate_proj, dg, x},
+          {"dW_up", sums.d_up_proj, wgmma.d_up_proj, du, x},
+          {"dW_down", sums.d_down_proj, wgmma.d_down_proj, dy, h}};
+      for (const auto& [name, sum, rounded, a, b] : fp32_parts) {
+        ASSERT_EQ(sum.scalar_type(), at::kFloat) << name << tag;
+        EXPECT_TRUE(at::equal(sum.to(at::kBFloat16), rounded)) << name << ": the bf16 outputs are not the fp32 sums rounded" << tag;
+        expect_close(std::string("weight grads fp32 sums ") + name + tag, sum,
+                     weight_grad_reference(a, b, perm.tokens_per_expert), 2e-5);
+        EXPECT_EQ(max_abs(sum.narrow(0, 13, 3)), 0.0) << name << tag;
+      }
+      const MoeExpertWeightGrads down_sums = moe_experts_weight_grads(
+          x, at::Tensor(), at::Tensor(), dy, h, perm.group_ends, false, true, MoeExpertsKernel::kWgmma, at::kFloat);
+      EXPECT_TRUE(at::equal(down_sums.d_down_proj, sums.d_down_proj)) << tag;
+      EXPECT_THROW(moe_experts_weight_grads(x, dg, du, dy, h, perm.group_ends, true, true, MoeExpertsKernel::kMmaSync,
+                                            at::kFloat),
+                   c10::Error)
+          << "fp32 outputs are the wgmma kernel's alone";
     }
     const MoeExpertWeightGrads gate_up = moe_experts_weight_grads(x, dg, du, at::Tensor(), at::Tensor(),
                                                                   perm.group_ends, true, false);
@@ -1040,6 +1062,58 @@ TEST_F(MoeKernel, ExpertWeightGradsMatchTheFp64ReferenceAndTheGroupedGemms) {
     EXPECT_TRUE(at::equal(again.d_gate_proj, all.d_gate_proj) && at::equal(again.d_up_proj, all.d_up_proj) &&
                 at::equal(again.d_down_proj, all.d_down_proj))
         << "two runs differ" << tag;
+  }
+}
+
+TEST_F(MoeKernel, ExpertsOnBf16CopiesSendFp32GradientsToTheFp32Weights) {
+  // fp32 weights trained through bf16 copies (MoeExpertWeightCopies; the medium float32 matmul
+  // precision's routed experts): y and d rows are the bf16 weights' exactly, and the gradients go
+  // to the fp32 weights, in fp32. Rounded to bf16 they are the bf16 weights' gradients bit for bit;
+  // on sm_90 they are the weight-gradient kernel's fp32 sums themselves, not bf16 values cast.
+  const int64_t m = 300, n = 16, k = 2, latent = 128, ffn = 64;
+  at::manual_seed(23);
+  const MoePermutation perm = popular_and_empty_experts(m, n, k);
+  const at::Tensor rows = at::randn({m * k, latent}, cuda(at::kBFloat16));
+  const at::Tensor weights[3] = {at::randn({n, ffn, latent}, cuda()) * 0.2, at::randn({n, ffn, latent}, cuda()) * 0.2,
+                                 at::randn({n, latent, ffn}, cuda()) * 0.2};
+  const at::Tensor dy = at::randn({m * k, latent}, cuda());
+  const MoeExpertWeightCopies copies{weights[0].to(at::kBFloat16), weights[1].to(at::kBFloat16),
+                                     weights[2].to(at::kBFloat16)};
+  ASSERT_TRUE(moe_experts_fused_applies(rows, copies.gate_proj, copies.up_proj, copies.down_proj));
+  const std::vector<at::Tensor> bf16 = expert_outputs_and_grads(rows, copies.gate_proj, copies.up_proj,
+                                                                copies.down_proj, dy, perm, false, MoeGemm::kAuto);
+  const std::vector<at::Tensor> expected = expert_outputs_and_grads(rows, copies.gate_proj, copies.up_proj,
+                                                                    copies.down_proj, dy, perm, true, MoeGemm::kLoop);
+
+  const c10::AutoGradMode grad(true);
+  const at::Tensor r = rows.detach().requires_grad_(true);
+  const at::Tensor w[3] = {weights[0].detach().requires_grad_(true), weights[1].detach().requires_grad_(true),
+                           weights[2].detach().requires_grad_(true)};
+  const at::Tensor y = moe_experts_autograd(r, w[0], w[1], w[2], perm, 4.0, 25.0, MoeGemm::kAuto, copies);
+  (y.to(at::kDouble) * dy.to(at::kDouble)).sum().backward();
+  EXPECT_TRUE(at::equal(y.detach(), bf16[0])) << "y";
+  EXPECT_TRUE(at::equal(r.grad(), bf16[1])) << "d rows";
+  const bool sums = moe_experts_weight_grads_wgmma_supported(latent, ffn, n);
+  std::printf("  the weight-gradient kernel's fp32 sums: %s\n", sums ? "yes (sm_90)" : "no: bf16 gradients cast");
+  const char* names[3] = {"d gate_proj", "d up_proj", "d down_proj"};
+  for (int i = 0; i < 3; ++i) {
+    const at::Tensor g = w[i].grad();
+    ASSERT_TRUE(g.defined()) << names[i];
+    ASSERT_EQ(g.scalar_type(), at::kFloat) << names[i];
+    EXPECT_TRUE(at::equal(g.to(at::kBFloat16), bf16[2 + i])) << names[i] << ": rounded, not the bf16 weights' gradient";
+    if (sums) {
+      EXPECT_FALSE(at::equal(g, g.to(at::kBFloat16).to(at::kFloat))) << names[i] << ": bf16 values cast, not the sums";
+    }
+    expect_close(std::string("copies: ") + names[i], g, expected[2 + i], 3e-2);
+    EXPECT_EQ(max_abs(g.narrow(0, 13, 3)), 0.0) << names[i] << ": experts without rows";
+  }
+  // A copy that does not fit its weight is named.
+  try {
+    moe_experts_autograd(r, w[0], w[1], w[2], perm, 4.0, 25.0, MoeGemm::kAuto,
+                         {copies.gate_proj, copies.up_proj.to(at::kFloat), copies.down_proj});
+    ADD_FAILURE() << "an fp32 copy was taken";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("copies.up_proj"), std::string::npos) << e.what();
   }
 }
 
