@@ -26,7 +26,9 @@
 #include "kernels/kda_autograd.h"
 #include "kernels/moe_autograd.h"
 #include "kernels/moe_experts_sm90.h"
+#include "kernels/norm_autograd.h"
 #include "kernels/torch_bindings.h"
+#include "model/attn_res.h"
 #include "model/balancing.h"
 #include "model/kda.h"
 #include "model/moe.h"
@@ -491,6 +493,47 @@ void bench_conv(const KernelsBenchOptions& o, int64_t batch, int64_t length, int
 // B=2, T=16K, against its attention core alone (kda::chunked through autograd on inputs of the
 // same shapes, fp32) in the same run: the share of the layer's step that is the core, the rest
 // being the projections, the short convolutions, SiLU, the L2 norms, the gates and the output norm.
+// The block attention residuals' mix (model/attn_res.h) at a learner chunk's shape: `count`
+// fp32 sources of [tokens, 1024], forward + backward through autograd (every source's gradient
+// and dw), fused (kernels/attn_res.h: one kernel forward, two backward) against the LibTorch
+// reference's ~30 kernels, events around the whole call: at this size the reference's time is
+// mostly its launches, which is what the fused form removes from the learner's step.
+void bench_attn_res(const KernelsBenchOptions& o, int64_t tokens, int64_t count, double copy_gb_per_s) {
+  const int64_t width = 1024;
+  const at::AutoGradMode grad_mode(true);
+  const auto cuda = at::TensorOptions().device(at::kCUDA);
+  std::vector<at::Tensor> sources;
+  for (int64_t s = 0; s < count; ++s) sources.push_back(at::randn({tokens, width}, cuda).requires_grad_(true));
+  const at::Tensor w = (at::randn({width}, cuda) * 0.1).requires_grad_(true);
+  const at::Tensor dh = at::randn({tokens, width}, cuda);
+  auto clear = [&] {
+    for (at::Tensor& t : sources) t.mutable_grad() = at::Tensor();
+    w.mutable_grad() = at::Tensor();
+  };
+  const Timing fused = time_cuda(
+      [&] {
+        clear();
+        kernels::attn_res_mix_autograd(sources, w, 1e-6).backward(dh);
+      },
+      o.warmup, o.repeats);
+  const Timing reference = time_cuda(
+      [&] {
+        clear();
+        model::attn_res_mix_reference(sources, w, 1e-6).backward(dh);
+      },
+      o.warmup, o.repeats);
+  clear();
+  // Bytes the fused passes move: forward S rows in, h out; backward dh and 2 S rows in, S out.
+  const double row_bytes = static_cast<double>(tokens * width) * 4;
+  const double bytes = (count + 1 + 1 + 3 * count) * row_bytes;
+  std::printf("attn res mix %ld sources x [%ld, %ld] fp32, forward + backward: fused best %8.3f ms (%.0f%% of copy) "
+              "vs LibTorch autograd %8.3f ms -> %.1fx\n",
+              static_cast<long>(count), static_cast<long>(tokens), static_cast<long>(width), fused.best_ms,
+              100.0 * bytes / (fused.best_ms * 1e-3) / 1e9 / copy_gb_per_s, reference.best_ms,
+              reference.best_ms / fused.best_ms);
+  std::fflush(stdout);
+}
+
 void bench_layer(const KernelsBenchOptions& o, int64_t batch, int64_t length) {
   const at::AutoGradMode grad_mode(true);
   model::IncrementalAttentionOptions lo;
@@ -1420,6 +1463,8 @@ Result<KernelsBenchResult> run_kernels_bench(const KernelsBenchOptions& options)
     // layer's training step against its core alone.
     bench_gate(options, 2, 16384, 64, r.copy_gb_per_s, r);
     bench_conv(options, 2, 16384, 64, r.copy_gb_per_s);
+    bench_attn_res(options, 2048, 4, r.copy_gb_per_s);
+    bench_attn_res(options, 16384, 4, r.copy_gb_per_s);
     bench_layer(options, 2, 16384);
     // The same with two CTAs of 4 warps per head, 64 value columns each, instead of one CTA of
     // 16 specialized warps (KdaChunkedOptions::head_walk, on by default): what the whole-head

@@ -6,23 +6,19 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "kernels/warp_rows.cuh"
+
 namespace odyssey::kernels {
 namespace {
 
 constexpr int kWarps = 8;           // rows in flight per CTA
 constexpr int kMaxWidth = static_cast<int>(kRmsNormMaxWidth);  // 32 values a lane in registers
 constexpr int kBackwardCtas = 264;  // partial rows of dw (2 per SM on the H200), each a strided set of rows
+static_assert(kWarps * kMaxWidth * sizeof(float) <= 48 * 1024, "the backward's dw slices fit the default shared memory");
 
-__device__ __forceinline__ float load(const float* p, int64_t i) { return p[i]; }
-__device__ __forceinline__ float load(const __nv_bfloat16* p, int64_t i) { return __bfloat162float(p[i]); }
-__device__ __forceinline__ void store(float* p, int64_t i, float v) { p[i] = v; }
-__device__ __forceinline__ void store(__nv_bfloat16* p, int64_t i, float v) { p[i] = __float2bfloat16_rn(v); }
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
-  return v;
-}
+using warp_rows::load;
+using warp_rows::store;
+using warp_rows::warp_sum;
 
 // One warp per row; lane l takes columns l, l + 32, ... (coalesced), values in registers.
 template <typename T, typename W, int kPerLane>
@@ -82,45 +78,7 @@ __global__ void rms_backward_kernel(const T* __restrict__ x, const W* __restrict
       if (c < width) store(dx, base + c, r * (dxhat[i] - xhat[i] * mean));
     }
   }
-  if (partial == nullptr) return;
-#pragma unroll
-  for (int i = 0; i < kPerLane; ++i) {
-    const int c = lane + 32 * i;
-    if (c < width) dw_slices[warp * width + c] = dw_acc[i];
-  }
-  __syncthreads();
-  for (int c = threadIdx.x; c < width; c += blockDim.x) {
-    float sum = 0.0f;
-#pragma unroll
-    for (int s = 0; s < kWarps; ++s) sum += dw_slices[s * width + c];
-    partial[static_cast<int64_t>(blockIdx.x) * width + c] = sum;
-  }
-}
-
-// dw[c] = sum over the CTAs' partial rows, in CTA order.
-template <typename W>
-__global__ void rms_dw_kernel(const float* __restrict__ partial, int ctas, W* __restrict__ dw, int width) {
-  const int c = blockIdx.x * blockDim.x + threadIdx.x;
-  if (c >= width) return;
-  float sum = 0.0f;
-  for (int b = 0; b < ctas; ++b) sum += partial[static_cast<int64_t>(b) * width + c];
-  store(dw, c, sum);
-}
-
-// f(T{}, W{}, std::integral_constant<int, kPerLane>{}) for the call's types and width.
-template <typename F>
-cudaError_t dispatch(RmsDtype x_dtype, RmsDtype w_dtype, int64_t width, F&& f) {
-  auto with_w = [&](auto t) -> cudaError_t {
-    auto with_lanes = [&](auto wt) -> cudaError_t {
-      if (width <= 32) return f(t, wt, std::integral_constant<int, 1>{});
-      if (width <= 128) return f(t, wt, std::integral_constant<int, 4>{});
-      if (width <= 256) return f(t, wt, std::integral_constant<int, 8>{});
-      if (width <= 512) return f(t, wt, std::integral_constant<int, 16>{});
-      return f(t, wt, std::integral_constant<int, kMaxWidth / 32>{});
-    };
-    return w_dtype == RmsDtype::kBFloat16 ? with_lanes(__nv_bfloat16{}) : with_lanes(float{});
-  };
-  return x_dtype == RmsDtype::kBFloat16 ? with_w(__nv_bfloat16{}) : with_w(float{});
+  if (partial != nullptr) warp_rows::write_partial_row<kWarps>(dw_acc, dw_slices, partial, width);
 }
 
 int backward_ctas(int64_t rows) {
@@ -135,7 +93,7 @@ cudaError_t rms_norm_forward(RmsDtype x_dtype, const void* x, RmsDtype w_dtype, 
   if (rows < 0 || width < 1 || width > kMaxWidth || !(eps >= 0.0)) return cudaErrorInvalidValue;
   if (rows == 0) return cudaSuccess;
   const dim3 grid(static_cast<unsigned>((rows + kWarps - 1) / kWarps)), block(32 * kWarps);
-  return dispatch(x_dtype, w_dtype, width, [&](auto t, auto wt, auto lanes) {
+  return warp_rows::dispatch(x_dtype, w_dtype, width, [&](auto t, auto wt, auto lanes) {
     using T = decltype(t);
     using W = decltype(wt);
     rms_forward_kernel<T, W, lanes()><<<grid, block, 0, stream>>>(
@@ -163,18 +121,17 @@ cudaError_t rms_norm_backward(RmsDtype x_dtype, const void* x, RmsDtype w_dtype,
   const int ctas = backward_ctas(rows);
   float* partial = dw != nullptr ? static_cast<float*>(workspace) : nullptr;
   const size_t shared = dw != nullptr ? static_cast<size_t>(kWarps) * static_cast<size_t>(width) * sizeof(float) : 0;
-  return dispatch(x_dtype, w_dtype, width, [&](auto t, auto wt, auto lanes) {
+  return warp_rows::dispatch(x_dtype, w_dtype, width, [&](auto t, auto wt, auto lanes) {
     using T = decltype(t);
     using W = decltype(wt);
     const auto kernel = rms_backward_kernel<T, W, lanes()>;
-    cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             static_cast<int>(shared));
-    if (error != cudaSuccess) return error;
+    // At most 8 x 1024 fp32 (32 KB): within the 48 KB a launch may take without opting in.
+    cudaError_t error = cudaSuccess;
     kernel<<<ctas, 32 * kWarps, shared, stream>>>(static_cast<const T*>(x), static_cast<const W*>(w), inv_rms,
                                                  static_cast<const T*>(dy), static_cast<T*>(dx), partial, rows,
                                                  static_cast<int>(width));
     if ((error = cudaGetLastError()) != cudaSuccess || dw == nullptr) return error;
-    rms_dw_kernel<W><<<static_cast<unsigned>((width + 255) / 256), 256, 0, stream>>>(
+    warp_rows::sum_partial_rows_kernel<W><<<static_cast<unsigned>((width + 255) / 256), 256, 0, stream>>>(
         partial, ctas, static_cast<W*>(dw), static_cast<int>(width));
     return cudaGetLastError();
   });

@@ -7,6 +7,7 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include "kernels/attn_res.h"
 #include "kernels/kda.h"
 #include "kernels/kda_conv.h"
 #include "kernels/kda_gate.h"
@@ -663,6 +664,110 @@ RmsNormBackward rms_norm_backward(const at::Tensor& x, const at::Tensor& weight,
                                  want_dw ? out.dw.data_ptr() : nullptr,
                                  workspace.defined() ? workspace.data_ptr() : nullptr, rows, width,
                                  current_stream(xc)),
+               where);
+  return out;
+}
+
+bool attn_res_mix_supported(const std::vector<at::Tensor>& sources, const at::Tensor& w) {
+  if (sources.size() < 2 || sources.size() > static_cast<size_t>(kAttnResMaxSources) || !w.defined()) return false;
+  const at::Tensor& first = sources.front();
+  if (!first.defined() || !first.is_cuda() || first.dim() < 1 || !is_kernel_dtype(first.scalar_type()) ||
+      first.size(-1) < 1 || first.size(-1) > kAttnResMaxWidth || w.dim() != 1 || w.size(0) != first.size(-1) ||
+      w.device() != first.device() || !is_kernel_dtype(w.scalar_type())) {
+    return false;
+  }
+  for (const at::Tensor& source : sources) {
+    if (!source.defined() || source.device() != first.device() || source.scalar_type() != first.scalar_type() ||
+        source.sizes() != first.sizes()) {
+      return false;
+    }
+  }
+  return true;
+}
+
+namespace {
+
+// The sources made contiguous (kept alive in `dense`) and their data pointers.
+std::vector<const void*> contiguous_pointers(const std::vector<at::Tensor>& sources, std::vector<at::Tensor>& dense) {
+  std::vector<const void*> pointers;
+  for (const at::Tensor& source : sources) {
+    dense.push_back(source.contiguous());
+    pointers.push_back(dense.back().data_ptr());
+  }
+  return pointers;
+}
+
+void check_attn_res(const char* where, const std::vector<at::Tensor>& sources, const at::Tensor& w) {
+  TORCH_CHECK(attn_res_mix_supported(sources, w), where, ": needs 2 to ", kAttnResMaxSources,
+              " CUDA bf16 / fp32 sources of one shape [..., width <= ", kAttnResMaxWidth,
+              "] and dtype, and w [width] bf16 / fp32 on their device; got ", sources.size(), " sources",
+              sources.empty() || !sources.front().defined()
+                  ? std::string()
+                  : c10::str(" like ", sources.front().sizes(), " ", sources.front().scalar_type(), " on ",
+                             sources.front().device()),
+              " and w ", w.defined() ? c10::str(w.sizes(), " ", w.scalar_type()) : std::string("none"));
+}
+
+}  // namespace
+
+AttnResMixForward attn_res_mix_forward(const std::vector<at::Tensor>& sources, const at::Tensor& w, double eps) {
+  constexpr const char* where = "kernels::attn_res_mix_forward";
+  check_attn_res(where, sources, w);
+  const at::Tensor& first = sources.front();
+  const c10::cuda::CUDAGuard guard(first.device());
+  std::vector<at::Tensor> dense;
+  const std::vector<const void*> pointers = contiguous_pointers(sources, dense);
+  const at::Tensor wc = w.contiguous();
+  const int64_t width = first.size(-1), rows = first.numel() / width, count = static_cast<int64_t>(sources.size());
+  const at::TensorOptions fp32 = first.options().dtype(at::kFloat);
+  AttnResMixForward out{at::empty(first.sizes(), first.options()), at::empty({rows, count}, fp32),
+                        at::empty({rows, count}, fp32)};
+  check_launch(attn_res_mix_forward(rms_dtype(first.scalar_type()), pointers.data(), static_cast<int>(count),
+                                    rms_dtype(w.scalar_type()), wc.data_ptr(), eps, out.h.data_ptr(),
+                                    out.weights.data_ptr<float>(), out.inv_rms.data_ptr<float>(), rows, width,
+                                    current_stream(dense.front())),
+               where);
+  return out;
+}
+
+AttnResMixBackward attn_res_mix_backward(const std::vector<at::Tensor>& sources, const at::Tensor& w,
+                                         const at::Tensor& weights, const at::Tensor& inv_rms,
+                                         const at::Tensor& dh, bool want_dw) {
+  constexpr const char* where = "kernels::attn_res_mix_backward";
+  check_attn_res(where, sources, w);
+  const at::Tensor& first = sources.front();
+  const int64_t width = first.size(-1), rows = first.numel() / width, count = static_cast<int64_t>(sources.size());
+  TORCH_CHECK(dh.defined() && dh.sizes() == first.sizes(), where, ": dh must be ", first.sizes(), ", got ",
+              dh.defined() ? dh.sizes() : at::IntArrayRef{});
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"weights", &weights}, {"inv_rms", &inv_rms}}) {
+    TORCH_CHECK(t->defined() && t->scalar_type() == at::kFloat && t->dim() == 2 && t->size(0) == rows &&
+                    t->size(1) == count && t->device() == first.device(),
+                where, ": ", name, " must be fp32 [", rows, ", ", count, "] on ", first.device(), ", got ",
+                t->defined() ? c10::str(t->sizes(), " ", t->scalar_type()) : std::string("none"));
+  }
+  const c10::cuda::CUDAGuard guard(first.device());
+  std::vector<at::Tensor> dense;
+  const std::vector<const void*> pointers = contiguous_pointers(sources, dense);
+  const at::Tensor wc = w.contiguous(), ac = weights.contiguous(), rc = inv_rms.contiguous();
+  const at::Tensor g = dh.to(first.scalar_type()).contiguous();
+  AttnResMixBackward out;
+  std::vector<void*> d_pointers;
+  for (int64_t s = 0; s < count; ++s) {
+    out.d_sources.push_back(at::empty(first.sizes(), first.options()));
+    d_pointers.push_back(out.d_sources.back().data_ptr());
+  }
+  if (want_dw) out.dw = at::empty_like(wc);
+  at::Tensor workspace;
+  if (want_dw && rows > 0) {
+    workspace = at::empty({static_cast<int64_t>(attn_res_mix_backward_workspace_bytes(rows, width))},
+                          first.options().dtype(at::kByte));
+  }
+  check_launch(attn_res_mix_backward(rms_dtype(first.scalar_type()), pointers.data(), static_cast<int>(count),
+                                     rms_dtype(w.scalar_type()), wc.data_ptr(), ac.data_ptr<float>(),
+                                     rc.data_ptr<float>(), g.data_ptr(), d_pointers.data(),
+                                     want_dw ? out.dw.data_ptr() : nullptr,
+                                     workspace.defined() ? workspace.data_ptr() : nullptr, rows, width,
+                                     current_stream(g)),
                where);
   return out;
 }

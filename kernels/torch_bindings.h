@@ -163,6 +163,29 @@ struct RmsNormBackward {
 RmsNormBackward rms_norm_backward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& inv_rms,
                                   const at::Tensor& dy, bool want_dw);
 
+// ---- Attention-residual mix (kernels/attn_res.h) -------------------------------------------------
+
+// Whether the fused mix can run: 2 to 32 sources, CUDA bf16 / fp32 tensors of one shape
+// [..., width] and dtype with 1 <= width <= 1024, w [width] bf16 / fp32 on their device.
+bool attn_res_mix_supported(const std::vector<at::Tensor>& sources, const at::Tensor& w);
+
+struct AttnResMixForward {
+  at::Tensor h;        // the sources' shape and dtype
+  at::Tensor weights;  // fp32 [rows, S]: softmax_s of the logits
+  at::Tensor inv_rms;  // fp32 [rows, S]: 1 / sqrt(mean(x_s^2) + eps)
+};
+// model::attn_res_mix on the GPU (nothing recorded for autograd; kernels/norm_autograd.h records it).
+AttnResMixForward attn_res_mix_forward(const std::vector<at::Tensor>& sources, const at::Tensor& w, double eps);
+
+struct AttnResMixBackward {
+  std::vector<at::Tensor> d_sources;  // each the sources' shape and dtype
+  at::Tensor dw;                      // w's shape and dtype, or undefined when not wanted
+};
+// Its backward from dh (converted to the sources' dtype) and the forward's weights and inv_rms.
+AttnResMixBackward attn_res_mix_backward(const std::vector<at::Tensor>& sources, const at::Tensor& w,
+                                         const at::Tensor& weights, const at::Tensor& inv_rms,
+                                         const at::Tensor& dh, bool want_dw);
+
 // ---- MoE (kernels/moe.h) -------------------------------------------------------------------------
 
 // Whether moe_router_topk can run: scores a CUDA fp32 [m, n] tensor with n <= 1024 and

@@ -5,6 +5,10 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#ifdef ODYSSEY_WITH_CUDA_KERNELS
+#include "kernels/norm_autograd.h"
+#endif
+
 namespace odyssey::model {
 
 namespace {
@@ -43,6 +47,13 @@ at::Tensor attn_res_weights(const std::vector<at::Tensor>& sources, const at::Te
 }
 
 at::Tensor attn_res_mix(const std::vector<at::Tensor>& sources, const at::Tensor& w, double eps) {
+#ifdef ODYSSEY_WITH_CUDA_KERNELS
+  if (kernels::attn_res_mix_supported(sources, w)) return kernels::attn_res_mix_autograd(sources, w, eps);
+#endif
+  return attn_res_mix_reference(sources, w, eps);
+}
+
+at::Tensor attn_res_mix_reference(const std::vector<at::Tensor>& sources, const at::Tensor& w, double eps) {
   if (sources.size() == 1) {
     check_sources(sources, w);
     return sources.front();
