@@ -11,8 +11,9 @@
 //            - kda::chunked: q, k, v and beta (o and the state come back in fp32): the kernels'
 //              bf16 paths (the whole-head walk, the backward's pass 3 by 32-token blocks);
 //            - the MoE layer's routed experts: their rows and the three expert weights (the fused
-//              wgmma kernels; fp32 has only a loop over the experts), the weights' copies kept
-//              until the weights change (Bf16Shadow, below). The router stays fp32;
+//              wgmma kernels), the weights' copies kept until the weights change (Bf16Shadow,
+//              below); the weights' gradients come back as the weight-gradient kernel's fp32
+//              sums, not rounded to bf16 (kernels::MoeExpertWeightCopies). The router stays fp32;
 //            - blockwise_attention (MLA): q, k, v where LibTorch's fused attention applies to
 //              them in bf16 (model/attention.h); the output back in fp32.
 //
