@@ -124,14 +124,15 @@ class MoeExpertsFunction : public torch::autograd::Function<MoeExpertsFunction> 
   // gradients come back in the weights' dtype (fp32).
   static variable_list forward(AutogradContext* ctx, const at::Tensor& rows,
                                const at::Tensor& weight_gate, const at::Tensor& weight_up,
-                               const at::Tensor& weight_down, const at::Tensor& gate_copy,
-                               const at::Tensor& up_copy, const at::Tensor& down_copy,
-                               const MoePermutation& permutation, double beta1, double beta2,
-                               bool grouped, bool fused, bool cublas) {
-    const bool copies = gate_copy.defined();
-    const at::Tensor& gate_proj = copies ? gate_copy : weight_gate;
-    const at::Tensor& up_proj = copies ? up_copy : weight_up;
-    const at::Tensor& down_proj = copies ? down_copy : weight_down;
+                               const at::Tensor& weight_down, const c10::optional<at::Tensor>& gate_copy,
+                               const c10::optional<at::Tensor>& up_copy,
+                               const c10::optional<at::Tensor>& down_copy, const MoePermutation& permutation,
+                               double beta1, double beta2, bool grouped, bool fused, bool cublas) {
+    // (Optional, so that autograd does not take absent copies for inputs.)
+    const bool copies = gate_copy.has_value() && gate_copy->defined();
+    const at::Tensor& gate_proj = copies ? *gate_copy : weight_gate;
+    const at::Tensor& up_proj = copies ? *up_copy : weight_up;
+    const at::Tensor& down_proj = copies ? *down_copy : weight_down;
     ctx->saved_data["weight_dtype"] = static_cast<int64_t>(weight_gate.scalar_type());
     // With `fused` the forward is one kernel, and so are the backward's dX (moe_experts_dx) and
     // its weight gradients (moe_experts_weight_grads); dH is a grouped GEMM or a loop.
@@ -799,9 +800,10 @@ at::Tensor moe_experts_autograd(const at::Tensor& rows, const at::Tensor& gate_p
   const ExpertProducts products =
       with_copies ? expert_products(rows, copies.gate_proj, copies.up_proj, copies.down_proj, permutation, gemm)
                   : expert_products(rows, gate_proj, up_proj, down_proj, permutation, gemm);
-  return MoeExpertsFunction::apply(rows, gate_proj, up_proj, down_proj, copies.gate_proj, copies.up_proj,
-                                   copies.down_proj, permutation, beta1, beta2, products.grouped, products.fused,
-                                   products.cublas)[0];
+  auto optional = [](const at::Tensor& t) { return t.defined() ? c10::optional<at::Tensor>(t) : c10::nullopt; };
+  return MoeExpertsFunction::apply(rows, gate_proj, up_proj, down_proj, optional(copies.gate_proj),
+                                   optional(copies.up_proj), optional(copies.down_proj), permutation, beta1, beta2,
+                                   products.grouped, products.fused, products.cublas)[0];
 }
 
 }  // namespace odyssey::kernels
