@@ -498,7 +498,7 @@ void bench_conv(const KernelsBenchOptions& o, int64_t batch, int64_t length, int
 // and dw), fused (kernels/attn_res.h: one kernel forward, two backward) against the LibTorch
 // reference's ~30 kernels, events around the whole call: at this size the reference's time is
 // mostly its launches, which is what the fused form removes from the learner's step.
-void bench_attn_res(const KernelsBenchOptions& o, int64_t tokens, int64_t count, double copy_gb_per_s) {
+double bench_attn_res(const KernelsBenchOptions& o, int64_t tokens, int64_t count, double copy_gb_per_s) {
   const int64_t width = 1024;
   const at::AutoGradMode grad_mode(true);
   const auto cuda = at::TensorOptions().device(at::kCUDA);
@@ -532,6 +532,7 @@ void bench_attn_res(const KernelsBenchOptions& o, int64_t tokens, int64_t count,
               100.0 * bytes / (fused.best_ms * 1e-3) / 1e9 / copy_gb_per_s, reference.best_ms,
               reference.best_ms / fused.best_ms);
   std::fflush(stdout);
+  return reference.best_ms / fused.best_ms;
 }
 
 void bench_layer(const KernelsBenchOptions& o, int64_t batch, int64_t length) {
@@ -1444,9 +1445,10 @@ Result<KernelsBenchResult> run_kernels_bench(const KernelsBenchOptions& options)
   }
   const bool kda = options.suite == "kda" || options.suite == "all";
   const bool moe = options.suite == "moe" || options.suite == "all";
-  if (!kda && !moe) {
-    return make_status(StatusCode::kInvalidArgument, "bench kernels: --suite must be kda, moe or all, got '{}'",
-                       options.suite);
+  const bool attn_res_only = options.suite == "attn_res";
+  if (!kda && !moe && !attn_res_only) {
+    return make_status(StatusCode::kInvalidArgument,
+                       "bench kernels: --suite must be kda, moe, attn_res or all, got '{}'", options.suite);
   }
   try {
     const c10::NoGradGuard no_grad;
@@ -1457,6 +1459,14 @@ Result<KernelsBenchResult> run_kernels_bench(const KernelsBenchOptions& options)
     KernelsBenchResult r;
     // moe first: with `all`, kda's `kda_forward_ms` stays the very last line.
     if (moe) bench_moe(options, r);
+    if (attn_res_only) {
+      r.copy_gb_per_s = measure_copy_gb_per_s(options);
+      const double speedup = bench_attn_res(options, 2048, 4, r.copy_gb_per_s);
+      bench_attn_res(options, 16384, 4, r.copy_gb_per_s);
+      std::printf("attn_res_mix_speedup: %.2f\n", speedup);
+      std::fflush(stdout);
+      return r;
+    }
     if (!kda) return r;
     r.copy_gb_per_s = measure_copy_gb_per_s(options);
     // The layer around the attention core: its decay gate and short convolutions fused, and one

@@ -46,7 +46,11 @@
 //               against one dense at::mm of the same shape and FLOPs, and the router's fp32
 //               matmul against the same product in bf16. A part that fails prints why and the
 //               bench goes on.
-// Suites (--suite): kda, moe or all (default). Each suite ends with `name: value` lines: kda
+//   attn res mix (suite kda, or attn_res alone) the block attention residuals' mix, 4 fp32 sources
+//               of [tokens, 1024] at 2048 tokens (a learner chunk) and 16K: forward + backward
+//               through autograd, fused (kernels/attn_res.h) against model::attn_res_mix_reference
+//               in the same run; ends with `attn_res_mix_speedup: X` (the 2048-token ratio).
+// Suites (--suite): kda, moe, attn_res or all (default). Each suite ends with `name: value` lines: kda
 // with `kda_backward_ms: Y (Rx the forward)` then `kda_forward_ms: X` (the kernel's best time at
 // B=2, T=16K, H=64); moe with `moe_forward_ms`, `moe_train_ms` and `moe_vs_dense: X` (the
 // forward + backward TFLOP/s over the dense matmul's). With all, moe runs first, so
@@ -66,7 +70,7 @@ struct KernelsBenchOptions {
   int repeats = 20;           // kernel timings: best and median of this many
   int reference_repeats = 3;  // LibTorch reference timings (slow): best of this many
   bool reference = true;      // time the references (the ratio column)
-  std::string suite = "all";  // kda, moe or all
+  std::string suite = "all";  // kda, moe, attn_res or all
   int64_t moe_tokens = 8192;  // tokens of the MoE layer rows
 };
 

@@ -75,7 +75,7 @@ void add_bench_commands(CLI::App& app, Action& action) {
       "kernels", "CUDA kernels vs their LibTorch references: chunked KDA forward (B=2 T=16K H=64, B=1 T=64K H=4), "
                  "backward and decode (batch 256), ms, TFLOP/s, fraction of the memory floor; the MoE layer at the "
                  "small config's expert shapes (8K tokens, bf16) vs a dense matmul of the same FLOPs (GPU build only)");
-  kernels->add_option("--suite", kernels_options.suite, "kda, moe or all")
+  kernels->add_option("--suite", kernels_options.suite, "kda, moe, attn_res or all")
       ->check(CLI::IsMember({"kda", "moe", "all"}))
       ->capture_default_str();
   kernels->add_option("--moe-tokens", kernels_options.moe_tokens, "tokens of the MoE layer rows")
