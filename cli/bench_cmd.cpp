@@ -76,7 +76,7 @@ void add_bench_commands(CLI::App& app, Action& action) {
                  "backward and decode (batch 256), ms, TFLOP/s, fraction of the memory floor; the MoE layer at the "
                  "small config's expert shapes (8K tokens, bf16) vs a dense matmul of the same FLOPs (GPU build only)");
   kernels->add_option("--suite", kernels_options.suite, "kda, moe, attn_res or all")
-      ->check(CLI::IsMember({"kda", "moe", "all"}))
+      ->check(CLI::IsMember({"kda", "moe", "attn_res", "all"}))
       ->capture_default_str();
   kernels->add_option("--moe-tokens", kernels_options.moe_tokens, "tokens of the MoE layer rows")
       ->capture_default_str();
