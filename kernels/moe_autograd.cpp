@@ -119,8 +119,8 @@ class SituGluFunction : public torch::autograd::Function<SituGluFunction> {
 
 class MoeExpertsFunction : public torch::autograd::Function<MoeExpertsFunction> {
  public:
-  // gate_proj, up_proj, down_proj: the weights the gradients are for. gate_copy, up_copy,
-  // down_copy: their bf16 copies, or undefined. Given, the products run on them and the weights'
+  // weight_gate, weight_up, weight_down: the weights the gradients are for. gate_copy, up_copy,
+  // down_copy: their bf16 copies, or nullopt. Given, the products run on them and the weights'
   // gradients come back in the weights' dtype (fp32).
   static variable_list forward(AutogradContext* ctx, const at::Tensor& rows,
                                const at::Tensor& weight_gate, const at::Tensor& weight_up,
@@ -128,7 +128,7 @@ class MoeExpertsFunction : public torch::autograd::Function<MoeExpertsFunction> 
                                const c10::optional<at::Tensor>& up_copy,
                                const c10::optional<at::Tensor>& down_copy, const MoePermutation& permutation,
                                double beta1, double beta2, bool grouped, bool fused, bool cublas) {
-    // (Optional, so that autograd does not take absent copies for inputs.)
+    // (Optional, not undefined tensors: autograd takes every at::Tensor argument for an input.)
     const bool copies = gate_copy.has_value() && gate_copy->defined();
     const at::Tensor& gate_proj = copies ? *gate_copy : weight_gate;
     const at::Tensor& up_proj = copies ? *up_copy : weight_up;
