@@ -265,22 +265,41 @@ int cpu_attention_threads() {
   return n;
 }
 
+// LibTorch's fused attention: scaled_dot_product_attention from 2.1 (flash / memory-efficient, the
+// causal mask aligned top-left); the memory-efficient kernel itself, whose mask can be aligned
+// bottom-right (a chunk continuing a cache), from 2.4 (its signature since then; 2.11 is the one the
+// GPU build is tested with). LibTorch records both for autograd.
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1)
+#define ODYSSEY_FUSED_ATTENTION 1
+#endif
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+#define ODYSSEY_BOTTOM_RIGHT_CAUSAL_ATTENTION 1
+#endif
+
+#ifdef ODYSSEY_FUSED_ATTENTION
 namespace {
-// Everything fused_attention_applies asks but the dtypes.
+// Everything fused_attention_applies asks but the dtypes. Row i sees keys 0 ... causal_offset + i,
+// so with causal_offset + Tq <= Tk the keys after causal_offset + Tq - 1 are never seen and the
+// rest is causal attention aligned to the last kept key: plain causal when causal_offset is 0, a
+// chunk continuing a cache (bottom-right) otherwise.
 bool fused_attention_shapes_apply(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   int64_t causal_offset) {
   const int64_t tq = q.size(2), tk = k.size(2);
-  const bool plain_causal = causal_offset == 0 && tq == tk;
   const bool sees_all = causal_offset >= tk - 1;
-  return q.is_cuda() && q.size(1) == k.size(1) && std::max(q.size(3), v.size(3)) <= 256 && (plain_causal || sees_all);
+  const bool causal_prefix = causal_offset >= 0 && tq >= 1 && causal_offset + tq <= tk;
+#ifdef ODYSSEY_BOTTOM_RIGHT_CAUSAL_ATTENTION
+  const bool mask_applies = sees_all || causal_prefix;
+#else
+  const bool mask_applies = sees_all || (causal_prefix && causal_offset == 0);
+#endif
+  return q.is_cuda() && q.size(1) == k.size(1) && std::max(q.size(3), v.size(3)) <= 256 && mask_applies;
 }
 }  // namespace
 #endif
 
 bool fused_attention_applies(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              int64_t causal_offset) {
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1)
+#ifdef ODYSSEY_FUSED_ATTENTION
   const bool half = q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf;
   return half && k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type() &&
          fused_attention_shapes_apply(q, k, v, causal_offset);
@@ -292,20 +311,53 @@ bool fused_attention_applies(const at::Tensor& q, const at::Tensor& k, const at:
 
 namespace {
 
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1)
-// LibTorch's fused attention (flash / memory-efficient kernels). Both want one head width for
-// q, k and v: zero columns appended to the narrower side change no dot product (q, k) and only
-// add output columns that are sliced off again (v).
+#ifdef ODYSSEY_FUSED_ATTENTION
+// Zero columns appended up to a multiple of 8 (the kernels' 16-byte alignment) change no dot
+// product (q, k) and only add output columns that are sliced off again (v).
+at::Tensor widen_to(const at::Tensor& t, int64_t width) {
+  return t.size(3) == width ? t : at::constant_pad_nd(t, {0, width - t.size(3)});
+}
+
+#ifdef ODYSSEY_BOTTOM_RIGHT_CAUSAL_ATTENTION
+// The memory-efficient kernel (LibTorch's cutlass kernel) on [B, H, T, D] operands: mask 0 none,
+// 1 causal from the top-left, 2 causal from the bottom-right. q, k and v may differ in width.
+at::Tensor efficient_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               double scale, int64_t mask) {
+  const int64_t d = (q.size(3) + 7) / 8 * 8, dv = (v.size(3) + 7) / 8 * 8;
+  const bool keep_lse = at::GradMode::is_enabled() &&
+                        (q.requires_grad() || k.requires_grad() || v.requires_grad());
+  const auto result = at::_efficient_attention_forward(
+      widen_to(q, d).transpose(1, 2), widen_to(k, d).transpose(1, 2), widen_to(v, dv).transpose(1, 2),
+      /*bias=*/c10::nullopt, /*cu_seqlens_q=*/c10::nullopt, /*cu_seqlens_k=*/c10::nullopt,
+      /*max_seqlen_q=*/c10::nullopt, /*max_seqlen_k=*/c10::nullopt, /*dropout_p=*/0.0, mask,
+      /*compute_log_sumexp=*/keep_lse, scale);
+  const at::Tensor o = std::get<0>(result).transpose(1, 2);  // [B, T, H, dv] -> [B, H, T, dv]
+  return o.size(3) == v.size(3) ? o : o.narrow(3, 0, v.size(3));
+}
+#endif
+
+// LibTorch's fused attention for what fused_attention_shapes_apply accepts. Self-attention and
+// rows that see every key go through scaled_dot_product_attention (flash where it applies, which
+// wants one head width for q, k and v); a chunk continuing a cache, and fp32 operands (`high`),
+// through the memory-efficient kernel with the matching mask.
 at::Tensor fused_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
                            int64_t causal_offset, bool keep_compute_dtype) {
-  const int64_t d = q.size(3), dv = v.size(3);
-  const int64_t width = (std::max(d, dv) + 7) / 8 * 8;
-  auto widen = [width](const at::Tensor& t) {
-    return t.size(3) == width ? t : at::constant_pad_nd(t, {0, width - t.size(3)});
-  };
-  const bool is_causal = causal_offset == 0 && q.size(2) == k.size(2) && q.size(2) > 1;
-  at::Tensor o = at::scaled_dot_product_attention(widen(q), widen(k), widen(v), /*attn_mask=*/{},
-                                                  /*dropout_p=*/0.0, is_causal, scale);
+  const int64_t tq = q.size(2), tk = k.size(2), dv = v.size(3);
+  const bool sees_all = causal_offset >= tk - 1;
+  // Keys after the last row's position are never seen.
+  const at::Tensor kk = sees_all ? k : k.narrow(2, 0, causal_offset + tq);
+  const at::Tensor vv = sees_all ? v : v.narrow(2, 0, causal_offset + tq);
+  at::Tensor o;
+#ifdef ODYSSEY_BOTTOM_RIGHT_CAUSAL_ATTENTION
+  if (q.scalar_type() == at::kFloat || (!sees_all && causal_offset > 0)) {
+    o = efficient_attention(q, kk, vv, scale, sees_all ? 0 : (causal_offset == 0 ? 1 : 2));
+    return keep_compute_dtype ? o.to(at::kFloat) : o;
+  }
+#endif
+  const int64_t width = (std::max(q.size(3), dv) + 7) / 8 * 8;
+  const bool is_causal = !sees_all && tq > 1;  // plain causal over the first Tq keys
+  o = at::scaled_dot_product_attention(widen_to(q, width), widen_to(kk, width), widen_to(vv, width),
+                                       /*attn_mask=*/{}, /*dropout_p=*/0.0, is_causal, scale);
   if (dv != width) o = o.narrow(3, 0, dv);
   return keep_compute_dtype ? o.to(at::kFloat) : o;
 }
@@ -318,19 +370,28 @@ at::Tensor blockwise_attention(const at::Tensor& q, const at::Tensor& k, const a
                                bool keep_compute_dtype, bool allow_fused) {
   check_shapes(q, k, v);
   TORCH_CHECK(block >= 1, "blockwise_attention: block must be >= 1, got ", block);
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1)
+#ifdef ODYSSEY_FUSED_ATTENTION
   if (allow_fused && fused_attention_applies(q, k, v, causal_offset)) {
     return fused_attention(q, k, v, scale, causal_offset, keep_compute_dtype);
   }
-  if (allow_fused && q.is_cuda() && q.scalar_type() == at::kFloat &&
-      k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat &&
-      float32_matmul_precision() == Float32MatmulPrecision::kMedium &&
+  const bool fp32 = q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
+                    v.scalar_type() == at::kFloat;
+  if (allow_fused && q.is_cuda() && fp32 && float32_matmul_precision() == Float32MatmulPrecision::kMedium &&
       fused_attention_shapes_apply(q, k, v, causal_offset)) {
     // model/precision.h: fp32 at medium takes the fused kernel on bf16 copies (the casts recorded,
     // so the gradients reach the fp32 inputs); its output comes back in fp32, q's dtype.
     return fused_attention(q.to(at::kBFloat16), k.to(at::kBFloat16), v.to(at::kBFloat16), scale, causal_offset,
                            /*keep_compute_dtype=*/true);
   }
+#ifdef ODYSSEY_BOTTOM_RIGHT_CAUSAL_ATTENTION
+  if (allow_fused && q.is_cuda() && fp32 && fused_attention_shapes_apply(q, k, v, causal_offset)) {
+    // model/precision.h: fp32 at high and highest takes the memory-efficient kernel on the fp32
+    // operands. Its fp32 products are 3xTF32 on tensor cores (each operand a TF32 value plus a TF32
+    // remainder, three products), within ~1e-6 of the fp32 blockwise path: what LibTorch's own
+    // scaled_dot_product_attention runs for fp32 at every matmul precision.
+    return fused_attention(q, k, v, scale, causal_offset, keep_compute_dtype);
+  }
+#endif
 #endif
   // `block` is the CPU's tile (rows of queries, and keys per step: about block² scores, which
   // stay in cache). CUDA tensors use tiles of at least kCudaAttentionBlock: with 256-wide tiles

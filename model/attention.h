@@ -32,16 +32,23 @@
 // so training memory is also O(T) rather than O(T²). It is differentiable once (no double
 // backward). naive_attention is plain autograd.
 //
-// On the GPU (LibTorch >= 2.1, CUDA tensors in bf16/fp16, as many key/value heads as query heads,
-// head widths <= 256, and either plain self-attention or a query block that sees every key,
-// e.g. one decode token): LibTorch's fused scaled_dot_product_attention (flash or
-// memory-efficient kernel, O(T) memory too) runs instead, unless allow_fused is false; its
-// statistics are fp32 inside the kernel and its output is rounded to q's dtype before the
-// keep_compute_dtype cast. fused_attention_applies() says whether a call takes that path. fp32
-// CUDA tensors take it too, on bf16 copies with the output back in fp32, where the process's
-// float32 matmul precision is medium (model/precision.h, learner.float32_matmul_precision).
-// Chunks that continue a cache (0 < causal_offset < Tk - 1) always take the blockwise path: the
-// fused kernels' causal mask is aligned to the top-left, not to the cache's end.
+// On the GPU (CUDA tensors in bf16/fp16, as many key/value heads as query heads, head widths <=
+// 256) LibTorch's fused kernels run instead, unless allow_fused is false: O(T) memory too, their
+// statistics fp32 inside the kernel, the output rounded to q's dtype before the keep_compute_dtype
+// cast. They take every causal_offset >= 0 with causal_offset + Tq <= Tk (keys after the last row's
+// position are never read), and any causal_offset >= Tk - 1 (rows that see every key, e.g. one
+// decode token):
+//   - plain self-attention and rows that see every key: scaled_dot_product_attention (flash or
+//     memory-efficient; LibTorch >= 2.1);
+//   - a chunk continuing a cache (0 < causal_offset): the memory-efficient kernel with its causal
+//     mask aligned to the bottom-right (`_efficient_attention_forward`, LibTorch >= 2.4).
+// fused_attention_applies() says whether a call takes that path; a negative causal_offset, or
+// causal_offset + Tq > Tk below Tk - 1, stays blockwise. fp32 CUDA tensors take the same kernels
+// (LibTorch >= 2.4) by the process's float32 matmul precision (model/precision.h,
+// learner.float32_matmul_precision): at medium on bf16 copies with the output back in fp32; at high
+// and highest the memory-efficient kernel on the fp32 operands, whose products are 3xTF32 (within
+// ~1e-6 of the fp32 blockwise path). LibTorch's fused backwards may add dq's parts in an order that
+// differs between calls.
 //
 // Errors: shape mismatches throw c10::Error (programming errors, not outside input).
 #pragma once

@@ -2,7 +2,11 @@
 // torch.set_float32_matmul_precision, extended to the KDA core.
 //
 //   highest  every fp32 matmul in fp32 (cuBLAS without TF32); the KDA kernels take fp32 q, k, v,
-//            beta (their tensor-core products still round operands to bf16: kernels/kda.h)
+//            beta (their tensor-core products still round operands to bf16: kernels/kda.h);
+//            blockwise_attention (MLA) runs LibTorch's memory-efficient kernel on the fp32 operands,
+//            whose products are 3xTF32 (a TF32 value plus a TF32 remainder an operand, three
+//            products): within ~1e-6 of fp32, what PyTorch's scaled_dot_product_attention gives fp32
+//            at every precision (model/attention.h)
 //   high     cuBLAS may use TF32 for fp32 matmuls (10-bit mantissas, fp32 accumulation): the
 //            layers' projections on tensor cores
 //   medium   high, and the layers' CUDA kernels that are fast in bf16 only run on bf16 copies of
@@ -15,7 +19,8 @@
 //              below); the weights' gradients come back as the weight-gradient kernel's fp32
 //              sums, not rounded to bf16 (kernels::MoeExpertWeightCopies). The router stays fp32;
 //            - blockwise_attention (MLA): q, k, v where LibTorch's fused attention applies to
-//              them in bf16 (model/attention.h); the output back in fp32.
+//              them in bf16 (model/attention.h: self-attention, decode rows and chunks continuing
+//              a cache); the output back in fp32.
 //
 // The learner sets it from learner.float32_matmul_precision when it starts (default highest).
 // It acts on CUDA only: CPU matmuls and the reference paths are unchanged at every setting.

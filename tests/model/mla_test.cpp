@@ -202,6 +202,55 @@ TEST(Mla, ForwardChunkGradientsForItsOwnTokensMatchTheParallelForward) {
   EXPECT_GT(grad_full.narrow(1, 0, past).abs().max().item<double>(), 0.0);
 }
 
+// On the GPU a bf16 layer's chunk that continues the cache (the learner's chunked recompute, an
+// actor's long prefill) takes LibTorch's memory-efficient kernel with its causal mask aligned to the
+// cache's end (model/attention.h). Chunk by chunk it must match the parallel forward, and the
+// gradients for a chunk's own tokens those of the parallel forward, to bf16 accuracy; the small
+// config's attention widths (96-wide keys, 64-wide values).
+TEST(Mla, GpuChunksContinuingTheCacheTakeTheFusedKernelAndMatchTheParallelForward) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  GatedMlaOptions o;
+  o.hidden = 256;
+  o.heads = 4;
+  o.q_latent = 96;
+  o.kv_latent = 64;
+  o.head_dim = 64;
+  o.shared_dim = 32;
+  o.v_dim = 64;
+  torch::manual_seed(21);
+  GatedMla layer(o);
+  layer->to(at::kCUDA, at::kBFloat16);
+  const auto opts = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
+  const int64_t T = 700, past = 300;
+  const at::Tensor x = at::randn({2, T, o.hidden}, opts);
+  {
+    const at::Tensor q = at::randn({2, o.heads, T - past, o.head_dim + o.shared_dim}, opts);
+    const at::Tensor k = at::randn({2, o.heads, T, o.head_dim + o.shared_dim}, opts);
+    const at::Tensor v = at::randn({2, o.heads, T, o.v_dim}, opts);
+    ASSERT_TRUE(fused_attention_applies(q, k, v, past)) << "the chunk continuing the cache is fused";
+  }
+  const at::Tensor weight = at::randn({2, T - past, o.hidden}, opts);
+  const at::Tensor x_full = x.clone().requires_grad_(true);
+  const at::Tensor full = layer->forward(x_full);
+  const at::Tensor grad_full =
+      torch::autograd::grad({(full.narrow(1, past, T - past) * weight).sum()}, {x_full})[0];
+
+  MlaCache cache = layer->initial_cache(2);
+  const at::Tensor first = layer->forward_chunk(x.narrow(1, 0, past), cache);  // autograd on: rebuilt keys
+  const at::Tensor x_chunk = x.narrow(1, past, T - past).clone().requires_grad_(true);
+  const at::Tensor second = layer->forward_chunk(x_chunk, cache);
+  const at::Tensor grad_chunk = torch::autograd::grad({(second * weight).sum()}, {x_chunk})[0];
+
+  const double scale = full.abs().max().item<double>();
+  const double fwd = max_abs_diff(at::cat({first, second}, 1), full) / scale;
+  const double bwd = max_abs_diff(grad_chunk, grad_full.narrow(1, past, T - past)) /
+                     grad_full.abs().max().item<double>();
+  report("GPU bf16 chunks 300 + 400 vs forward, relative", fwd);
+  report("GPU bf16 d loss / d chunk tokens vs forward, relative", bwd);
+  EXPECT_LT(fwd, 2e-2);
+  EXPECT_LT(bwd, 3e-2);
+}
+
 TEST(Mla, ForwardIsDifferentiableInEveryParameter) {
   GatedMla layer = fp64_layer(11);
   layer->forward(random_x(2, 6, 12)).pow(2).sum().backward();
