@@ -1426,9 +1426,48 @@ void bench_moe(const KernelsBenchOptions& o, KernelsBenchResult& r) {
       };
       const Timing cublas = experts_step(kernels::MoeGemm::kCublas);
       const Timing loop = experts_step(kernels::MoeGemm::kLoop);
-      std::printf("moe experts fp32 at highest, forward + backward: cuBLAS grouped GEMMs %8.3f ms, one at::mm an "
+      std::printf("moe experts fp32 at highest, forward + backward: grouped GEMMs (kernels/grouped_gemm.h, kAuto) %8.3f ms, one at::mm an "
                   "expert %8.3f ms (%.1fx)\n",
                   cublas.best_ms, loop.best_ms, loop.best_ms / cublas.best_ms);
+
+      // The fp32 grouped GEMMs alone, on the routed experts' shapes at a learner chunk's tokens and at
+      // the bench's: our CUDA-core kernels (kSimt, what kAuto takes for fp32) against cuBLAS's grouped
+      // GEMM (kCublas, the baseline), the same operands in the same run. Six products: the forward's
+      // gate, up and down, and the three weight gradients (dX's products are the forward's kind).
+      for (const int64_t chunk_tokens : {std::min<int64_t>(2048, tokens), tokens}) {
+        const at::Tensor chunk_scores = scores.narrow(0, 0, chunk_tokens);
+        const kernels::MoePermutation chunk_perm = kernels::moe_permutation(
+            kernels::moe_router_topk(chunk_scores, fp32->router->bias, mo.top_k).ids, mo.num_experts);
+        const at::Tensor counts_host = chunk_perm.tokens_per_expert.to(at::kCPU).contiguous();
+        const std::vector<int64_t> counts(counts_host.data_ptr<int64_t>(),
+                                          counts_host.data_ptr<int64_t>() + counts_host.numel());
+        const int64_t R = chunk_tokens * mo.top_k;
+        const at::Tensor xr = rows32.narrow(0, 0, R), hr = at::randn({R, mo.expert_ffn}, xr.options());
+        const at::Tensor dg = at::randn({R, mo.expert_ffn}, xr.options()), dyr = dy_rows.narrow(0, 0, R);
+        const at::Tensor& gate_w = fp32->experts->gate_proj;  // [E, F, L]
+        const at::Tensor& down_w = fp32->experts->down_proj;  // [E, L, F]
+        auto products = [&](kernels::GroupedGemmBackend backend) {
+          return time_cuda(
+              [&] {
+                kernels::grouped_rows_times(xr, gate_w.transpose(1, 2), counts, backend);
+                kernels::grouped_rows_times(xr, fp32->experts->up_proj.transpose(1, 2), counts, backend);
+                kernels::grouped_rows_times(hr, down_w.transpose(1, 2), counts, backend);
+                kernels::grouped_weight_grad(dg, xr, counts, backend);
+                kernels::grouped_weight_grad(dg, xr, counts, backend);
+                kernels::grouped_weight_grad(dyr, hr, counts, backend);
+              },
+              o.warmup, o.repeats);
+        };
+        const Timing simt = products(kernels::GroupedGemmBackend::kSimt);
+        const Timing cublas_gemms = products(kernels::GroupedGemmBackend::kCublas);
+        const double tflop = 12.0 * static_cast<double>(R) * static_cast<double>(mo.latent) *
+                             static_cast<double>(mo.expert_ffn) / 1e12;
+        std::printf("moe experts fp32 grouped GEMMs, %ld tokens (%.0f rows an expert), 6 products: CUDA-core kernels "
+                    "%8.3f ms (%.1f TFLOP/s), cuBLAS grouped GEMM %8.3f ms (%.1f TFLOP/s): %.2fx\n",
+                    static_cast<long>(chunk_tokens), static_cast<double>(R) / static_cast<double>(mo.num_experts),
+                    simt.best_ms, tflop / (simt.best_ms * 1e-3), cublas_gemms.best_ms,
+                    tflop / (cublas_gemms.best_ms * 1e-3), cublas_gemms.best_ms / simt.best_ms);
+      }
     }
   }
   bench_moe_breakdown(o, *layer, x, dy, grouped, r);

@@ -1,10 +1,13 @@
 #include "kernels/grouped_gemm.h"
 
 #include <climits>
+#include <cstring>
 
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cublas_v2.h>
+
+#include "kernels/grouped_sgemm.h"
 
 // cublasGemmGroupedBatchedEx exists from cuBLAS 12.5 on.
 #if defined(CUBLAS_VERSION) && CUBLAS_VERSION >= 120500
@@ -81,11 +84,25 @@ void run_grouped(const std::vector<Problem>& problems, at::ScalarType dtype, con
 }
 #endif
 
-void check_operands(const at::Tensor& a, const at::Tensor& b, const std::vector<int64_t>& counts, const char* where) {
-  TORCH_CHECK(cublas_grouped_gemm_applies(a, b), where,
-              ": needs CUDA tensors of one device and one dtype (fp32 or bf16) and cuBLAS >= 12.5 (compiled in: ",
-              cublas_grouped_gemm_compiled(), "); got ", a.device(), " ", a.scalar_type(), " and ", b.device(), " ",
-              b.scalar_type());
+// Whether the call takes our CUDA-core kernels (kSimt) or cuBLAS (kCublas), after checking the
+// operands for that backend.
+bool check_operands(const at::Tensor& a, const at::Tensor& b, const std::vector<int64_t>& counts,
+                    GroupedGemmBackend backend, const char* where) {
+  const bool fp32 = a.defined() && b.defined() && a.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat;
+  TORCH_CHECK(backend != GroupedGemmBackend::kSimt || fp32, where,
+              ": the CUDA-core grouped GEMMs (kSimt) take fp32 operands only; got ",
+              a.defined() ? c10::str(a.scalar_type()) : std::string("none"), " and ",
+              b.defined() ? c10::str(b.scalar_type()) : std::string("none"));
+  const bool simt = backend == GroupedGemmBackend::kSimt || (backend == GroupedGemmBackend::kAuto && fp32);
+  if (simt) {
+    TORCH_CHECK(a.is_cuda() && b.device() == a.device(), where, ": needs CUDA tensors of one device; got ",
+                a.device(), " and ", b.device());
+  } else {
+    TORCH_CHECK(cublas_grouped_gemm_applies(a, b), where,
+                ": needs CUDA tensors of one device and one dtype (fp32 or bf16) and cuBLAS >= 12.5 (compiled in: ",
+                cublas_grouped_gemm_compiled(), "); got ", a.device(), " ", a.scalar_type(), " and ", b.device(), " ",
+                b.scalar_type());
+  }
   TORCH_CHECK(a.dim() == 2, where, ": the rows must be [R, K], got ", a.sizes());
   int64_t total = 0;
   for (size_t e = 0; e < counts.size(); ++e) {
@@ -93,6 +110,24 @@ void check_operands(const at::Tensor& a, const at::Tensor& b, const std::vector<
     total += counts[e];
   }
   TORCH_CHECK(total == a.size(0), where, ": the counts sum to ", total, ", the rows are ", a.size(0));
+  if (simt) {
+    TORCH_CHECK(total <= INT_MAX && static_cast<int64_t>(counts.size()) < INT_MAX, where, ": ", total, " rows of ",
+                counts.size(), " experts do not fit the CUDA-core kernels' 32-bit row indices");
+  }
+  return simt;
+}
+
+// int32 values on `device`, through a pinned buffer copied asynchronously on the current stream
+// (LibTorch's pinned allocator keeps the buffer until the copy has run).
+at::Tensor to_device_async(const std::vector<int32_t>& values, const at::Device& device) {
+  at::Tensor host = at::empty({static_cast<int64_t>(values.size())}, at::TensorOptions().dtype(at::kInt).pinned_memory(true));
+  if (!values.empty()) std::memcpy(host.data_ptr<int32_t>(), values.data(), values.size() * sizeof(int32_t));
+  return host.to(at::TensorOptions().device(device), /*non_blocking=*/true);
+}
+
+void check_launch(cudaError_t error, const char* where) {
+  TORCH_CHECK(error == cudaSuccess, where, ": CUDA error ", cudaGetErrorName(error), " (", cudaGetErrorString(error),
+              ")");
 }
 
 }  // namespace
@@ -106,9 +141,10 @@ bool cublas_grouped_gemm_applies(const at::Tensor& a, const at::Tensor& b) {
   return a.scalar_type() == at::kFloat || a.scalar_type() == at::kBFloat16;
 }
 
-at::Tensor grouped_rows_times(const at::Tensor& x_in, const at::Tensor& w_in, const std::vector<int64_t>& counts) {
+at::Tensor grouped_rows_times(const at::Tensor& x_in, const at::Tensor& w_in, const std::vector<int64_t>& counts,
+                              GroupedGemmBackend backend) {
   constexpr const char* where = "kernels::grouped_rows_times";
-  check_operands(x_in, w_in, counts, where);
+  const bool simt = check_operands(x_in, w_in, counts, backend, where);
   TORCH_CHECK(w_in.dim() == 3 && w_in.size(0) == static_cast<int64_t>(counts.size()) && w_in.size(1) == x_in.size(1),
               where, ": w must be [E = ", counts.size(), ", K = ", x_in.size(1), ", N], got ", w_in.sizes());
   const c10::cuda::CUDAGuard guard(x_in.device());
@@ -123,6 +159,26 @@ at::Tensor grouped_rows_times(const at::Tensor& x_in, const at::Tensor& w_in, co
   const bool rows_n = w.stride(2) == 1 && w.stride(1) >= N;
   const bool rows_k = !rows_n && w.stride(1) == 1 && w.stride(2) >= K;
   if (!rows_n && !rows_k) w = w.contiguous();
+  if (simt) {
+    // Tiles of at most 64 rows of one expert's block: (expert, first row, rows) triples.
+    std::vector<int32_t> tiles;
+    int64_t start = 0;
+    for (size_t e = 0; e < counts.size(); ++e) {
+      for (int64_t r = 0; r < counts[e]; r += 64) {
+        tiles.push_back(static_cast<int32_t>(e));
+        tiles.push_back(static_cast<int32_t>(start + r));
+        tiles.push_back(static_cast<int32_t>(std::min<int64_t>(64, counts[e] - r)));
+      }
+      start += counts[e];
+    }
+    const at::Tensor on_device = to_device_async(tiles, x.device());
+    check_launch(grouped_sgemm_rows_times(x.data_ptr<float>(), w.data_ptr<float>(), w.stride(0), w.stride(1),
+                                          w.stride(2), reinterpret_cast<const GroupedSgemmRowTile*>(on_device.data_ptr<int32_t>()),
+                                          static_cast<int64_t>(tiles.size() / 3), out.data_ptr<float>(), K, N,
+                                          at::cuda::getCurrentCUDAStream(x.device().index()).stream()),
+                 where);
+    return out;
+  }
 #if ODYSSEY_HAVE_CUBLAS_GROUPED
   // Row-major out_e [m_e, N] = x_e [m_e, K] w_e [K, N] is column-major out_e^T = w_e^T x_e^T.
   const int64_t esize = x.element_size();
@@ -147,15 +203,29 @@ at::Tensor grouped_rows_times(const at::Tensor& x_in, const at::Tensor& w_in, co
   return out;
 }
 
-at::Tensor grouped_weight_grad(const at::Tensor& a_in, const at::Tensor& b_in, const std::vector<int64_t>& counts) {
+at::Tensor grouped_weight_grad(const at::Tensor& a_in, const at::Tensor& b_in, const std::vector<int64_t>& counts,
+                               GroupedGemmBackend backend) {
   constexpr const char* where = "kernels::grouped_weight_grad";
-  check_operands(a_in, b_in, counts, where);
+  const bool simt = check_operands(a_in, b_in, counts, backend, where);
   TORCH_CHECK(b_in.dim() == 2 && b_in.size(0) == a_in.size(0), where, ": b must be [R = ", a_in.size(0),
               ", N], got ", b_in.sizes());
   const c10::cuda::CUDAGuard guard(a_in.device());
   const at::Tensor a = a_in.contiguous(), b = b_in.contiguous();
-  const int64_t M = a.size(1), N = b.size(1);
-  at::Tensor out = at::zeros({static_cast<int64_t>(counts.size()), M, N}, a.options());
+  const int64_t M = a.size(1), N = b.size(1), experts = static_cast<int64_t>(counts.size());
+  if (simt && M > 0 && N > 0) {
+    // Each expert's rows [starts[e], starts[e + 1]); the kernel writes every output, zeros for
+    // experts without rows.
+    std::vector<int32_t> starts(counts.size() + 1, 0);
+    for (size_t e = 0; e < counts.size(); ++e) starts[e + 1] = static_cast<int32_t>(starts[e] + counts[e]);
+    at::Tensor out = at::empty({experts, M, N}, a.options());
+    const at::Tensor on_device = to_device_async(starts, a.device());
+    check_launch(grouped_sgemm_weight_grad(a.data_ptr<float>(), b.data_ptr<float>(), on_device.data_ptr<int32_t>(),
+                                           experts, out.data_ptr<float>(), M, N,
+                                           at::cuda::getCurrentCUDAStream(a.device().index()).stream()),
+                 where);
+    return out;
+  }
+  at::Tensor out = at::zeros({experts, M, N}, a.options());
   if (M == 0 || N == 0) return out;
 #if ODYSSEY_HAVE_CUBLAS_GROUPED
   // Row-major out_e [M, N] = a_e^T b_e is column-major out_e^T [N, M] = b_e^T a_e, where b_e's

@@ -744,51 +744,81 @@ TEST_F(MoeKernel, ExpertGemmsMatchTheLoopAndTheFp64Reference) {
   }
 }
 
-TEST_F(MoeKernel, CublasGroupedGemmsMatchTheLoopOfMatmuls) {
-  // kernels/grouped_gemm.h: every expert's block of rows times its weight in one cuBLAS launch,
-  // against a loop of at::mm on the same operands. Blocks: empty at the start, in the middle and
-  // at the end, one expert with most of the rows; weights given as [E, K, N] and as the transposed
-  // view of [E, N, K] (both layouts the experts' GEMMs pass); fp32 and bf16.
+TEST_F(MoeKernel, GroupedGemmsMatchTheLoopOfMatmulsAndFp64) {
+  // kernels/grouped_gemm.h: every expert's block of rows times its weight in one launch, against a
+  // loop of at::mm on the same operands and an fp64 loop. Blocks: empty at the start, in the middle
+  // and at the end, one expert with most of the rows (several 64-row tiles), sizes that are not
+  // multiples of the tiles; weights given as [E, K, N] and as the transposed view of [E, N, K] (both
+  // layouts the experts' GEMMs pass). fp32 through our CUDA-core kernels (kSimt, what kAuto takes)
+  // and cuBLAS's grouped GEMM, bf16 through cuBLAS; widths with and without 16-byte rows.
   if (!cublas_grouped_gemm_compiled()) GTEST_SKIP() << "built against cuBLAS < 12.5";
-  const std::vector<int64_t> counts = {0, 5, 301, 0, 1, 17, 64, 0, 3, 0};
-  const int64_t experts = static_cast<int64_t>(counts.size()), K = 96, N = 40;
+  const std::vector<int64_t> counts = {0, 5, 301, 0, 1, 17, 64, 0, 3, 0, 65, 128};
+  const int64_t experts = static_cast<int64_t>(counts.size());
   int64_t rows_total = 0;
   for (int64_t c : counts) rows_total += c;
   at::manual_seed(77);
-  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
-    const std::string tag = dtype == at::kFloat ? " fp32" : " bf16";
-    const at::Tensor x = at::randn({rows_total, K}, cuda(dtype));
-    const at::Tensor w_kn = at::randn({experts, K, N}, cuda(dtype));
-    const at::Tensor w_nk = at::randn({experts, N, K}, cuda(dtype));
-    const at::Tensor dy = at::randn({rows_total, N}, cuda(dtype));
-    auto loop_rows_times = [&](const at::Tensor& a, const at::Tensor& w) {
-      at::Tensor out = at::empty({a.size(0), w.size(2)}, a.options());
+  struct Form {
+    at::ScalarType dtype;
+    GroupedGemmBackend backend;
+    const char* name;
+  };
+  for (const auto& [K, N] : std::vector<std::pair<int64_t, int64_t>>{{96, 40}, {384, 192}, {37, 130}}) {
+    for (const Form& form : {Form{at::kFloat, GroupedGemmBackend::kSimt, "fp32 kSimt"},
+                             Form{at::kFloat, GroupedGemmBackend::kCublas, "fp32 kCublas"},
+                             Form{at::kBFloat16, GroupedGemmBackend::kAuto, "bf16 kAuto (cuBLAS)"}}) {
+      const std::string tag = " " + std::string(form.name) + " K=" + std::to_string(K) + " N=" + std::to_string(N);
+      const at::Tensor x = at::randn({rows_total, K}, cuda(form.dtype));
+      const at::Tensor w_kn = at::randn({experts, K, N}, cuda(form.dtype));
+      const at::Tensor w_nk = at::randn({experts, N, K}, cuda(form.dtype));
+      const at::Tensor dy = at::randn({rows_total, N}, cuda(form.dtype));
+      auto loop_rows_times = [&](const at::Tensor& a, const at::Tensor& w) {
+        at::Tensor out = at::empty({a.size(0), w.size(2)}, a.options());
+        int64_t start = 0;
+        for (int64_t e = 0; e < experts; ++e) {
+          if (counts[static_cast<size_t>(e)] == 0) continue;
+          out.narrow(0, start, counts[static_cast<size_t>(e)])
+              .copy_(at::mm(a.narrow(0, start, counts[static_cast<size_t>(e)]), w[e]));
+          start += counts[static_cast<size_t>(e)];
+        }
+        return out;
+      };
+      const bool fp32 = form.dtype == at::kFloat;
+      const double tolerance = fp32 ? 1e-5 : 1e-2;
+      const at::Tensor got_kn = grouped_rows_times(x, w_kn, counts, form.backend);
+      const at::Tensor got_nk = grouped_rows_times(x, w_nk.transpose(1, 2), counts, form.backend);
+      expect_close("rows times [E, K, N]" + tag, got_kn, loop_rows_times(x, w_kn), tolerance);
+      expect_close("rows times the transposed [E, N, K]" + tag, got_nk, loop_rows_times(x, w_nk.transpose(1, 2)),
+                   tolerance);
+      if (fp32) {
+        // An fp32 GEMM's accuracy: against the fp64 products, within fp32 rounding of K-term sums.
+        expect_close("rows times [E, K, N] vs fp64" + tag, got_kn,
+                     loop_rows_times(x.to(at::kDouble), w_kn.to(at::kDouble)), 2e-6);
+      }
+      // The weight gradient: a_e^T b_e, exact zeros for the empty blocks (kSimt writes every
+      // output itself, in memory it did not clear).
+      const at::Tensor grad = grouped_weight_grad(dy, x, counts, form.backend);
+      ASSERT_EQ(grad.sizes(), (std::vector<int64_t>{experts, N, K}));
       int64_t start = 0;
       for (int64_t e = 0; e < experts; ++e) {
-        if (counts[static_cast<size_t>(e)] == 0) continue;
-        out.narrow(0, start, counts[static_cast<size_t>(e)])
-            .copy_(at::mm(a.narrow(0, start, counts[static_cast<size_t>(e)]), w[e]));
-        start += counts[static_cast<size_t>(e)];
+        const int64_t c = counts[static_cast<size_t>(e)];
+        if (c == 0) {
+          EXPECT_EQ(max_abs(grad[e]), 0.0) << "empty expert " << e << tag;
+          EXPECT_FALSE(at::isnan(grad[e]).any().item<bool>()) << "empty expert " << e << tag;
+          continue;
+        }
+        const at::Tensor a = dy.narrow(0, start, c), b = x.narrow(0, start, c);
+        expect_close("weight grad of expert " + std::to_string(e) + tag, grad[e], at::mm(a.t(), b), tolerance);
+        if (fp32) {
+          expect_close("weight grad of expert " + std::to_string(e) + " vs fp64" + tag, grad[e],
+                       at::mm(a.t().to(at::kDouble), b.to(at::kDouble)), 2e-6);
+        }
+        start += c;
       }
-      return out;
-    };
-    const double tolerance = dtype == at::kFloat ? 1e-5 : 1e-2;
-    expect_close("rows times [E, K, N]" + tag, grouped_rows_times(x, w_kn, counts), loop_rows_times(x, w_kn), tolerance);
-    expect_close("rows times the transposed [E, N, K]" + tag, grouped_rows_times(x, w_nk.transpose(1, 2), counts),
-                 loop_rows_times(x, w_nk.transpose(1, 2)), tolerance);
-    // The weight gradient: a_e^T b_e, zero for the empty blocks.
-    const at::Tensor grad = grouped_weight_grad(dy, x, counts);
-    ASSERT_EQ(grad.sizes(), (std::vector<int64_t>{experts, N, K}));
-    int64_t start = 0;
-    for (int64_t e = 0; e < experts; ++e) {
-      const int64_t c = counts[static_cast<size_t>(e)];
-      if (c == 0) {
-        EXPECT_EQ(max_abs(grad[e]), 0.0) << "empty expert " << e << tag;
-        continue;
+      if (form.backend == GroupedGemmBackend::kSimt) {
+        // One FMA chain an output, in a fixed order: the same bits every run, and kAuto is kSimt.
+        EXPECT_TRUE(at::equal(got_kn, grouped_rows_times(x, w_kn, counts))) << tag;
+        EXPECT_TRUE(at::equal(grad, grouped_weight_grad(dy, x, counts))) << tag;
       }
-      expect_close("weight grad of expert " + std::to_string(e) + tag, grad[e],
-                   at::mm(dy.narrow(0, start, c).t(), x.narrow(0, start, c)), tolerance);
-      start += c;
     }
   }
   // Bad input names the call and what is wrong.
@@ -799,6 +829,17 @@ TEST_F(MoeKernel, CublasGroupedGemmsMatchTheLoopOfMatmuls) {
   } catch (const c10::Error& e) {
     EXPECT_NE(std::string(e.what()).find("the counts sum to 11, the rows are 10"), std::string::npos) << e.what();
   }
+  try {
+    const at::Tensor xb = x.to(at::kBFloat16);
+    grouped_weight_grad(xb, xb, {4, 6}, GroupedGemmBackend::kSimt);
+    ADD_FAILURE() << "bf16 operands were accepted by kSimt";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("take fp32 operands only; got BFloat16"), std::string::npos) << e.what();
+  }
+  // No rows at all: zeros from the weight gradient, an empty product.
+  const at::Tensor none = at::empty({0, 8}, cuda());
+  EXPECT_EQ(max_abs(grouped_weight_grad(none, none, {0, 0, 0})), 0.0);
+  EXPECT_EQ(grouped_rows_times(none, at::randn({3, 8, 4}, cuda()), {0, 0, 0}).numel(), 0);
   EXPECT_FALSE(cublas_grouped_gemm_applies(x, x.to(at::kBFloat16)));
   EXPECT_FALSE(cublas_grouped_gemm_applies(x.cpu(), x.cpu()));
 }
