@@ -42,13 +42,13 @@
 //     memory-efficient; LibTorch >= 2.1);
 //   - a chunk continuing a cache (0 < causal_offset): the memory-efficient kernel with its causal
 //     mask aligned to the bottom-right (`_efficient_attention_forward`, LibTorch >= 2.4).
-// fused_attention_applies() says whether a call takes that path; a negative causal_offset, or
-// causal_offset + Tq > Tk below Tk - 1, stays blockwise. fp32 CUDA tensors take the same kernels
-// (LibTorch >= 2.4) by the process's float32 matmul precision (model/precision.h,
+// fused_attention_applies() says whether a bf16/fp16 call takes that path; a negative
+// causal_offset, or causal_offset + Tq > Tk below Tk - 1, stays blockwise. fp32 CUDA tensors take
+// the same kernels by the process's float32 matmul precision (model/precision.h,
 // learner.float32_matmul_precision): at medium on bf16 copies with the output back in fp32; at high
-// and highest the memory-efficient kernel on the fp32 operands, whose products are 3xTF32 (within
-// ~1e-6 of the fp32 blockwise path). LibTorch's fused backwards may add dq's parts in an order that
-// differs between calls.
+// and highest (LibTorch >= 2.4) the memory-efficient kernel on the fp32 operands, whose products
+// are 3xTF32 (within ~1e-6 of the fp32 blockwise path). LibTorch's fused backwards may add dq's
+// parts in an order that differs between calls.
 //
 // Errors: shape mismatches throw c10::Error (programming errors, not outside input).
 #pragma once
