@@ -42,7 +42,7 @@ tail -40 "$OUT/bench_kernels.log"
 # "What the 0.7 goal needs").
 for tokens in 8192 32768 65536; do
   step "bench_moe_$tokens" 120 "$BUILD/cli/odyssey" bench kernels --suite moe --no-reference --moe-tokens "$tokens"
-  grep -E "^moe layer|^moe_" "$OUT/bench_moe_$tokens.log"
+  grep -E "^moe layer|^moe experts|^moe_" "$OUT/bench_moe_$tokens.log"
 done
 
 # The learner's step on the small model (2.31B parameters) at each float32 matmul precision
