@@ -35,8 +35,9 @@ namespace odyssey::kernels {
 // Which GEMMs MoeExpertsFunction uses. kFused: the forward as one kernel (moe_experts_forward,
 // kernels/moe.h: both GEMMs and SiTU-GLU per tile of rows), the backward's dX and its weight
 // gradients as one kernel each (moe_experts_dx, moe_experts_weight_grads); the backward's dH
-// grouped where that applies, else the loop. kCublas: every product one cuBLAS grouped GEMM
-// (kernels/grouped_gemm.h: one launch a product, fp32 or bf16, cuBLAS >= 12.5). kLoop: one at::mm
+// grouped where that applies, else the loop. kCublas: every product one grouped GEMM over the
+// counts on the host (kernels/grouped_gemm.h: one launch a product; fp32 on our CUDA-core kernels,
+// bf16 on cuBLAS's grouped GEMM; built against cuBLAS >= 12.5). kLoop: one at::mm
 // an expert. kAuto takes kFused where it applies, else at::_grouped_mm where that applies (see
 // above), else kCublas where that applies (the fp32 path), else the loop; the fused path's dH
 // takes the same order.
@@ -142,14 +143,14 @@ at::Tensor moe_experts_autograd(const at::Tensor& rows, const at::Tensor& gate_p
 
 // The groups of rows the expert GEMMs multiply: expert e owns rows [ends[e] - counts[e], ends[e]).
 struct MoeExpertGroups {
-  bool grouped = false;       // at::_grouped_mm; else cuBLAS's grouped GEMM or a loop of at::mm_out over host-side counts
-  bool cublas = false;        // (not grouped) one cuBLAS grouped GEMM a product (kernels/grouped_gemm.h)
+  bool grouped = false;       // at::_grouped_mm; else kernels/grouped_gemm.h or a loop of at::mm_out over host-side counts
+  bool cublas = false;        // (not grouped) one kernels/grouped_gemm.h launch a product (fp32: CUDA cores; bf16: cuBLAS)
   at::Tensor counts;          // int64 [E], device
   at::Tensor ends;            // int32 [E], device: inclusive prefix sums of counts (grouped only)
   std::vector<int64_t> host;  // counts on the host (not grouped)
 };
 // grouped: at::_grouped_mm (the caller checked moe_grouped_mm_applies), no host synchronisation;
-// otherwise copies counts to the host (one synchronisation), for cuBLAS's grouped GEMM where
+// otherwise copies counts to the host (one synchronisation), for kernels/grouped_gemm.h where
 // `cublas` (the caller checked cublas_grouped_gemm_applies), else for a loop of at::mm.
 MoeExpertGroups moe_expert_groups(const at::Tensor& counts, const at::Tensor& ends, bool grouped,
                                   bool cublas = false);
