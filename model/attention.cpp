@@ -338,8 +338,8 @@ at::Tensor efficient_attention(const at::Tensor& q, const at::Tensor& k, const a
 
 // LibTorch's fused attention for what fused_attention_shapes_apply accepts. Self-attention and
 // rows that see every key go through scaled_dot_product_attention (flash where it applies, which
-// wants one head width for q, k and v); a chunk continuing a cache, and fp32 operands (`high`),
-// through the memory-efficient kernel with the matching mask.
+// wants one head width for q, k and v); a chunk continuing a cache, and fp32 operands (`high`,
+// `highest`), through the memory-efficient kernel with the matching mask.
 at::Tensor fused_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
                            int64_t causal_offset, bool keep_compute_dtype) {
   const int64_t tq = q.size(2), tk = k.size(2), dv = v.size(3);
