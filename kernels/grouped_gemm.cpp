@@ -2,12 +2,14 @@
 
 #include <climits>
 #include <cstring>
+#include <type_traits>
 
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cublas_v2.h>
 
 #include "kernels/grouped_sgemm.h"
+#include "kernels/torch_bindings.h"
 
 // cublasGemmGroupedBatchedEx exists from cuBLAS 12.5 on.
 #if defined(CUBLAS_VERSION) && CUBLAS_VERSION >= 120500
@@ -18,6 +20,17 @@
 
 namespace odyssey::kernels {
 namespace {
+
+// Values on `device` (int32 or int64), through a pinned buffer copied asynchronously on the current
+// stream (LibTorch's pinned allocator keeps the buffer until the copy has run).
+template <typename T>
+at::Tensor to_device_async(const std::vector<T>& values, const at::Device& device) {
+  static_assert(std::is_same_v<T, int32_t> || std::is_same_v<T, int64_t>);
+  const at::ScalarType dtype = std::is_same_v<T, int32_t> ? at::kInt : at::kLong;
+  at::Tensor host = at::empty({static_cast<int64_t>(values.size())}, at::TensorOptions().dtype(dtype).pinned_memory(true));
+  if (!values.empty()) std::memcpy(host.data_ptr<T>(), values.data(), values.size() * sizeof(T));
+  return host.to(at::TensorOptions().device(device), /*non_blocking=*/true);
+}
 
 #if ODYSSEY_HAVE_CUBLAS_GROUPED
 // One problem of a grouped call, in cuBLAS's column-major terms: C [m, n] = op(A) op(B).
@@ -55,9 +68,8 @@ void run_grouped(const std::vector<Problem>& problems, at::ScalarType dtype, con
   std::vector<cublasOperation_t> transa(n), transb(n);
   std::vector<int> m(n), nn(n), k(n), lda(n), ldb(n), ldc(n), group_size(n, 1);
   std::vector<float> alpha(n, 1.0f), beta(n, 0.0f);
-  // The pointer arrays live on the device: one pinned buffer of 3n pointers, copied on the stream.
-  at::Tensor host = at::empty({static_cast<int64_t>(3 * n)}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
-  int64_t* pointers = host.data_ptr<int64_t>();
+  // The pointer arrays live on the device: 3n pointers, copied on the stream.
+  std::vector<int64_t> pointers(3 * n);
   for (size_t i = 0; i < n; ++i) {
     const Problem& p = problems[i];
     transa[i] = p.transa, transb[i] = p.transb;
@@ -66,7 +78,7 @@ void run_grouped(const std::vector<Problem>& problems, at::ScalarType dtype, con
     pointers[n + i] = reinterpret_cast<int64_t>(p.b);
     pointers[2 * n + i] = reinterpret_cast<int64_t>(p.c);
   }
-  const at::Tensor on_device = host.to(at::TensorOptions().device(device), /*non_blocking=*/true);
+  const at::Tensor on_device = to_device_async(pointers, device);
   const auto* base = reinterpret_cast<void* const*>(on_device.data_ptr<int64_t>());
   const cudaDataType_t type = dtype == at::kBFloat16 ? CUDA_R_16BF : CUDA_R_32F;
   // fp32 in fp32 at every float32 matmul precision. With CUBLAS_COMPUTE_32F_FAST_TF32 where `high`
@@ -115,19 +127,6 @@ bool check_operands(const at::Tensor& a, const at::Tensor& b, const std::vector<
                 counts.size(), " experts do not fit the CUDA-core kernels' 32-bit row indices");
   }
   return simt;
-}
-
-// int32 values on `device`, through a pinned buffer copied asynchronously on the current stream
-// (LibTorch's pinned allocator keeps the buffer until the copy has run).
-at::Tensor to_device_async(const std::vector<int32_t>& values, const at::Device& device) {
-  at::Tensor host = at::empty({static_cast<int64_t>(values.size())}, at::TensorOptions().dtype(at::kInt).pinned_memory(true));
-  if (!values.empty()) std::memcpy(host.data_ptr<int32_t>(), values.data(), values.size() * sizeof(int32_t));
-  return host.to(at::TensorOptions().device(device), /*non_blocking=*/true);
-}
-
-void check_launch(cudaError_t error, const char* where) {
-  TORCH_CHECK(error == cudaSuccess, where, ": CUDA error ", cudaGetErrorName(error), " (", cudaGetErrorString(error),
-              ")");
 }
 
 }  // namespace

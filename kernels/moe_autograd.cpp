@@ -434,8 +434,7 @@ MoeExpertsFused moe_experts_fused_forward(const at::Tensor& rows, const at::Tens
       want_gate_up ? out.up.data_ptr() : nullptr, x.size(0), experts, latent, ffn,
       static_cast<float>(beta1), static_cast<float>(beta2),
       at::cuda::getCurrentCUDAStream(x.device().index()).stream(), kernel);
-  TORCH_CHECK(error == cudaSuccess, where, ": CUDA error ", cudaGetErrorName(error), " (",
-              cudaGetErrorString(error), ")");
+  check_launch(error, where);
   return out;
 }
 
@@ -490,8 +489,7 @@ at::Tensor moe_experts_dx(const at::Tensor& d_gate, const at::Tensor& d_up,
   const cudaError_t error = moe_experts_dx(dg.data_ptr(), du.data_ptr(), wg.data_ptr(), wu.data_ptr(),
                                            ends.data_ptr<int32_t>(), dx.data_ptr(), total, experts, latent,
                                            ffn, at::cuda::getCurrentCUDAStream(device.index()).stream(), kernel);
-  TORCH_CHECK(error == cudaSuccess, where, ": CUDA error ", cudaGetErrorName(error), " (",
-              cudaGetErrorString(error), ")");
+  check_launch(error, where);
   return dx;
 }
 
@@ -575,8 +573,7 @@ MoeExpertWeightGrads moe_experts_weight_grads(const at::Tensor& rows, const at::
       pointer(out.d_gate_proj, want_gate_up), pointer(out.d_up_proj, want_gate_up),
       pointer(out.d_down_proj, want_down), total, experts, latent, ffn,
       at::cuda::getCurrentCUDAStream(device.index()).stream(), kernel, fp32_outputs);
-  TORCH_CHECK(error == cudaSuccess, where, ": CUDA error ", cudaGetErrorName(error), " (",
-              cudaGetErrorString(error), ")");
+  check_launch(error, where);
   return out;
 }
 
@@ -692,8 +689,7 @@ SituGluBackwardWithH situ_glu_backward_with_h(const at::Tensor& gate, const at::
       dtype, g.data_ptr(), u.data_ptr(), d.data_ptr(), out.d_gate.data_ptr(), out.d_up.data_ptr(),
       want_h ? out.h.data_ptr() : nullptr, g.numel(), static_cast<float>(beta1),
       static_cast<float>(beta2), at::cuda::getCurrentCUDAStream(g.device().index()).stream());
-  TORCH_CHECK(error == cudaSuccess, where, ": CUDA error ", cudaGetErrorName(error), " (",
-              cudaGetErrorString(error), ")");
+  check_launch(error, where);
   return out;
 }
 

@@ -15,17 +15,18 @@
 #include "kernels/rms_norm.h"
 
 namespace odyssey::kernels {
+
+void check_launch(cudaError_t error, const char* where) {
+  TORCH_CHECK(error == cudaSuccess, where, ": CUDA error ", cudaGetErrorName(error), " (",
+              cudaGetErrorString(error), ")");
+}
+
 namespace {
 
 bool is_kernel_dtype(at::ScalarType t) { return t == at::kBFloat16 || t == at::kFloat; }
 
 KdaDtype kernel_dtype(at::ScalarType t) {
   return t == at::kBFloat16 ? KdaDtype::kBFloat16 : KdaDtype::kFloat32;
-}
-
-void check_launch(cudaError_t error, const char* where) {
-  TORCH_CHECK(error == cudaSuccess, where, ": CUDA error ", cudaGetErrorName(error), " (",
-              cudaGetErrorString(error), ")");
 }
 
 void check_cuda(const char* where, const char* name, const at::Tensor& t,

@@ -9,8 +9,14 @@
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <cuda_runtime.h>
 
 namespace odyssey::kernels {
+
+// A launcher's result as a c10::Error naming the call (`where`) and the CUDA error; nothing on
+// cudaSuccess. What every tensor adapter of kernels/ (this file, moe_autograd.cpp,
+// grouped_gemm.cpp) does after a launch.
+void check_launch(cudaError_t error, const char* where);
 
 struct KdaChunkedOutput {
   at::Tensor o;            // [B, T, H, V], q's dtype
