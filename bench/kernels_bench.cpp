@@ -102,6 +102,19 @@ double chunked_flops(int64_t batch, int64_t length, int64_t heads, int64_t key, 
   return batch * heads * chunks * 2 * c * (3 * c * key + 2 * c * value + 3.0 * key * value);
 }
 
+// FLOPs of the backward's products per chunk of 16 tokens per head, as kernels/README.md counts them
+// ("What the 3x goal asks of the arithmetic"), with a = 2CCK, b = 2CCV, s = 2CKV: pass 1 (the
+// states and V') P, W, U (2a + b), V' = U - W S and the state step (2s); pass 2 Aqk, P, W (3a),
+// Aqk^T dO (b), K_ dS', Q^^T dO, W^T dV' (3s); pass 3 with V' and dV' given: P, Aqk, W again, M^T dW,
+// H and the anchored products' four (9a), dAqk, M^T dU, G (3b), dQ^, dK_, dW and half a state step
+// (3.5s), dL (4C^3). states_given: the forward kept the states, no pass 1.
+double backward_flops(int64_t batch, int64_t length, int64_t heads, int64_t key, int64_t value, bool states_given) {
+  const double c = 16, chunks = std::ceil(length / c);
+  const double a = 2 * c * c * key, b = 2 * c * c * value, s = 2.0 * c * key * value;
+  const double pass1 = 2 * a + b + 2 * s, pass2 = 3 * a + b + 3 * s, pass3 = 9 * a + 3 * b + 3.5 * s + 4 * c * c * c;
+  return batch * heads * chunks * ((states_given ? 0.0 : pass1) + pass2 + pass3);
+}
+
 // Bytes in and out of the forward: q, k, v, beta (bf16), g (fp32) in, o (bf16) out.
 double chunked_bytes(int64_t batch, int64_t length, int64_t heads, int64_t key, int64_t value) {
   return static_cast<double>(batch) * length * heads * (2 * key * 2 + key * 4 + value * 2 + 2 + value * 2);
@@ -232,6 +245,18 @@ double bench_backward(const KernelsBenchOptions& o, int64_t batch, int64_t lengt
                 " floor is %.2fx the forward (%.2fx recomputing V' and dV', %.2fx from kept states and V')\n",
                 moved / 1e9, floor_ms(moved), 100.0 * floor_ms(moved) / kernel.best_ms,
                 floor_ms(moved) / forward_ms, floor_ms(recompute) / forward_ms, floor_ms(kept) / forward_ms);
+    // The same goal in products: the backward's (backward_flops) against the forward's, and the
+    // share of the forward's rate of products that 3x the forward's time would take.
+    const double forward_flops = chunked_flops(batch, length, heads, key, value);
+    const double flops = backward_flops(batch, length, heads, key, value, /*states_given=*/false);
+    const double kept_flops = backward_flops(batch, length, heads, key, value, /*states_given=*/true);
+    const double forward_rate = forward_flops / (forward_ms * 1e-3) / 1e12;
+    std::printf("kda backward products: %.0f GFLOP, %.2fx the forward's (%.2fx from kept states): %.1f TFLOP/s, %.0f%%"
+                " of the forward's %.1f TFLOP/s; 3x the forward's time needs %.0f%% of its rate (%.0f%% from kept"
+                " states)\n",
+                flops / 1e9, flops / forward_flops, kept_flops / forward_flops,
+                flops / (kernel.best_ms * 1e-3) / 1e12, 100.0 * flops / (kernel.best_ms * 1e-3) / 1e12 / forward_rate,
+                forward_rate, 100.0 * flops / forward_flops / 3.0, 100.0 * kept_flops / forward_flops / 3.0);
   }
   // The backward with other options, its own workspace, against the default above in the same run.
   auto time_variant = [&](const kernels::KdaBackwardOptions& options, size_t& bytes) {
