@@ -251,11 +251,12 @@ double bench_backward(const KernelsBenchOptions& o, int64_t batch, int64_t lengt
     const double flops = backward_flops(batch, length, heads, key, value, /*states_given=*/false);
     const double kept_flops = backward_flops(batch, length, heads, key, value, /*states_given=*/true);
     const double forward_rate = forward_flops / (forward_ms * 1e-3) / 1e12;
+    const double rate = flops / (kernel.best_ms * 1e-3) / 1e12;
     std::printf("kda backward products: %.0f GFLOP, %.2fx the forward's (%.2fx from kept states): %.1f TFLOP/s, %.0f%%"
                 " of the forward's %.1f TFLOP/s; 3x the forward's time needs %.0f%% of its rate (%.0f%% from kept"
                 " states)\n",
                 flops / 1e9, flops / forward_flops, kept_flops / forward_flops,
-                flops / (kernel.best_ms * 1e-3) / 1e12, 100.0 * flops / (kernel.best_ms * 1e-3) / 1e12 / forward_rate,
+                rate, 100.0 * rate / forward_rate,
                 forward_rate, 100.0 * flops / forward_flops / 3.0, 100.0 * kept_flops / forward_flops / 3.0);
   }
   // The backward with other options, its own workspace, against the default above in the same run.
