@@ -103,7 +103,7 @@ double chunked_flops(int64_t batch, int64_t length, int64_t heads, int64_t key, 
 }
 
 // FLOPs of the backward's products per chunk of 16 tokens per head, as kernels/README.md counts them
-// ("What the 3x goal asks of the arithmetic"), with a = 2CCK, b = 2CCV, s = 2CKV: pass 1 (the
+// ("What the 3x goal needs"), with a = 2CCK, b = 2CCV, s = 2CKV: pass 1 (the
 // states and V') P, W, U (2a + b), V' = U - W S and the state step (2s); pass 2 Aqk, P, W (3a),
 // Aqk^T dO (b), K_ dS', Q^^T dO, W^T dV' (3s); pass 3 with V' and dV' given: P, Aqk, W again, M^T dW,
 // H and the anchored products' four (9a), dAqk, M^T dU, G (3b), dQ^, dK_, dW and half a state step
@@ -121,7 +121,7 @@ double chunked_bytes(int64_t batch, int64_t length, int64_t heads, int64_t key, 
 }
 
 // Bytes the backward (kernels/kda.h, kda_chunked_backward; bf16 K = V = 128, pass 3 by 32-token
-// blocks) moves through memory, pass by pass as kernels/README.md's traffic table counts them
+// blocks) moves through memory, pass by pass as kernels/JOURNAL.md's traffic table counts them
 // ("Eighteenth session"): pass 1 reads k, v, g, beta and writes every second chunk's state (every
 // fourth one's and V' with values: kda_backward_state_interval); pass 2 reads q, k, dO, g, beta and
 // writes every second dS' (and dV'); pass 3 reads both states, q, k, v, dO, g, beta (and V', dV')

@@ -472,7 +472,7 @@ cudaError_t launch_head(const ChunkedArgs& a, dim3 grid, cudaStream_t stream) {
 // at j * K + i) and copied into shared memory by cp.async kDepth - 1 steps before its use (kDepth
 // buffers), B_p's rows into registers one step before; so the serial chain waits on neither.
 // (CTAs of 2 or 4 groups of 4 columns, each reading A_p once for more columns, were slower: the
-// FMAs, not L2, bound a step; kernels/README.md, "Context parallelism".)
+// FMAs, not L2, bound a step; kernels/JOURNAL.md, "Context parallelism".)
 constexpr int kScanColumns = 4;
 
 // next[c] += sum over j of A[i][j] S[j][c] (c = 0..3): a(j) = A[i][j], x(j) = S[j][c..c+3], both in
@@ -578,7 +578,7 @@ cudaError_t launch_segment_scan_with(const ChunkedArgs& a, float* segment_states
 
 // A^T fetched two steps ahead (three buffers, 194 KB at K = 128) where the device gives a CTA
 // that much shared memory, one step ahead otherwise. Measured on an H200 at B=1 T=64K H=4, P=34:
-// 0.061 ms with three buffers, 0.069 with two (kernels/README.md).
+// 0.061 ms with three buffers, 0.069 with two (kernels/JOURNAL.md, "Context parallelism").
 template <int K>
 cudaError_t launch_segment_scan(const ChunkedArgs& a, float* segment_states, int64_t batch,
                                 cudaStream_t stream) {
@@ -684,7 +684,7 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Whole-head context parallelism: a transition CTA's time per chunk against a forward CTA's, both
 // with the GPU full (no Q^, Aqk or outputs; A_seg's CTA no values), measured on an H200 at B=1
-// T=64K H=4 (kernels/README.md, "Context parallelism"): sizes the lead.
+// T=64K H=4 (kernels/JOURNAL.md, "Context parallelism"): sizes the lead.
 constexpr double kTransitionCost = 0.72;
 
 struct SegmentPlan {

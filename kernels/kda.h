@@ -84,12 +84,12 @@ struct KdaChunkedOptions {
   // While one group of 4 chunks is walked, prefetch the next group's input rows into L2 (a
   // hint: the results are bit for bit the same either way). On by default: B=2, T=16K, H=64:
   // 3.33 ms with it, 3.47 ms without; T=64K, H=4: 1.17 / 1.20 ms. (While the compiler kept two
-  // copies of the prepare phase, it was the other way round: kernels/README.md, ladder.)
+  // copies of the prepare phase, it was the other way round: kernels/JOURNAL.md, "Performance ladder".)
   bool prefetch = true;
   // bf16 with K = V = 128 (the model's heads): the forward (and the backward's state passes)
   // walks each head with one CTA of 16 warps instead of two CTAs of 4 on 64 value columns each:
   // 8 warps walk the state while 4 pairs prepare the next chunks, each chunk once instead of
-  // twice (kernels/README.md, "Whole-head walk"). Bit for bit the same results; false: the
+  // twice (kernels/JOURNAL.md, "Whole-head walk"). Bit for bit the same results; false: the
   // 64-column CTAs (what the tests and the bench compare against). Devices that cannot give a
   // CTA its 191 KB of shared memory take the 64-column CTAs either way.
   bool head_walk = true;
@@ -171,7 +171,7 @@ struct KdaBackwardOptions {
   // Pass 3 by blocks of 32 tokens, two exponent-anchored 16-token sub-chunks each
   // (kda_block_gradient.cuh; bf16 with K = V = 128, ignored otherwise), reading the state entering
   // every block and the gradient of the state leaving it, so that passes 1 and 2 store every second
-  // chunk's (kernels/README.md, "Seventeenth session"). On by default: at B=2 T=16K H=64 on an H100
+  // chunk's (kernels/JOURNAL.md, "Seventeenth session"). On by default: at B=2 T=16K H=64 on an H100
   // the backward takes 10.94 ms against 11.57 with 16-token chunks, in half the workspace (4.3
   // against 8.6 GB). false: pass 3 by 16-token chunks (the same gradients within bf16 rounding).
   bool pass3_blocks = true;
@@ -183,7 +183,7 @@ struct KdaBackwardOptions {
   // chunk_states the backward chooses: pass 3 by blocks has pass 2 store every second state
   // gradient, and pass 1 every fourth state with keep_values (every second without).
   int chunk_states_interval = 1;
-  // Pass 3 by blocks reading V' and dV' instead of recomputing them (kernels/README.md, "Eighteenth
+  // Pass 3 by blocks reading V' and dV' instead of recomputing them (kernels/JOURNAL.md, "Eighteenth
   // session"): pass 1 keeps every token's V' (KdaChunkedOptions::new_values) and pass 2 every
   // chunk's dV', bf16 [B, L, H, V] each in the workspace. Pass 3 then makes three of its five
   // products with the state instead of five, and passes 1 and 2, bound by memory traffic, write

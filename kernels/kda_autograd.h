@@ -20,7 +20,7 @@ namespace odyssey::kernels {
 // with every token's V', where the backward's pass 3 goes by 32-token blocks: bf16, K = V = 128;
 // kda.h, kda_backward_state_interval) and keeps it for the backward, which then skips their
 // recompute (its first pass): the same gradients bit for bit, a shorter training step
-// (kernels/README.md, "Kept chunk states") for B T H K V / 8 bytes (/ 32 by blocks, plus V' at
+// (kernels/JOURNAL.md, "Kept chunk states") for B T H K V / 8 bytes (/ 32 by blocks, plus V' at
 // B T H V 2: 1.07 + 0.54 GB at B=2 T=16K H=64 K=V=128) held from the forward to the backward.
 // Off: only the inputs are held.
 KdaChunkedOutput kda_chunked_autograd(const at::Tensor& q, const at::Tensor& k,

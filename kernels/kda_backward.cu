@@ -360,7 +360,7 @@ __global__ void __launch_bounds__(kHeadThreads, 1) kda_head_state_gradient_kerne
 // V' dS'^T, dV' S^T) and the 16 x 16 x {16, K, V} ones (P, Aqk, dAqk, G, H, W, U, dv, dM M^T,
 // M^T (.), the dQ^ / dK^ / dK~ terms). Until the fifteenth session the latter were fp32-grade
 // (each operand split into bf16 hi + lo, three mma a product), for dg's sake at g = -5. The
-// emulation in model::kda::chunked_backward_reference (kernels/README.md, "Fifteenth session")
+// emulation in model::kda::chunked_backward_reference (kernels/JOURNAL.md, "Fifteenth session")
 // showed that the operands' rounding was never the problem: dGamma's elementwise factors were.
 // Each pair (i, j) of P or Aqk adds dA_ij x_i k_j to dGamma_i and takes it from dGamma_j, and dg's
 // reverse cumulative sum cancels the two; multiplying dGamma's terms by the bf16 values the
@@ -1324,7 +1324,7 @@ cudaError_t run_backward(const StateGradientArgs& sa, const ChunkGradientArgs& c
   if constexpr (std::is_same_v<T, bf16> && K == 128) {
     if (value_dim == 128 && options.pass3_blocks) {
       // The loads by a producer warp: faster than at the top of each block or by the tensor-memory
-      // accelerator (BlockLoads; the same gradients bit for bit; kernels/README.md, "Seventeenth
+      // accelerator (BlockLoads; the same gradients bit for bit; kernels/JOURNAL.md, "Seventeenth
       // session"). With V' and dV' from passes 1 and 2 where they kept them.
       if (ca.new_values != nullptr) return launch_block_gradients<128, 128, BlockLoads::kProducer, true, true>(ca, batch, stream);
       return launch_block_gradients<128, 128, BlockLoads::kProducer>(ca, batch, stream);

@@ -1,7 +1,7 @@
 // Pass 3 of the KDA backward by blocks of 32 tokens (bf16, K = V = 128): included by
 // kda_backward.cu, whose derivation (the comment block at its top) this follows, with the
 // intra-chunk products anchored per 16-token sub-chunk (model::kda::chunked_reference(..., chunk
-// = 32, anchor = 16), FLA's sub-chunking); design and numbers: kernels/README.md, "Sixteenth session"
+// = 32, anchor = 16), FLA's sub-chunking); design and numbers: kernels/JOURNAL.md, "Sixteenth session"
 // and "Seventeenth session" (the default since then, for bf16 with K = V = 128).
 //
 // Why blocks: pass 3 by 16-token chunks (kda_chunk_gradient_kernel) pays its fixed costs - the S and

@@ -603,7 +603,7 @@ __device__ void prepare_chunk(const ChunkedArgs& a, ChunkSlot<K, kTile>& slot, i
 // (head_pipeline): 8 walking warps, each on 16 rows of the transposed state (or its gradient),
 // and 4 preparing pairs at once. Pair p prepares the chunks p, p + 4, p + 8, ... of the walk's
 // order (prepare_chunk_pair, each chunk once) into slot p of shared memory, from raw rows it
-// staged there by cp.async, while the walkers walk the slots in order (kernels/README.md,
+// staged there by cp.async, while the walkers walk the slots in order (kernels/JOURNAL.md,
 // "Whole-head walk").
 constexpr int kHeadWalkWarps = 8;
 constexpr int kHeadPairs = 4;  // preparing pairs, one slot each

@@ -1,4 +1,4 @@
-// MoE kernels (contracts: kernels/moe.h; design and numerics: kernels/README.md, "MoE kernels").
+// MoE kernels (contracts: kernels/moe.h; design and numerics: kernels/JOURNAL.md, "MoE kernels").
 #include "kernels/moe.h"
 #include "kernels/situ.cuh"
 

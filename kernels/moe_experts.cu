@@ -1,5 +1,5 @@
 // The routed experts fused (contracts: kernels/moe.h, "Routed experts, fused"; design and
-// measurements: kernels/README.md, "Routed experts, fused").
+// measurements: kernels/JOURNAL.md, "Routed experts, fused").
 //
 // A CTA takes a tile of at most 128 rows of one expert and runs the expert's whole MLP on it:
 //   stage A, per slice of 64 columns of F: [G | U] (128 x 128, fp32 in mma accumulators)

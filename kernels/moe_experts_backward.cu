@@ -1,5 +1,5 @@
 // The routed experts' backward kernels (contracts: kernels/moe.h, "Routed experts' weight
-// gradients" and "Routed experts' dX"; design and measurements: kernels/README.md, "Routed
+// gradients" and "Routed experts' dX"; design and measurements: kernels/JOURNAL.md, "Routed
 // experts' backward"): the three weight gradients in one kernel (here), and dX (further down,
 // "dX = dG W_gate + dU W_up"). Both stage their output tiles for whole-row stores.
 //

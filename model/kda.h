@@ -138,7 +138,7 @@ Output chunked_reference(const at::Tensor& q, const at::Tensor& k, const at::Ten
 //                    M^T dM M^T)
 // dgamma_from_unrounded multiplies dGamma's terms by the anchored products' unrounded operands (as
 // a kernel rounding its mma operands but not its elementwise factors would): that, not the bf16
-// operands, is what costs dg its precision (kernels/README.md, "Fifteenth session"). The design
+// operands, is what costs dg its precision (kernels/JOURNAL.md, "Fifteenth session"). The design
 // tool for the kernels' numerics, and the plain reference of a blocked backward. fp64 or fp32 as q.
 struct Gradients {
   at::Tensor dq, dk, dv, dg, dbeta, d_initial_state;

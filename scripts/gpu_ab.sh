@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A same-machine A/B of the GPU learner step: an earlier commit against the working tree, built side
 # by side on one GPU machine and timed alternately, so that neither the machine nor the card type
-# differs between the two figures (the lent machines' hosts and cards vary: kernels/README.md, "The
+# differs between the two figures (the lent machines' hosts and cards vary: kernels/JOURNAL.md, "The
 # host's side").
 #
 #   scripts/gpu_ab.sh prepare REV      on the CPU machine: REV's tracked files into gpu-base/

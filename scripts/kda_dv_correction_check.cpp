@@ -4,7 +4,7 @@
 // every V' of the block a function of the state entering it. They differ by
 //   dV'_a (block) = dV'_a (chunk) + sum over b > a of (M_bb L_ba)^T dV'_b (chunk),
 // M_bb the sub-chunk's own (I + L_bb)^-1 and L_ba = Diag(beta_b) P_ba the block's off-diagonal blocks
-// (kernels/kda_block_gradient.cuh uses n = 2: Y = M_11 L_10; kernels/README.md, "Eighteenth
+// (kernels/kda_block_gradient.cuh uses n = 2: Y = M_11 L_10; kernels/JOURNAL.md, "Eighteenth
 // session"). Both views are built with autograd on one head of 4 sub-chunks of 4 tokens; the program
 // prints each sub-chunk's difference with and without the correction and exits 1 if the corrected
 // one is above 1e-10 of the largest gradient.

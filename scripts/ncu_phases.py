@@ -14,7 +14,7 @@ instructions (divided by --per, e.g. the chunks a launch processes, for per-item
 share of the warp-stall samples with the three largest stall reasons, the shared-memory wavefronts
 and those over the ideal (bank conflicts), and the most executed opcodes; then the M instructions
 with the most excess wavefronts (--top, default 12). This is how the eighth session found pass 3's
-bank conflicts (kernels/README.md, "Eighth session"). Needs only Python's standard library.
+bank conflicts (kernels/JOURNAL.md, "Eighth session"). Needs only Python's standard library.
 """
 import argparse
 import csv

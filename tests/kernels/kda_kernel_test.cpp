@@ -546,7 +546,7 @@ Gradients reference_gradients(const Inputs& in, const at::Tensor& d_o, const at:
 // Each gradient within `tolerance` times the reference's largest magnitude (floor 1e-3); the
 // kernel's matmul operands are bf16, and the states and their gradients are kept in bf16
 // between its passes. A CPU emulation of the backward's rounding points gave 2e-3 to 4.4e-3 of
-// the largest magnitude (random g, g = -5, g = 0; K = V = 128; kernels/README.md): a factor ~10.
+// the largest magnitude (random g, g = -5, g = 0; K = V = 128; kernels/JOURNAL.md, "Fifteenth session"): a factor ~10.
 constexpr double kGradientTolerance = 5e-2;
 
 void expect_gradients(const std::string& what, const Gradients& got, const Gradients& expected) {

@@ -440,7 +440,7 @@ TEST(Kda, BlockedBackwardPrecisionOfBf16OperandsByProductClass) {
   // Today's kernel numerics stay within its tests' tolerance (5e-2; the kernel measures 2-8e-3).
   EXPECT_LT(worst["C=16, today's kernel (states, state products)"], 5e-2);
   EXPECT_LT(worst["C=64 anchor 16, the same"], 5e-2);
-  // The finding a blocked backward is built on (kernels/README.md): every product's operands may
+  // The finding a blocked backward is built on (kernels/JOURNAL.md, "Fifteenth session"): every product's operands may
   // be bf16 - the anchored blocks (each factor of an off-diagonal block <= 1, a diagonal block's
   // within e^{16 |g|}) and the small products around M alike - provided dGamma's elementwise
   // factors are the bf16 operands themselves, so that the two terms of each pair (i, j) that the
