@@ -1457,7 +1457,7 @@ void bench_moe(const KernelsBenchOptions& o, KernelsBenchResult& r) {
                   cublas.best_ms, loop.best_ms, loop.best_ms / cublas.best_ms);
 
       // The fp32 grouped GEMMs alone, on the routed experts' shapes at a learner chunk's tokens and at
-      // the bench's: our CUDA-core kernels (kSimt, what kAuto takes for fp32) against cuBLAS's grouped
+      // the bench's: our CUDA-core kernels (both thread forms; kAuto takes one for fp32) against cuBLAS's grouped
       // GEMM (kCublas, the baseline), the same operands in the same run. Six products: the forward's
       // gate, up and down, and the three weight gradients (dX's products are the forward's kind).
       for (const int64_t chunk_tokens : {std::min<int64_t>(2048, tokens), tokens}) {
@@ -1484,15 +1484,18 @@ void bench_moe(const KernelsBenchOptions& o, KernelsBenchResult& r) {
               },
               o.warmup, o.repeats);
         };
-        const Timing simt = products(kernels::GroupedGemmBackend::kSimt);
+        const Timing simt8 = products(kernels::GroupedGemmBackend::kSimt8x8);
+        const Timing simt4 = products(kernels::GroupedGemmBackend::kSimt4x4);
         const Timing cublas_gemms = products(kernels::GroupedGemmBackend::kCublas);
         const double tflop = 12.0 * static_cast<double>(R) * static_cast<double>(mo.latent) *
                              static_cast<double>(mo.expert_ffn) / 1e12;
+        auto rate = [&](const Timing& t) { return tflop / (t.best_ms * 1e-3); };
         std::printf("moe experts fp32 grouped GEMMs, %ld tokens (%.0f rows an expert), 6 products: CUDA-core kernels "
-                    "%8.3f ms (%.1f TFLOP/s), cuBLAS grouped GEMM %8.3f ms (%.1f TFLOP/s): %.2fx\n",
+                    "8x8 a thread %8.3f ms (%.1f TFLOP/s), 4x4 a thread %8.3f ms (%.1f TFLOP/s); cuBLAS grouped GEMM "
+                    "%8.3f ms (%.1f TFLOP/s): %.2fx / %.2fx\n",
                     static_cast<long>(chunk_tokens), static_cast<double>(R) / static_cast<double>(mo.num_experts),
-                    simt.best_ms, tflop / (simt.best_ms * 1e-3), cublas_gemms.best_ms,
-                    tflop / (cublas_gemms.best_ms * 1e-3), cublas_gemms.best_ms / simt.best_ms);
+                    simt8.best_ms, rate(simt8), simt4.best_ms, rate(simt4), cublas_gemms.best_ms, rate(cublas_gemms),
+                    cublas_gemms.best_ms / simt8.best_ms, cublas_gemms.best_ms / simt4.best_ms);
       }
     }
   }

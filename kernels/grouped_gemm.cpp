@@ -96,16 +96,16 @@ void run_grouped(const std::vector<Problem>& problems, at::ScalarType dtype, con
 }
 #endif
 
-// Whether the call takes our CUDA-core kernels (kSimt) or cuBLAS (kCublas), after checking the
+// Whether the call takes our CUDA-core kernels (kSimt8x8, kSimt4x4) or cuBLAS (kCublas), after checking the
 // operands for that backend.
 bool check_operands(const at::Tensor& a, const at::Tensor& b, const std::vector<int64_t>& counts,
                     GroupedGemmBackend backend, const char* where) {
   const bool fp32 = a.defined() && b.defined() && a.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat;
-  TORCH_CHECK(backend != GroupedGemmBackend::kSimt || fp32, where,
-              ": the CUDA-core grouped GEMMs (kSimt) take fp32 operands only; got ",
+  const bool simt_asked = backend == GroupedGemmBackend::kSimt8x8 || backend == GroupedGemmBackend::kSimt4x4;
+  TORCH_CHECK(!simt_asked || fp32, where, ": the CUDA-core grouped GEMMs (kSimt8x8, kSimt4x4) take fp32 operands only; got ",
               a.defined() ? c10::str(a.scalar_type()) : std::string("none"), " and ",
               b.defined() ? c10::str(b.scalar_type()) : std::string("none"));
-  const bool simt = backend == GroupedGemmBackend::kSimt || (backend == GroupedGemmBackend::kAuto && fp32);
+  const bool simt = simt_asked || (backend == GroupedGemmBackend::kAuto && fp32);
   if (simt) {
     TORCH_CHECK(a.is_cuda() && b.device() == a.device(), where, ": needs CUDA tensors of one device; got ",
                 a.device(), " and ", b.device());
@@ -127,6 +127,10 @@ bool check_operands(const at::Tensor& a, const at::Tensor& b, const std::vector<
                 counts.size(), " experts do not fit the CUDA-core kernels' 32-bit row indices");
   }
   return simt;
+}
+
+GroupedSgemmThreads simt_threads(GroupedGemmBackend backend) {
+  return backend == GroupedGemmBackend::kSimt4x4 ? GroupedSgemmThreads::k256Of4x4 : GroupedSgemmThreads::k64Of8x8;
 }
 
 }  // namespace
@@ -174,7 +178,8 @@ at::Tensor grouped_rows_times(const at::Tensor& x_in, const at::Tensor& w_in, co
     check_launch(grouped_sgemm_rows_times(x.data_ptr<float>(), w.data_ptr<float>(), w.stride(0), w.stride(1),
                                           w.stride(2), reinterpret_cast<const GroupedSgemmRowTile*>(on_device.data_ptr<int32_t>()),
                                           static_cast<int64_t>(tiles.size() / 3), out.data_ptr<float>(), K, N,
-                                          at::cuda::getCurrentCUDAStream(x.device().index()).stream()),
+                                          at::cuda::getCurrentCUDAStream(x.device().index()).stream(),
+                                          simt_threads(backend)),
                  where);
     return out;
   }
@@ -220,7 +225,8 @@ at::Tensor grouped_weight_grad(const at::Tensor& a_in, const at::Tensor& b_in, c
     const at::Tensor on_device = to_device_async(starts, a.device());
     check_launch(grouped_sgemm_weight_grad(a.data_ptr<float>(), b.data_ptr<float>(), on_device.data_ptr<int32_t>(),
                                            experts, out.data_ptr<float>(), M, N,
-                                           at::cuda::getCurrentCUDAStream(a.device().index()).stream()),
+                                           at::cuda::getCurrentCUDAStream(a.device().index()).stream(),
+                                           simt_threads(backend)),
                  where);
     return out;
   }

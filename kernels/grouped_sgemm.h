@@ -22,6 +22,10 @@
 
 namespace odyssey::kernels {
 
+// How a 64 x 64 output tile is shared out: 64 threads of 8 x 8 outputs (fewer shared-memory reads
+// a product, 161-167 registers) or 256 threads of 4 x 4 (53-64 registers). Either gives the same bits.
+enum class GroupedSgemmThreads { k64Of8x8, k256Of4x4 };
+
 // A tile of at most 64 rows of one expert's block: out rows [first_row, first_row + rows).
 struct GroupedSgemmRowTile {
   int32_t expert;
@@ -35,12 +39,14 @@ struct GroupedSgemmRowTile {
 // view of a row-major [N, K]).
 cudaError_t grouped_sgemm_rows_times(const float* x, const float* w, int64_t w_stride_e, int64_t w_stride_k,
                                      int64_t w_stride_n, const GroupedSgemmRowTile* tiles, int64_t tile_count,
-                                     float* out, int64_t K, int64_t N, cudaStream_t stream);
+                                     float* out, int64_t K, int64_t N, cudaStream_t stream,
+                                     GroupedSgemmThreads threads = GroupedSgemmThreads::k64Of8x8);
 
 // out [E, M, N] = a_e^T b_e for a [R, M] and b [R, N] in blocks: expert e's rows are
 // [block_starts[e], block_starts[e + 1]) (device memory, E + 1 non-decreasing values). Experts
 // without rows get exact zeros.
 cudaError_t grouped_sgemm_weight_grad(const float* a, const float* b, const int32_t* block_starts, int64_t experts,
-                                      float* out, int64_t M, int64_t N, cudaStream_t stream);
+                                      float* out, int64_t M, int64_t N, cudaStream_t stream,
+                                      GroupedSgemmThreads threads = GroupedSgemmThreads::k64Of8x8);
 
 }  // namespace odyssey::kernels

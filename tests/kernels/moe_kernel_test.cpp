@@ -749,7 +749,7 @@ TEST_F(MoeKernel, GroupedGemmsMatchTheLoopOfMatmulsAndFp64) {
   // loop of at::mm on the same operands and an fp64 loop. Blocks: empty at the start, in the middle
   // and at the end, one expert with most of the rows (several 64-row tiles), sizes that are not
   // multiples of the tiles; weights given as [E, K, N] and as the transposed view of [E, N, K] (both
-  // layouts the experts' GEMMs pass). fp32 through our CUDA-core kernels (kSimt, what kAuto takes)
+  // layouts the experts' GEMMs pass). fp32 through our CUDA-core kernels (both thread forms; kAuto takes one)
   // and cuBLAS's grouped GEMM, bf16 through cuBLAS; widths with and without 16-byte rows.
   if (!cublas_grouped_gemm_compiled()) GTEST_SKIP() << "built against cuBLAS < 12.5";
   const std::vector<int64_t> counts = {0, 5, 301, 0, 1, 17, 64, 0, 3, 0, 65, 128};
@@ -763,7 +763,8 @@ TEST_F(MoeKernel, GroupedGemmsMatchTheLoopOfMatmulsAndFp64) {
     const char* name;
   };
   for (const auto& [K, N] : std::vector<std::pair<int64_t, int64_t>>{{96, 40}, {384, 192}, {37, 130}}) {
-    for (const Form& form : {Form{at::kFloat, GroupedGemmBackend::kSimt, "fp32 kSimt"},
+    for (const Form& form : {Form{at::kFloat, GroupedGemmBackend::kSimt8x8, "fp32 kSimt8x8"},
+                             Form{at::kFloat, GroupedGemmBackend::kSimt4x4, "fp32 kSimt4x4"},
                              Form{at::kFloat, GroupedGemmBackend::kCublas, "fp32 kCublas"},
                              Form{at::kBFloat16, GroupedGemmBackend::kAuto, "bf16 kAuto (cuBLAS)"}}) {
       const std::string tag = " " + std::string(form.name) + " K=" + std::to_string(K) + " N=" + std::to_string(N);
@@ -794,7 +795,7 @@ TEST_F(MoeKernel, GroupedGemmsMatchTheLoopOfMatmulsAndFp64) {
         expect_close("rows times [E, K, N] vs fp64" + tag, got_kn,
                      loop_rows_times(x.to(at::kDouble), w_kn.to(at::kDouble)), 2e-6);
       }
-      // The weight gradient: a_e^T b_e, exact zeros for the empty blocks (kSimt writes every
+      // The weight gradient: a_e^T b_e, exact zeros for the empty blocks (the CUDA-core kernels write every
       // output itself, in memory it did not clear).
       const at::Tensor grad = grouped_weight_grad(dy, x, counts, form.backend);
       ASSERT_EQ(grad.sizes(), (std::vector<int64_t>{experts, N, K}));
@@ -814,9 +815,11 @@ TEST_F(MoeKernel, GroupedGemmsMatchTheLoopOfMatmulsAndFp64) {
         }
         start += c;
       }
-      if (form.backend == GroupedGemmBackend::kSimt) {
-        // One FMA chain an output, in a fixed order: the same bits every run, and kAuto is kSimt.
+      if (form.backend == GroupedGemmBackend::kSimt8x8 || form.backend == GroupedGemmBackend::kSimt4x4) {
+        // One FMA chain an output, in a fixed order: the same bits every run and in both thread forms,
+        // and kAuto is one of them.
         EXPECT_TRUE(at::equal(got_kn, grouped_rows_times(x, w_kn, counts))) << tag;
+        EXPECT_TRUE(at::equal(got_nk, grouped_rows_times(x, w_nk.transpose(1, 2), counts))) << tag;
         EXPECT_TRUE(at::equal(grad, grouped_weight_grad(dy, x, counts))) << tag;
       }
     }
@@ -831,8 +834,8 @@ TEST_F(MoeKernel, GroupedGemmsMatchTheLoopOfMatmulsAndFp64) {
   }
   try {
     const at::Tensor xb = x.to(at::kBFloat16);
-    grouped_weight_grad(xb, xb, {4, 6}, GroupedGemmBackend::kSimt);
-    ADD_FAILURE() << "bf16 operands were accepted by kSimt";
+    grouped_weight_grad(xb, xb, {4, 6}, GroupedGemmBackend::kSimt8x8);
+    ADD_FAILURE() << "bf16 operands were accepted by kSimt8x8";
   } catch (const c10::Error& e) {
     EXPECT_NE(std::string(e.what()).find("take fp32 operands only; got BFloat16"), std::string::npos) << e.what();
   }
