@@ -20,9 +20,9 @@
 // bit; kSimt8x8's and kSimt4x4's are the same bits, every run.
 //
 // The counts are on the host (the caller brought them over once: the group sizes are the GEMMs'
-// shapes). What the launch needs on the device (cuBLAS's problem pointers, the CUDA-core kernels' tiles and block
-// starts) goes there through a pinned buffer, asynchronously on the current stream; nothing here
-// synchronizes.
+// shapes). What the launch needs on the device (cuBLAS's problem pointers, the CUDA-core kernels'
+// tiles and block starts) goes there through a pinned buffer, asynchronously on the current stream;
+// nothing here synchronizes.
 #pragma once
 
 #include <cstdint>

@@ -102,6 +102,10 @@ __device__ __forceinline__ int block_index(int thread_coordinate, int i) {
   return (i < 4 ? 0 : 32) + 4 * thread_coordinate + (i & 3);
 }
 
+// CTAs an SM each form's registers are held to: 4 x 4 at 64 (256 threads), 8 x 8 at 168 (64 threads).
+template <int kT>
+constexpr int kCtasPerSm = kT == 4 ? 4 : 6;
+
 // kT x kT outputs a thread, (64 / kT)^2 threads.
 template <int kT>
 struct Threads {
@@ -170,7 +174,8 @@ __device__ __forceinline__ void store_block(float* out, int64_t ld, int rows, in
       const int c0 = block_index(tx, 4 * h);
       float* o = out + row * ld + c0;
       if (vector && c0 + 3 < columns) {
-        *reinterpret_cast<float4*>(o) = make_float4(acc[i][4 * h], acc[i][4 * h + 1], acc[i][4 * h + 2], acc[i][4 * h + 3]);
+        const float* v = &acc[i][4 * h];
+        *reinterpret_cast<float4*>(o) = make_float4(v[0], v[1], v[2], v[3]);
       } else {
 #pragma unroll
         for (int j = 0; j < 4; ++j)
@@ -183,16 +188,17 @@ __device__ __forceinline__ void store_block(float* out, int64_t ld, int rows, in
 // out rows of one tile times w_e: A(k, i) = x[(first_row + i) * K + k] (contiguous along k), B(k, j)
 // = w_e(k, n0 + j).
 template <int kT, bool kWContigN>
-__global__ void __launch_bounds__(Threads<kT>::kCount, kT == 4 ? 4 : 6) rows_times_kernel(const float* x, const float* w, int64_t w_stride_e,
-                                                              int64_t w_stride_k, int64_t w_stride_n,
-                                                              const GroupedSgemmRowTile* tiles, float* out, int K,
-                                                              int N, bool x_vector, bool w_vector, bool out_vector) {
+__global__ void __launch_bounds__(Threads<kT>::kCount, kCtasPerSm<kT>)
+    rows_times_kernel(const float* x, const float* w, int64_t w_stride_e, int64_t w_stride_k, int64_t w_stride_n,
+                      const GroupedSgemmRowTile* tiles, float* out, int K, int N, bool x_vector, bool w_vector,
+                      bool out_vector) {
   __shared__ __align__(16) Stage stage[2];
   const GroupedSgemmRowTile tile = tiles[blockIdx.x];
   const int n0 = blockIdx.y * kTile, columns = min(kTile, N - n0);
   const Operand a{x + static_cast<int64_t>(tile.first_row) * K, 1, K, tile.rows, x_vector};
-  const Operand b = kWContigN ? Operand{w + tile.expert * w_stride_e + n0, w_stride_k, 1, columns, w_vector}
-                              : Operand{w + tile.expert * w_stride_e + n0 * w_stride_n, 1, w_stride_n, columns, w_vector};
+  const float* w_e = w + tile.expert * w_stride_e;
+  const Operand b = kWContigN ? Operand{w_e + n0, w_stride_k, 1, columns, w_vector}
+                              : Operand{w_e + n0 * w_stride_n, 1, w_stride_n, columns, w_vector};
   float acc[kT][kT] = {};
   tile_product<kT, false, kWContigN>(stage, a, b, K, acc);
   store_block<kT>(out + static_cast<int64_t>(tile.first_row) * N + n0, N, tile.rows, columns, out_vector, acc);
@@ -201,10 +207,9 @@ __global__ void __launch_bounds__(Threads<kT>::kCount, kT == 4 ? 4 : 6) rows_tim
 // out_e's tile (m0, n0): A(k, i) = a[(first + k) * M + m0 + i], B(k, j) = b[(first + k) * N + n0 + j],
 // over the expert's rows k (both contiguous along i / j).
 template <int kT>
-__global__ void __launch_bounds__(Threads<kT>::kCount, kT == 4 ? 4 : 6) weight_grad_kernel(const float* a, const float* b,
-                                                               const int32_t* block_starts, float* out, int M,
-                                                               int N, int m_tiles, bool a_vector, bool b_vector,
-                                                               bool out_vector) {
+__global__ void __launch_bounds__(Threads<kT>::kCount, kCtasPerSm<kT>)
+    weight_grad_kernel(const float* a, const float* b, const int32_t* block_starts, float* out, int M, int N,
+                       int m_tiles, bool a_vector, bool b_vector, bool out_vector) {
   __shared__ __align__(16) Stage stage[2];
   const int e = blockIdx.x / m_tiles, m0 = (blockIdx.x % m_tiles) * kTile, n0 = blockIdx.y * kTile;
   const int first = block_starts[e], rows = block_starts[e + 1] - first;
