@@ -3,6 +3,7 @@
 #include <signal.h>
 
 #include <atomic>
+#include <fstream>
 #include <future>
 #include <thread>
 
@@ -77,11 +78,14 @@ TEST(ReplayCrash, FourWriterProcessesSurviveTwoSigkillsWithEveryAckedSegmentStor
   ServiceProcess service(tmp, testing::free_port());
   ASSERT_TRUE(service.start());
   constexpr int kWriters = 4, kPerWriter = 250, kSegments = 3, kTokens = 64;
+  // Each writer holds its last trajectory until the gate opens after the second crash: however the
+  // machine schedules them, no writer finishes before both crashes.
+  const std::string gate = tmp.str("gate");
   std::vector<std::unique_ptr<Process>> writers;
   for (int w = 0; w < kWriters; ++w) {
     writers.push_back(std::make_unique<Process>(
         std::vector<std::string>{REPLAY_TEST_WRITER, service.endpoint(), std::to_string(w), std::to_string(kPerWriter),
-                                 std::to_string(kSegments), std::to_string(kTokens), /*pace_ms=*/"2"},
+                                 std::to_string(kSegments), std::to_string(kTokens), /*pace_ms=*/"2", gate},
         tmp.str("writer" + std::to_string(w) + ".log")));
   }
   // Kill the service twice while the writers stream: once a quarter and once 60% of the
@@ -102,6 +106,7 @@ TEST(ReplayCrash, FourWriterProcessesSurviveTwoSigkillsWithEveryAckedSegmentStor
     std::this_thread::sleep_for(300ms);  // writers notice the silence and keep resending
     ASSERT_TRUE(service.start());
   }
+  std::ofstream(gate).put('\n');
   uint64_t reconnects = 0;
   for (int w = 0; w < kWriters; ++w) {
     EXPECT_EQ(writers[w]->wait(120s), 0) << writers[w]->output();

@@ -1,10 +1,14 @@
 // A trajectory writer as its own process, for crash tests: writes `count` trajectories of
 // `segments` segments with deterministic ids ((writer+1) << 32 | (i+1)) and exits 0 only
 // once every one of them is acknowledged (durable).
-//   replay_test_writer ENDPOINT WRITER COUNT SEGMENTS TOKENS [PACE_MS]
+//   replay_test_writer ENDPOINT WRITER COUNT SEGMENTS TOKENS [PACE_MS [GATE_FILE]]
 // PACE_MS: pause between trajectories, like an actor waiting on its environment.
+// GATE_FILE: the last trajectory waits until this file exists (at most 120 s), so that a test can
+// crash the service while every writer is still running, however the writers are scheduled.
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <string>
 #include <thread>
 
@@ -13,8 +17,8 @@
 using namespace odyssey;
 
 int main(int argc, char** argv) {
-  if (argc != 6 && argc != 7) {
-    std::fprintf(stderr, "usage: %s ENDPOINT WRITER COUNT SEGMENTS TOKENS [PACE_MS]\n", argv[0]);
+  if (argc < 6 || argc > 8) {
+    std::fprintf(stderr, "usage: %s ENDPOINT WRITER COUNT SEGMENTS TOKENS [PACE_MS [GATE_FILE]]\n", argv[0]);
     return 2;
   }
   const std::string endpoint = argv[1];
@@ -22,7 +26,8 @@ int main(int argc, char** argv) {
   const uint64_t count = std::strtoull(argv[3], nullptr, 10);
   const uint32_t segments = static_cast<uint32_t>(std::strtoul(argv[4], nullptr, 10));
   const uint32_t tokens = static_cast<uint32_t>(std::strtoul(argv[5], nullptr, 10));
-  const int pace_ms = argc == 7 ? std::atoi(argv[6]) : 0;
+  const int pace_ms = argc >= 7 ? std::atoi(argv[6]) : 0;
+  const std::string gate = argc == 8 ? argv[7] : "";
   replay::ClientOptions o;
   o.endpoint = endpoint;
   o.name = "writer-" + std::to_string(writer);
@@ -35,6 +40,16 @@ int main(int argc, char** argv) {
   }
   for (uint64_t i = 0; i < count; ++i) {
     if (pace_ms) std::this_thread::sleep_for(std::chrono::milliseconds(pace_ms));
+    if (!gate.empty() && i + 1 == count) {
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+      while (!std::filesystem::exists(gate)) {
+        if (std::chrono::steady_clock::now() > deadline) {
+          std::fprintf(stderr, "gate %s never opened\n", gate.c_str());
+          return 1;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      }
+    }
     replay::TrajectoryMeta meta;
     meta.id = ((writer + 1) << 32) | (i + 1);
     meta.job = "crash-test";
