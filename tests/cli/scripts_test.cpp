@@ -1,0 +1,110 @@
+// The developer scripts that need no GPU, run for real on a scratch git repository.
+#include <gtest/gtest.h>
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include "cli/run_command.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+
+class ScratchRepo {
+ public:
+  ScratchRepo() {
+    std::string pattern = (fs::temp_directory_path() / "odyssey-scripts-XXXXXX").string();
+    dir_ = ::mkdtemp(pattern.data());
+  }
+  ~ScratchRepo() {
+    std::error_code ec;
+    fs::remove_all(dir_, ec);
+  }
+  // Runs a shell command line in the repository; returns its output.
+  std::string sh(const std::string& cmd, int* code) const {
+    return odyssey::testing::run_shell("cd '" + dir_.string() + "' && " + cmd, code);
+  }
+  std::string read(const std::string& path) const {
+    std::ifstream in(dir_ / path);
+    std::stringstream s;
+    s << in.rdbuf();
+    return s.str();
+  }
+  bool exists(const std::string& path) const { return fs::exists(dir_ / path); }
+  bool executable(const std::string& path) const {
+    struct stat st {};
+    return ::stat((dir_ / path).c_str(), &st) == 0 && (st.st_mode & S_IXUSR) != 0;
+  }
+
+ private:
+  fs::path dir_;
+};
+
+TEST(GpuOverlay, CarriesABranchsChangedAndDeletedFilesOntoTheTree) {
+  ScratchRepo repo;
+  int code = -1;
+  // A base commit, and a branch that changes one file, deletes one and adds an executable one.
+  std::string out = repo.sh(
+      "git init -q -b base . && git config user.email t@example.org && git config user.name t && "
+      "mkdir -p scripts kernels && cp '" ODYSSEY_SOURCE_DIR "/scripts/gpu_overlay.sh' scripts/ && "
+      "printf 'scratch/\\n' > .gitignore && echo a > kernels/a.cu && echo b > kernels/b.cu && "
+      "git add -A && git commit -qm base && git checkout -qb work && echo a2 > kernels/a.cu && "
+      "git rm -q kernels/b.cu && echo '#!/bin/sh' > kernels/run.sh && chmod +x kernels/run.sh && "
+      "git add -A && git commit -qm work && git checkout -q base",
+      &code);
+  ASSERT_EQ(code, 0) << out;
+
+  out = repo.sh("scripts/gpu_overlay.sh prepare work", &code);
+  ASSERT_EQ(code, 0) << out;
+  EXPECT_NE(out.find("2 files of"), std::string::npos) << out;
+  EXPECT_NE(out.find("(1 deleted) in scratch/overlay"), std::string::npos) << out;
+  EXPECT_NE(out.find("carry [\".gpu\", \"scratch/overlay\"]"), std::string::npos) << out;
+  // Preparing touches nothing in the tree.
+  EXPECT_EQ(repo.read("kernels/a.cu"), "a\n");
+  EXPECT_TRUE(repo.exists("kernels/b.cu"));
+
+  out = repo.sh("scripts/gpu_overlay.sh apply", &code);
+  ASSERT_EQ(code, 0) << out;
+  EXPECT_EQ(repo.read("kernels/a.cu"), "a2\n");
+  EXPECT_FALSE(repo.exists("kernels/b.cu"));
+  EXPECT_TRUE(repo.executable("kernels/run.sh"));
+  // The tree is now the branch's, file for file.
+  out = repo.sh("git add -A && git diff --cached --quiet work -- . ':!scripts/gpu_overlay.sh'", &code);
+  EXPECT_EQ(code, 0) << out;
+}
+
+TEST(GpuOverlay, RefusesAnUnknownRevisionAnOverlayGitWouldCopyAndAMissingOverlay) {
+  ScratchRepo repo;
+  int code = -1;
+  std::string out = repo.sh(
+      "git init -q -b base . && git config user.email t@example.org && git config user.name t && "
+      "mkdir -p scripts && cp '" ODYSSEY_SOURCE_DIR "/scripts/gpu_overlay.sh' scripts/ && "
+      "printf 'scratch/\\n' > .gitignore && git add -A && git commit -qm base",
+      &code);
+  ASSERT_EQ(code, 0) << out;
+
+  out = repo.sh("scripts/gpu_overlay.sh prepare no-such-branch", &code);
+  EXPECT_EQ(code, 2);
+  EXPECT_NE(out.find("no commit 'no-such-branch'"), std::string::npos) << out;
+
+  out = repo.sh("scripts/gpu_overlay.sh prepare base overlay-here", &code);
+  EXPECT_EQ(code, 2);
+  EXPECT_NE(out.find("overlay-here is not git-ignored"), std::string::npos) << out;
+  EXPECT_FALSE(repo.exists("overlay-here"));
+
+  out = repo.sh("scripts/gpu_overlay.sh apply scratch/none", &code);
+  EXPECT_EQ(code, 2);
+  EXPECT_NE(out.find("no overlay in scratch/none"), std::string::npos) << out;
+
+  out = repo.sh("scripts/gpu_overlay.sh", &code);
+  EXPECT_EQ(code, 2);
+  EXPECT_NE(out.find("usage:"), std::string::npos) << out;
+}
+
+}  // namespace
