@@ -7,10 +7,12 @@
 # conflict markers in it). So keep the checkout the calls copy still, do a branch's work in a second
 # worktree (`git worktree add ../wt BRANCH`), and send the branch's files as an overlay:
 #
-#   scripts/gpu_overlay.sh prepare REV [DIR]  on the CPU machine: every file REV changes against
-#                                             HEAD, as it is in REV, into DIR (default
-#                                             scratch/overlay, git-ignored); the files REV deletes
-#                                             are listed in DIR/.deleted
+#   scripts/gpu_overlay.sh prepare REV [DIR]  on the CPU machine: every file REV changes since it
+#                                             left HEAD's history (git diff HEAD...REV), as it is in
+#                                             REV, into DIR (default scratch/overlay, git-ignored);
+#                                             the files REV deletes are listed in DIR/.deleted. What
+#                                             HEAD changed since then stays; a file both changed
+#                                             is taken from REV, with a warning (rebase REV first)
 #   scripts/gpu_overlay.sh apply [DIR]        on the GPU machine, before building: DIR's files over
 #                                             the tree, the listed ones removed
 #
@@ -29,19 +31,22 @@ case "${1:-}" in
       ignored) ;;
       *) echo "gpu_overlay: $dir is not git-ignored: a call would copy it into the tree anyway" >&2; exit 2 ;;
     esac
+    base=$(git merge-base HEAD "$rev") || { echo "gpu_overlay: $rev shares no history with HEAD" >&2; exit 2; }
     rm -rf "$dir" && mkdir -p "$dir" || exit 1
     : >"$dir/.deleted"
     changed=0 deleted=0
     while IFS=$'\t' read -r status path; do
+      git diff --quiet "$base" HEAD -- "$path" ||
+        echo "gpu_overlay: warning: $path changed on HEAD too since $(git rev-parse --short "$base"): $rev's version wins (rebase $rev onto HEAD to merge them)" >&2
       case "$status" in
         D) echo "$path" >>"$dir/.deleted"; deleted=$((deleted + 1)) ;;
         *) mkdir -p "$dir/$(dirname "$path")" && git show "$rev:$path" >"$dir/$path" || exit 1
            [ "$(git ls-tree "$rev" -- "$path" | cut -d' ' -f1)" = 100755 ] && chmod +x "$dir/$path"
            changed=$((changed + 1)) ;;
       esac
-    done < <(git diff --name-status --no-renames HEAD "$rev")
+    done < <(git diff --name-status --no-renames "$base" "$rev")
     git rev-parse "$rev" >"$dir/.rev"
-    echo "gpu_overlay: $changed files of $(git rev-parse --short "$rev") ($deleted deleted) in $dir against HEAD $(git rev-parse --short HEAD)"
+    echo "gpu_overlay: $changed files of $(git rev-parse --short "$rev") ($deleted deleted) in $dir, for HEAD $(git rev-parse --short HEAD)"
     echo "gpu_overlay: carry [\".gpu\", \"$dir\"]; on the device: scripts/gpu_overlay.sh apply $dir"
     ;;
   apply)

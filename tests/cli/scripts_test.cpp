@@ -46,17 +46,21 @@ class ScratchRepo {
   fs::path dir_;
 };
 
-TEST(GpuOverlay, CarriesABranchsChangedAndDeletedFilesOntoTheTree) {
+TEST(GpuOverlay, CarriesABranchsChangesOntoTheTreeAndKeepsWhatTheTreeChangedSince) {
   ScratchRepo repo;
   int code = -1;
-  // A base commit, and a branch that changes one file, deletes one and adds an executable one.
+  // A base commit; a branch that changes one file, deletes one and adds an executable one; then
+  // the base moves on with a file of its own.
   std::string out = repo.sh(
       "git init -q -b base . && git config user.email t@example.org && git config user.name t && "
       "mkdir -p scripts kernels && cp '" ODYSSEY_SOURCE_DIR "/scripts/gpu_overlay.sh' scripts/ && "
       "printf 'scratch/\\n' > .gitignore && echo a > kernels/a.cu && echo b > kernels/b.cu && "
       "git add -A && git commit -qm base && git checkout -qb work && echo a2 > kernels/a.cu && "
       "git rm -q kernels/b.cu && echo '#!/bin/sh' > kernels/run.sh && chmod +x kernels/run.sh && "
-      "git add -A && git commit -qm work && git checkout -q base",
+      "git add -A && git commit -qm work && git checkout -q base && echo c > kernels/c.cu && "
+      "git add -A && git commit -qm later && "
+      // What the tree should become: the branch merged onto the base.
+      "git checkout -qb merged work && git merge -q --no-edit base && git checkout -q base",
       &code);
   ASSERT_EQ(code, 0) << out;
 
@@ -65,6 +69,7 @@ TEST(GpuOverlay, CarriesABranchsChangedAndDeletedFilesOntoTheTree) {
   EXPECT_NE(out.find("2 files of"), std::string::npos) << out;
   EXPECT_NE(out.find("(1 deleted) in scratch/overlay"), std::string::npos) << out;
   EXPECT_NE(out.find("carry [\".gpu\", \"scratch/overlay\"]"), std::string::npos) << out;
+  EXPECT_EQ(out.find("warning"), std::string::npos) << out;
   // Preparing touches nothing in the tree.
   EXPECT_EQ(repo.read("kernels/a.cu"), "a\n");
   EXPECT_TRUE(repo.exists("kernels/b.cu"));
@@ -74,9 +79,27 @@ TEST(GpuOverlay, CarriesABranchsChangedAndDeletedFilesOntoTheTree) {
   EXPECT_EQ(repo.read("kernels/a.cu"), "a2\n");
   EXPECT_FALSE(repo.exists("kernels/b.cu"));
   EXPECT_TRUE(repo.executable("kernels/run.sh"));
-  // The tree is now the branch's, file for file.
-  out = repo.sh("git add -A && git diff --cached --quiet work -- . ':!scripts/gpu_overlay.sh'", &code);
+  EXPECT_EQ(repo.read("kernels/c.cu"), "c\n");  // the base's own later change stays
+  // The tree is now the branch merged onto the base, file for file.
+  out = repo.sh("git add -A && git diff --cached --quiet merged", &code);
   EXPECT_EQ(code, 0) << out;
+}
+
+TEST(GpuOverlay, WarnsWhenTheTreeChangedAFileTheBranchChangesToo) {
+  ScratchRepo repo;
+  int code = -1;
+  std::string out = repo.sh(
+      "git init -q -b base . && git config user.email t@example.org && git config user.name t && "
+      "mkdir -p scripts && cp '" ODYSSEY_SOURCE_DIR "/scripts/gpu_overlay.sh' scripts/ && "
+      "printf 'scratch/\\n' > .gitignore && echo a > a.cu && git add -A && git commit -qm base && "
+      "git checkout -qb work && echo branch > a.cu && git commit -qam work && git checkout -q base && "
+      "echo tree > a.cu && git commit -qam later",
+      &code);
+  ASSERT_EQ(code, 0) << out;
+  out = repo.sh("scripts/gpu_overlay.sh prepare work", &code);
+  EXPECT_EQ(code, 0) << out;
+  EXPECT_NE(out.find("warning: a.cu changed on HEAD too"), std::string::npos) << out;
+  EXPECT_NE(out.find("rebase work onto HEAD"), std::string::npos) << out;
 }
 
 TEST(GpuOverlay, RefusesAnUnknownRevisionAnOverlayGitWouldCopyAndAMissingOverlay) {
