@@ -4,7 +4,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -16,19 +18,36 @@ namespace {
 
 namespace fs = std::filesystem;
 
+// A git repository in a fresh temporary directory (removed afterwards) holding a copy of
+// scripts/gpu_overlay.sh, with scratch/ ignored as in the project.
 class ScratchRepo {
  public:
   ScratchRepo() {
     std::string pattern = (fs::temp_directory_path() / "odyssey-scripts-XXXXXX").string();
-    dir_ = ::mkdtemp(pattern.data());
+    if (::mkdtemp(pattern.data()) == nullptr) {
+      ADD_FAILURE() << "mkdtemp " << pattern << ": " << std::strerror(errno);
+      return;
+    }
+    dir_ = pattern;
   }
   ~ScratchRepo() {
     std::error_code ec;
-    fs::remove_all(dir_, ec);
+    if (!dir_.empty()) fs::remove_all(dir_, ec);
   }
   // Runs a shell command line in the repository; returns its output.
   std::string sh(const std::string& cmd, int* code) const {
+    if (dir_.empty()) {
+      *code = -1;
+      return "no scratch directory";
+    }
     return odyssey::testing::run_shell("cd '" + dir_.string() + "' && " + cmd, code);
+  }
+  // Makes the repository (branch `base`, the script and .gitignore committed), then runs `then`.
+  std::string init(const std::string& then, int* code) const {
+    return sh("git init -q -b base . && git config user.email t@example.org && git config user.name t && "
+              "mkdir -p scripts && cp '" ODYSSEY_SOURCE_DIR "/scripts/gpu_overlay.sh' scripts/ && "
+              "printf 'scratch/\\n' > .gitignore && git add -A && git commit -qm base && " + then,
+              code);
   }
   std::string read(const std::string& path) const {
     std::ifstream in(dir_ / path);
@@ -51,11 +70,9 @@ TEST(GpuOverlay, CarriesABranchsChangesOntoTheTreeAndKeepsWhatTheTreeChangedSinc
   int code = -1;
   // A base commit; a branch that changes one file, deletes one and adds an executable one; then
   // the base moves on with a file of its own.
-  std::string out = repo.sh(
-      "git init -q -b base . && git config user.email t@example.org && git config user.name t && "
-      "mkdir -p scripts kernels && cp '" ODYSSEY_SOURCE_DIR "/scripts/gpu_overlay.sh' scripts/ && "
-      "printf 'scratch/\\n' > .gitignore && echo a > kernels/a.cu && echo b > kernels/b.cu && "
-      "git add -A && git commit -qm base && git checkout -qb work && echo a2 > kernels/a.cu && "
+  std::string out = repo.init(
+      "mkdir kernels && echo a > kernels/a.cu && echo b > kernels/b.cu && "
+      "git add -A && git commit -qm kernels && git checkout -qb work && echo a2 > kernels/a.cu && "
       "git rm -q kernels/b.cu && echo '#!/bin/sh' > kernels/run.sh && chmod +x kernels/run.sh && "
       "git add -A && git commit -qm work && git checkout -q base && echo c > kernels/c.cu && "
       "git add -A && git commit -qm later && "
@@ -88,10 +105,8 @@ TEST(GpuOverlay, CarriesABranchsChangesOntoTheTreeAndKeepsWhatTheTreeChangedSinc
 TEST(GpuOverlay, WarnsWhenTheTreeChangedAFileTheBranchChangesToo) {
   ScratchRepo repo;
   int code = -1;
-  std::string out = repo.sh(
-      "git init -q -b base . && git config user.email t@example.org && git config user.name t && "
-      "mkdir -p scripts && cp '" ODYSSEY_SOURCE_DIR "/scripts/gpu_overlay.sh' scripts/ && "
-      "printf 'scratch/\\n' > .gitignore && echo a > a.cu && git add -A && git commit -qm base && "
+  std::string out = repo.init(
+      "echo a > a.cu && git add -A && git commit -qm a && "
       "git checkout -qb work && echo branch > a.cu && git commit -qam work && git checkout -q base && "
       "echo tree > a.cu && git commit -qam later",
       &code);
@@ -105,11 +120,7 @@ TEST(GpuOverlay, WarnsWhenTheTreeChangedAFileTheBranchChangesToo) {
 TEST(GpuOverlay, RefusesAnUnknownRevisionAnOverlayGitWouldCopyAndAMissingOverlay) {
   ScratchRepo repo;
   int code = -1;
-  std::string out = repo.sh(
-      "git init -q -b base . && git config user.email t@example.org && git config user.name t && "
-      "mkdir -p scripts && cp '" ODYSSEY_SOURCE_DIR "/scripts/gpu_overlay.sh' scripts/ && "
-      "printf 'scratch/\\n' > .gitignore && git add -A && git commit -qm base",
-      &code);
+  std::string out = repo.init("true", &code);
   ASSERT_EQ(code, 0) << out;
 
   out = repo.sh("scripts/gpu_overlay.sh prepare no-such-branch", &code);
