@@ -384,7 +384,7 @@ Gradients chunked_backward_reference(const at::Tensor& q, const at::Tensor& k, c
                                      const at::Tensor& g, const at::Tensor& beta,
                                      const at::Tensor& initial_state, double scale, const at::Tensor& d_o,
                                      const at::Tensor& d_final_state, int64_t chunk, int64_t anchor,
-                                     const BackwardRounding& rounding) {
+                                     const BackwardRounding& rounding, BackwardForm form) {
   constexpr const char* where = "kda::chunked_backward_reference";
   check_sequence_inputs(where, q, k, v, g, beta, initial_state);
   TORCH_CHECK(d_o.defined() && d_o.sizes() == v.sizes(), where, ": d_o must match v ", v.sizes(), ", got ",
@@ -466,16 +466,59 @@ Gradients chunked_backward_reference(const at::Tensor& q, const at::Tensor& k, c
   const at::Tensor d_decay = (ds * s).sum(-1);                             // d e^gamma [B, H, N, K]
   const at::Tensor d_q_hat = state_product(doc, s.transpose(-1, -2));      // dO S^T
   const at::Tensor d_a_qk = at::tril(small_product(doc, v_new.transpose(-1, -2)), 0);
-  const at::Tensor d_w = -state_product(d_v_new, s.transpose(-1, -2));
-  const at::Tensor d_vb = small_product(inverse.transpose(-1, -2), d_v_new);  // M^T dU
-  const at::Tensor d_kb = small_product(inverse.transpose(-1, -2), d_w);      // M^T dW
+  at::Tensor d_vb, d_kb, d_l;  // dVb = M^T dU, dKb = M^T dW, dL (strictly lower)
+  if (form == BackwardForm::kInverseChain) {
+    const at::Tensor d_w = -state_product(d_v_new, s.transpose(-1, -2));
+    d_vb = small_product(inverse.transpose(-1, -2), d_v_new);
+    d_kb = small_product(inverse.transpose(-1, -2), d_w);
+    // dM[t][i] = beta_i (G + H)[t][i], G = dU V^T, H = dW K^^T; dL = -M^T dM M^T, strictly lower.
+    const at::Tensor d_m = (small_product(d_v_new, vc.transpose(-1, -2)) + small_product(d_w, k_hat.transpose(-1, -2))) *
+                           bc.transpose(-1, -2);
+    d_l = at::tril(-small_product(small_product(inverse.transpose(-1, -2), d_m), inverse.transpose(-1, -2)), -1);
+  } else {
+    if (form == BackwardForm::kInnovations || anchor == chunk) {
+      d_vb = small_product(inverse.transpose(-1, -2), d_v_new);
+    } else {
+      // dV' of a reverse walk over sub-chunks of `anchor` tokens (pass 2's, stored as `states` are),
+      // then M_aa^T dV'_a on each: [B, H, N, C, X] viewed as [B, H, N C / anchor, anchor, X].
+      const int64_t subs = num_chunks * chunk / anchor;
+      auto sub_view = [&](const at::Tensor& x) {
+        return x.reshape({batch, heads, subs, anchor, x.size(-1)});
+      };
+      const at::Tensor sk = sub_view(kc), sg = sub_view(gc), sb = sub_view(bc), sdo = sub_view(doc);
+      const at::Tensor s_cum = sg.cumsum(3), s_last = s_cum.select(3, anchor - 1).unsqueeze(3);
+      const at::Tensor s_q_hat = sub_view(qc) * scale * s_cum.exp(), s_k_hat = sk * s_cum.exp();
+      const at::Tensor s_k_til = sk * (-s_cum).exp(), s_k_bar = sk * (s_last - s_cum).exp();
+      const at::Tensor s_aqk = at::tril(at::matmul(s_q_hat, s_k_til.transpose(-1, -2)), 0);
+      const at::Tensor s_inverse = unit_lower_inverse(sb * at::tril(at::matmul(s_k_hat, s_k_til.transpose(-1, -2)), -1));
+      const at::Tensor s_w = at::matmul(s_inverse, sb * s_k_hat), s_decay = s_last.squeeze(3).exp().unsqueeze(-1);
+      std::vector<at::Tensor> d_v_sub(subs);
+      at::Tensor d_walk = d_final_state.defined() ? d_final_state.to(dtype) : at::zeros_like(d_state);
+      for (int64_t n = subs - 1; n >= 0; --n) {
+        d_v_sub[n] = at::matmul(s_k_bar.select(2, n), d_walk) + at::matmul(s_aqk.select(2, n).transpose(-1, -2), sdo.select(2, n));
+        d_walk = at::matmul(s_q_hat.select(2, n).transpose(-1, -2), sdo.select(2, n)) + s_decay.select(2, n) * d_walk -
+                 at::matmul(s_w.select(2, n).transpose(-1, -2), d_v_sub[n]);
+      }
+      // M's diagonal blocks are the sub-chunks' own inverses (taken from `inverse`, as pass 3 makes them).
+      const at::Tensor diagonal = at::stack(
+          [&] {
+            std::vector<at::Tensor> blocks;
+            for (int64_t a = 0; a < chunk / anchor; ++a) {
+              blocks.push_back(inverse.narrow(-2, a * anchor, anchor).narrow(-1, a * anchor, anchor));
+            }
+            return blocks;
+          }(),
+          3);  // [B, H, N, C / anchor, anchor, anchor]
+      const at::Tensor d_v_kept = operand(at::stack(d_v_sub, 2), rounding.states)
+                                      .reshape({batch, heads, num_chunks, chunk / anchor, anchor, v_dim});
+      d_vb = small_product(diagonal.transpose(-1, -2), d_v_kept).reshape({batch, heads, num_chunks, chunk, v_dim});
+    }
+    d_kb = -state_product(d_vb, s.transpose(-1, -2));
+    d_l = at::tril(-small_product(d_vb, v_new.transpose(-1, -2)), -1);
+  }
   const at::Tensor dv = bc * d_vb;
   at::Tensor d_k_hat = bc * d_kb;
   at::Tensor dbeta = (d_vb * vc).sum(-1, true) + (d_kb * k_hat).sum(-1, true);  // [B, H, N, C, 1]
-  // dM[t][i] = beta_i (G + H)[t][i], G = dU V^T, H = dW K^^T; dL = -M^T dM M^T, strictly lower.
-  const at::Tensor d_m = (small_product(d_v_new, vc.transpose(-1, -2)) + small_product(d_w, k_hat.transpose(-1, -2))) *
-                         bc.transpose(-1, -2);
-  const at::Tensor d_l = at::tril(-small_product(small_product(inverse.transpose(-1, -2), d_m), inverse.transpose(-1, -2)), -1);
   dbeta = dbeta + (d_l * p).sum(-1, true);
   const at::Tensor d_p = bc * d_l;
 

@@ -152,11 +152,25 @@ struct BackwardRounding {
   // diagonal blocks' inverses exact, as the kernels' fp32 substitution)
   bool inverse_blocks = false;
 };
+// How pass 3 reaches dL (the gradient of the strictly lower L = Diag(beta) P) and dK^'s term through
+// W = M Diag(beta) K^, given dV' (write Vb = Diag(beta) V, Kb = Diag(beta) K^, U = M Vb, W = M Kb):
+//   kInverseChain   dW = -dV' S^T, dVb = M^T dV', dKb = M^T dW, dM = dV' Vb^T + dW Kb^T and
+//                   dL = -M^T dM M^T: kda_backward.cu's derivation, line by line.
+//   kInnovations    dVb = M^T dV', dKb = -dVb S^T, dL = -dVb V'^T (strictly lower): the chain collapses,
+//                   since -M^T dM M^T = -dVb (M Vb)^T - dKb (M Kb)^T = -dVb U^T + dVb S^T W^T =
+//                   -dVb (U - W S)^T. No W, dW, dM nor the two products with M around it.
+//   kSubChunkInnovations  the same, with dVb made per sub-chunk of `anchor` tokens, M_aa^T dV'_a, from
+//                   the dV' that a reverse walk over those sub-chunks gives (pass 2 walks 16 tokens at a
+//                   time and keeps it). dVb = dv / beta is the gradient of an input, the same whatever the
+//                   chunking, so only M's diagonal blocks are needed, and the sub-chunk's dV' needs no
+//                   correction to the chunk's: what the kernels' pass 3 by blocks computes.
+enum class BackwardForm { kInverseChain, kInnovations, kSubChunkInnovations };
 Gradients chunked_backward_reference(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                      const at::Tensor& g, const at::Tensor& beta,
                                      const at::Tensor& initial_state, double scale, const at::Tensor& d_o,
                                      const at::Tensor& d_final_state, int64_t chunk = 16, int64_t anchor = 0,
-                                     const BackwardRounding& rounding = {});
+                                     const BackwardRounding& rounding = {},
+                                     BackwardForm form = BackwardForm::kInverseChain);
 
 // One decode token for a batch: q, k, g [B, H, K], v [B, H, V], beta [B, H]; state
 // [B, H, K, V] (fp32 or fp64, contiguous or not) is updated in place. Inputs are cast to the

@@ -365,16 +365,22 @@ TEST(Kda, BlockedBackwardEqualsAutogradOfTheChunkedForm) {
     if (g_fill <= 0.0) in.g = at::full_like(in.g, g_fill);
     torch::manual_seed(32);
     const at::Tensor d_o = at::randn_like(in.v), d_final = at::randn_like(in.state);
-    for (const auto& [chunk, anchor] : std::vector<std::pair<int64_t, int64_t>>{{16, 16}, {64, 16}, {32, 8}}) {
+    for (const auto& [chunk, anchor] : std::vector<std::pair<int64_t, int64_t>>{{16, 16}, {64, 16}, {32, 8}, {32, 16}}) {
       const auto expected = autograd_gradients(in, d_o, d_final, chunk, anchor);
-      const auto got = as_list(kda::chunked_backward_reference(in.q, in.k, in.v, in.g, in.beta, in.state,
-                                                               scale_for(in.q), d_o, d_final, chunk, anchor));
-      for (size_t i = 0; i < got.size(); ++i) {
-        const double diff = max_abs_diff(got[i], expected[i]);
-        const std::string label = std::string(names[i]) + " C=" + std::to_string(chunk) + " anchor " +
-                                  std::to_string(anchor) + (g_fill > 0 ? " random g" : " g=" + std::to_string(g_fill));
-        if (i == 3) report(label, diff);
-        EXPECT_LT(diff, 1e-10 * std::max(1.0, expected[i].abs().max().item<double>())) << label;
+      // The three ways to dL (kda.h, BackwardForm): M^T dM M^T; -dVb V'^T; the same with dVb from
+      // the sub-chunks' walk (the kernels' form).
+      for (const auto form : {kda::BackwardForm::kInverseChain, kda::BackwardForm::kInnovations,
+                              kda::BackwardForm::kSubChunkInnovations}) {
+        const auto got = as_list(kda::chunked_backward_reference(in.q, in.k, in.v, in.g, in.beta, in.state,
+                                                                 scale_for(in.q), d_o, d_final, chunk, anchor, {}, form));
+        for (size_t i = 0; i < got.size(); ++i) {
+          const double diff = max_abs_diff(got[i], expected[i]);
+          const std::string label = std::string(names[i]) + " C=" + std::to_string(chunk) + " anchor " +
+                                    std::to_string(anchor) + " form " + std::to_string(static_cast<int>(form)) +
+                                    (g_fill > 0 ? " random g" : " g=" + std::to_string(g_fill));
+          if (i == 3) report(label, diff);
+          EXPECT_LT(diff, 1e-10 * std::max(1.0, expected[i].abs().max().item<double>())) << label;
+        }
       }
     }
   }
@@ -391,6 +397,7 @@ TEST(Kda, BlockedBackwardPrecisionOfBf16OperandsByProductClass) {
     const char* name;
     int64_t chunk, anchor;
     kda::BackwardRounding rounding;
+    kda::BackwardForm form = kda::BackwardForm::kInverseChain;
   };
   kda::BackwardRounding kernel_today;
   kernel_today.states = kernel_today.state_products = true;
@@ -413,6 +420,10 @@ TEST(Kda, BlockedBackwardPrecisionOfBf16OperandsByProductClass) {
       {"C=16 all bf16 (today's chunk)", 16, 16, everything},
       {"C=64 anchor 16, all bf16, dGamma's factors unrounded", 64, 16, unrounded},
       {"C=64 anchor 16, all bf16, M's blocks from bf16 products", 64, 16, inverse_blocks},
+      {"C=32 anchor 16, all bf16, dL = -dVb V'^T, dVb by 16s", 32, 16, everything,
+       kda::BackwardForm::kSubChunkInnovations},
+      {"C=64 anchor 16, all bf16, dL = -dVb V'^T, dVb by 16s", 64, 16, everything,
+       kda::BackwardForm::kSubChunkInnovations},
   };
   std::map<std::string, double> worst;  // case -> worst relative error over g and gradients
   for (const double g_fill : {1.0, -5.0, 0.0}) {
@@ -425,7 +436,7 @@ TEST(Kda, BlockedBackwardPrecisionOfBf16OperandsByProductClass) {
     for (const Case& c : cases) {
       const auto got = as_list(kda::chunked_backward_reference(in.q, in.k, in.v, in.g, in.beta, in.state,
                                                                scale_for(in.q), d_o, d_final, c.chunk, c.anchor,
-                                                               c.rounding));
+                                                               c.rounding, c.form));
       double case_worst = 0;
       std::string which;
       for (size_t i = 0; i < got.size(); ++i) {
@@ -448,6 +459,10 @@ TEST(Kda, BlockedBackwardPrecisionOfBf16OperandsByProductClass) {
   // mix; with the unrounded factors dg's error grows to ~1.1e-2 at g = -5.
   EXPECT_LT(worst["C=64 anchor 16, + diagonal blocks (all bf16)"], 6e-3);
   EXPECT_LT(worst["C=16 all bf16 (today's chunk)"], 6e-3);
+  // The collapsed chain the blocked kernel computes (dVb = M_aa^T dV'_a by sub-chunks with dV' stored
+  // in bf16, dKb = -dVb S^T, dL = -dVb V'^T): no less precise than the chain it replaces.
+  EXPECT_LT(worst["C=32 anchor 16, all bf16, dL = -dVb V'^T, dVb by 16s"], 6e-3);
+  EXPECT_LT(worst["C=64 anchor 16, all bf16, dL = -dVb V'^T, dVb by 16s"], 6e-3);
   // M of a 64-token block from its 16 x 16 diagonal inverses and bf16 block products: 4.9e-3.
   EXPECT_LT(worst["C=64 anchor 16, all bf16, M's blocks from bf16 products"], 6e-3);
   EXPECT_GT(worst["C=64 anchor 16, all bf16, dGamma's factors unrounded"],
