@@ -75,16 +75,29 @@ struct alignas(128) BlockShared {
     float d_gamma[kBlock][kPadK];  // phases 7-8
   };
   bf16 v_new[kBlock][kRowV];   // V'
-  bf16 d_v_new[kBlock][kRowV]; // dV'
+  bf16 d_v_new[kBlock][kRowV]; // dV' (where dV' is given: dVb = M^T dV' from phase 3 on, in place)
   float p[kBlock][kPadC];      // strictly_lower(P)
-  float gh[kBlock][kPadC];     // G + H (lower, diagonal included)
-  float m[kBlock][kPadC];      // M
-  bf16 a_qk[kBlock][kRowC];    // Aqk (lower, diagonal included)
-  bf16 m_b[kBlock][kRowC];     // M
-  bf16 mb_b[kBlock][kRowC];    // M Diag(beta)
+  // The inverse chain's arrays (dL = -M^T dM M^T: where dV' is not given), or, where it is, dGamma and
+  // dbeta's parts: the Decayed operands then live through phase 5, where the pair's next state is made.
+  struct InverseChain {
+    float gh[kBlock][kPadC];     // G + H (lower, diagonal included)
+    float m[kBlock][kPadC];      // M
+    bf16 a_qk[kBlock][kRowC];    // Aqk (lower, diagonal included)
+    bf16 mb_b[kBlock][kRowC];    // M Diag(beta)
+    bf16 t1[kBlock][kRowC];      // dM M^T (the dL chain's)
+    bf16 d_m[kBlock][kRowC];     // dM = (G + H) Diag(beta) below the diagonal
+  };
+  struct Innovations {
+    float d_gamma[kBlock][kPadK];        // phases 5-6
+    float dbeta_parts[kBlock][V / 16];   // dVb (.) V - Y (.) K^ over each 16-column tile (phases 3-4)
+  };
+  union alignas(16) {
+    InverseChain chain;
+    Innovations given;
+  };
+  bf16 m_b[kBlock][kRowC];     // M (where dV' is given, only the diagonal blocks)
   bf16 d_aqk[kBlock][kRowC];   // dAqk
   bf16 d_p[kBlock][kRowC];     // dP = Diag(beta) dL
-  bf16 t1[kBlock][kRowC];      // dM M^T (the dL chain's)
   alignas(16) float l_t[kBlockSubChunks][kChunk][kChunk];  // the diagonal blocks' L^T
   float part[kSlices][K];      // Gamma's partial sums (phase 0)
   float d_decay[kSlices][K];   // sum_v dS' (.) S over slices of the V rows
@@ -94,7 +107,6 @@ struct alignas(128) BlockShared {
   float last[K];               // gamma = Gamma[31]
   bf16 c10[K];                 // e^{B_1}: Kc_10 = Kc_0 (.) e^{B_1}
   float dbeta_l[2][kBlock];    // sum_j dL_ij P_ij over the columns of tile 0 and tile 1
-  bf16 d_m[kBlock][kRowC];     // dM = (G + H) Diag(beta) below the diagonal
   uint64_t loaded[3];          // BlockLoads::kTma: the mbarriers of an item's three load parts
 };
 
@@ -235,7 +247,7 @@ enum class BlockLoads { kTop, kProducer, kTma };
 // 6.75-6.76 against 6.89-6.90 ms on an H100, 6.86-6.90 against 7.14-7.17 on an H200; and dK_ made in
 // phases 2-3 with dS'^T loaded after phase 3, 6.63-6.65 ms on that H200.)
 constexpr int kBlockComputeBarrier = 2, kValuesFree = 3, kGatesFree = 4, kKeysFree = 5, kLoaded = 6,
-              kDStatesFree = 7;
+              kDStatesFree = 7, kStatesFree = 8;
 template <BlockLoads kLoads>
 constexpr int block_gradient_threads() { return kGradientThreads + (kLoads == BlockLoads::kProducer ? 32 : 0); }
 
@@ -363,24 +375,33 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
     }
     cp_async_commit();
   };
-  auto issue_states_and_values = [&](const Item& it, int me, int stride) {
+  // The states and value rows; with kEarlyDS in two parts of their own (`parts`): kValueRows v, dO
+  // and dV' (free after phase 4), kStateRows S^T and V' (free after phase 5, where the pair's next
+  // state is made from them).
+  enum : int { kValueRows = 1, kStateRows = 2, kAllRows = 3 };
+  auto issue_states_and_values = [&](const Item& it, int me, int stride, int parts = kAllRows) {
     int64_t s_at, ds_at;
     state_indices(it, s_at, ds_at);
     const bf16* s = a.chunk_states + s_at * V * K;
     const bf16* ds = a.chunk_d_states + ds_at * V * K;
     const bool s_made = chained && (it.index & 1);  // by the pair's first block, in place
+    const bool states = (parts & kStateRows) != 0, values = (parts & kValueRows) != 0;
     for (int e = me; e < V * K / 8; e += stride) {
       const int row = e / (K / 8), col = (e % (K / 8)) * 8;
-      if (!s_made) cp_async16(&sh.s_t[row][col], s + static_cast<int64_t>(e) * 8);
+      if (states && !s_made) cp_async16(&sh.s_t[row][col], s + static_cast<int64_t>(e) * 8);
       if constexpr (!kEarlyDS) cp_async16(&sh.ds_t[row][col], ds + static_cast<int64_t>(e) * 8);
     }
     for (int e = me; e < kBlock * V / 8; e += stride) {
       const int i = e / (V / 8), col = (e % (V / 8)) * 8;
       const int64_t at = real_row(it, i) * V + col;
-      cp_async16_or_zero(&sh.v[i][col], v + at, i < it.valid);
-      cp_async16_or_zero(&sh.d_o[i][col], d_o + at, i < it.valid);
-      if constexpr (kGivenV) cp_async16_or_zero(&sh.v_new[i][col], a.new_values + at, i < it.valid);
-      if constexpr (kGivenDV) cp_async16_or_zero(&sh.d_v_new[i][col], a.d_new_values + at, i < it.valid);
+      if (values) {
+        cp_async16_or_zero(&sh.v[i][col], v + at, i < it.valid);
+        cp_async16_or_zero(&sh.d_o[i][col], d_o + at, i < it.valid);
+        if constexpr (kGivenDV) cp_async16_or_zero(&sh.d_v_new[i][col], a.d_new_values + at, i < it.valid);
+      }
+      if constexpr (kGivenV) {
+        if (states) cp_async16_or_zero(&sh.v_new[i][col], a.new_values + at, i < it.valid);
+      }
     }
     cp_async_commit();
   };
@@ -460,13 +481,22 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
         const Item it = item_at(w);
         const bool first = w == first_slot;
         if constexpr (kEarlyDS) {
+          // The order the compute warps free them in: dS'^T, q and k after phase 3; v, dO and dV'
+          // after phase 4; S^T, V' and Gamma after phase 5.
           if (!first) named_sync(kDStatesFree);
           issue_d_states(it, lane, 32);
+          if (!first) named_sync(kKeysFree);
+          issue_keys(it, lane, 32);
+          if (!first) named_sync(kValuesFree);
+          issue_states_and_values(it, lane, 32, kValueRows);
+          if (!first) named_sync(kStatesFree);
+          issue_states_and_values(it, lane, 32, kStateRows);
+        } else {
+          if (!first) named_sync(kKeysFree);
+          issue_keys(it, lane, 32);
+          if (!first) named_sync(kValuesFree);
+          issue_states_and_values(it, lane, 32);
         }
-        if (!first) named_sync(kKeysFree);
-        issue_keys(it, lane, 32);
-        if (!first) named_sync(kValuesFree);
-        issue_states_and_values(it, lane, 32);
         if (!first) named_sync(kGatesFree);
         issue_gates(it, lane, 32);
         cp_async_wait<0>();
@@ -660,8 +690,8 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
           if (ra == cb) sh.l_t[ra][j - 16 * cb][i - 16 * ra] = below ? sh.beta[i] * acc[n][e] : 0.0f;
           if (ab == 0) sh.p[i][j + kChunk] = 0.0f;  // the block above the diagonal
         } else {
-          sh.a_qk[i][j] = __float2bfloat16_rn(below || i == j ? acc[n][e] : 0.0f);
-          if (ab == 0) sh.a_qk[i][j + kChunk] = __float2bfloat16_rn(0.0f);
+          sh.chain.a_qk[i][j] = __float2bfloat16_rn(below || i == j ? acc[n][e] : 0.0f);
+          if (ab == 0) sh.chain.a_qk[i][j + kChunk] = __float2bfloat16_rn(0.0f);
         }
       });
       if (is_p && ra == cb) {
@@ -672,13 +702,15 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
           unit_lower_inverse_column_t(sh.l_t[ra], c, col);
 #pragma unroll
           for (int i = 0; i < kChunk; ++i) {
-            sh.m[o + i][o + c] = col[i];
             sh.m_b[o + i][o + c] = __float2bfloat16_rn(col[i]);
-            sh.mb_b[o + i][o + c] = __float2bfloat16_rn(col[i] * sh.beta[o + c]);
-            if (ra == 0) {  // the block above the diagonal
-              sh.m[i][kChunk + c] = 0.0f;
-              sh.m_b[i][kChunk + c] = __float2bfloat16_rn(0.0f);
-              sh.mb_b[i][kChunk + c] = __float2bfloat16_rn(0.0f);
+            if constexpr (!kGivenDV) {  // dV' given: only M_00 and M_11 are read (phase 3's dVb)
+              sh.chain.m[o + i][o + c] = col[i];
+              sh.chain.mb_b[o + i][o + c] = __float2bfloat16_rn(col[i] * sh.beta[o + c]);
+              if (ra == 0) {  // the block above the diagonal
+                sh.chain.m[i][kChunk + c] = 0.0f;
+                sh.m_b[i][kChunk + c] = __float2bfloat16_rn(0.0f);
+                sh.chain.mb_b[i][kChunk + c] = __float2bfloat16_rn(0.0f);
+              }
             }
           }
         }
@@ -686,115 +718,6 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
     }
     compute_barrier();
     BLOCK_PHASE_MARK(3);
-
-    // Phase 3: M_10 = -(M_11 L_10) M_00 (warp 0); dV' = K_ dS' + Aqk^T dO on every warp's tile,
-    // stored bf16. Where dV' is given (kGivenDV): its first sub-chunk's rows from the chunk's to the
-    // block's, dV'_0 += Y^T dV'_1 with Y = M_11 L_10 (warps 0-7, their 16 columns each); then every
-    // warp's dQ^, and warps 10-12's dK_.
-    if (warp == 0 || (kGivenDV && rt == 0)) {
-      // Y = M_11 L_10 (L_10[j][c] = beta_{16+j} P[16+j][c] as B from registers).
-      float y[2][4] = {};
-      {
-        uint32_t af[4], bf[4];
-        a_rows(af, &sh.m_b[0][0], kRowC, kChunk, kChunk, f);
-        auto l10 = [&](int j, int col) { return sh.beta[kChunk + j] * sh.p[kChunk + j][col]; };
-#pragma unroll
-        for (int n = 0; n < 2; ++n) {
-          bf[2 * n] = pack_bf16(l10(2 * t, 8 * n + g), l10(2 * t + 1, 8 * n + g));
-          bf[2 * n + 1] = pack_bf16(l10(2 * t + 8, 8 * n + g), l10(2 * t + 9, 8 * n + g));
-        }
-        mma2(y, af, bf);
-      }
-      // Y as an A fragment: blocks (0, 0), (1, 0), (0, 1), (1, 1) of 8 x 8.
-      const uint32_t ya[4] = {pack_bf16(y[0][0], y[0][1]), pack_bf16(y[0][2], y[0][3]),
-                              pack_bf16(y[1][0], y[1][1]), pack_bf16(y[1][2], y[1][3])};
-      if (warp == 0) {  // M_10 = -Y M_00
-        float m10[2][4] = {};
-        uint32_t bf[4];
-        b_trans(bf, &sh.m_b[0][0], kRowC, 0, 0, f);
-        mma2(m10, ya, bf);
-        for_tile(kChunk, 0, lane, [&](int n, int e, int i, int c) {
-          const float x = -m10[n][e];
-          sh.m[i][c] = x;
-          sh.m_b[i][c] = __float2bfloat16_rn(x);
-          sh.mb_b[i][c] = __float2bfloat16_rn(x * sh.beta[c]);
-        });
-      }
-      if constexpr (kGivenDV) {
-        // Y^T as an A fragment: each 8 x 8 block transposed, the off-diagonal two swapped.
-        const uint32_t yt[4] = {movmatrix_trans(ya[0]), movmatrix_trans(ya[2]), movmatrix_trans(ya[1]),
-                                movmatrix_trans(ya[3])};
-        float acc[2][4];
-        for_tile(0, n0, lane, [&](int n, int e, int i, int c) { acc[n][e] = __bfloat162float(sh.d_v_new[i][c]); });
-        uint32_t bf[4];
-        b_trans(bf, &sh.d_v_new[0][0], kRowV, n0, kChunk, f);  // dV'_1: rows 16-31, this warp's columns
-        mma2(acc, yt, bf);
-        for_tile(0, n0, lane, [&](int n, int e, int i, int c) {
-          if ((e & 1) == 0) store_bf16x2(&sh.d_v_new[i][c], acc[n][e], acc[n][e + 1]);
-        });
-      }
-    }
-    if constexpr (kGivenDV) {
-      d_q_hat();
-      if (dk_late) d_k_bar();
-    }
-    if constexpr (!kGivenDV) {
-      float dvn[2][4] = {};
-      tile_product<K, false>(dvn, &sh.decayed.k_bar[0][0], kRowK, m0, &sh.ds_t[0][0], kRowK, n0, f);
-      // (Aqk^T)[i][t] = Aqk[t][i], nonzero for t >= i: k-steps from this tile's rows on.
-      for (int k0 = m0; k0 < kBlock; k0 += 16) {
-        uint32_t af[4], bf[4];
-        a_trans(af, &sh.a_qk[0][0], kRowC, m0, k0, f);
-        b_trans(bf, &sh.d_o[0][0], kRowV, n0, k0, f);
-        mma2(dvn, af, bf);
-      }
-      for_tile(m0, n0, lane, [&](int n, int e, int i, int c) {
-        if ((e & 1) == 0) store_bf16x2(&sh.d_v_new[i][c], dvn[n][e], dvn[n][e + 1]);
-      });
-    }
-    compute_barrier();
-    BLOCK_PHASE_MARK(4);
-    if constexpr (kEarlyDS) {
-      if (more) named_arrive(kDStatesFree);  // dS'^T: last read in phase 3
-    }
-
-    // Phase 4: W = M Diag(beta) K^ (stored), U = M Diag(beta) V (kept), unless V' is given;
-    // dW = -dV' S^T (stored); G = dV' V^T (warps 13-15, the lower blocks).
-    float u[2][4] = {};
-    {
-      if constexpr (!kGivenV) {
-        float wt[2][4] = {};
-        for (int k0 = 0; k0 <= m0; k0 += 16) {  // M is lower: columns up to this tile's rows
-          uint32_t af[4], bf[4], bv[4];
-          a_rows(af, &sh.mb_b[0][0], kRowC, m0, k0, f);
-          b_trans(bf, &sh.decayed.k_hat[0][0], kRowK, n0, k0, f);
-          b_trans(bv, &sh.v[0][0], kRowV, n0, k0, f);
-          mma2(wt, af, bf);
-          mma2(u, af, bv);
-        }
-        for_tile(m0, n0, lane, [&](int n, int e, int i, int c) {
-          if ((e & 1) == 0) store_bf16x2(&sh.mid.w[i][c], wt[n][e], wt[n][e + 1]);
-        });
-      }
-      float dw[2][4] = {};
-      tile_product<V, true>(dw, &sh.d_v_new[0][0], kRowV, m0, &sh.s_t[0][0], kRowK, n0, f);
-      for_tile(m0, n0, lane, [&](int n, int e, int i, int c) {
-        if ((e & 1) == 0) store_bf16x2(&sh.mid.d_w[i][c], -dw[n][e], -dw[n][e + 1]);
-      });
-    }
-    if (warp >= 13) {
-      const int ab = warp - 13;
-      const LowerBlock blk(ab);
-      const int ra = blk.ra, cb = blk.cb;
-      float acc[2][4] = {};
-      tile_product<V, false>(acc, &sh.d_v_new[0][0], kRowV, 16 * ra, &sh.v[0][0], kRowV, 16 * cb, f);
-      for_tile(16 * ra, 16 * cb, lane, [&](int n, int e, int i, int j) {
-        sh.gh[i][j] = ra != cb || j <= i ? acc[n][e] : 0.0f;
-        if (ab == 0) sh.gh[i][j + kChunk] = 0.0f;
-      });
-    }
-    compute_barrier();
-    BLOCK_PHASE_MARK(5);
 
     // With states stored every 64 tokens: the state entering the pair's second block, in place of
     // this block's S^T (last read in phase 4 where V' is given; the producer warp then loads no S^T
@@ -805,10 +728,11 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
     // rounded to bf16 once, as pass 1 rounds the states it stores. The 64 16 x 16 tiles of S^T on
     // warps 0-11 in phase 6, where warps 12-15 run the dL chain. (26 of them on warps 0-12 in phase
     // 5, beside warps 13-15's H, and the rest in phase 6: the same bits, no faster, 6.65-6.66 ms
-    // against 6.60 for pass 3 on an H100.)
+    // against 6.60 for pass 3 on an H100.) Where dV' is given: four a warp in phase 5, beside the
+    // intra blocks (S^T last read by phase 4's Y; K_ lives on, dGamma lying elsewhere).
     const bool make_next_state = chained && (cur.index & 1) == 0 && cur.index + 1 < num_blocks;
-    auto next_state = [&] {
-      for (int tile = warp; tile < (V / 16) * (K / 16); tile += 12) {
+    auto next_state = [&](auto warps) {  // std::integral_constant: the warps that share the tiles
+      for (int tile = warp; tile < (V / 16) * (K / 16); tile += warps()) {
         const int v0 = 16 * (tile / (K / 16)), c0 = 16 * (tile % (K / 16));
         float acc[2][4] = {};
 #pragma unroll
@@ -828,115 +752,11 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
       }
     };
 
-    // Phase 5: V' = U - W S (stored, unless given); dK^ = Diag(beta) M^T dW (into dk, dGamma); dv =
-    // Diag(beta) M^T dV' (stored to global); H = dW K^^T added to G (warps 13-15, the same entries).
-    {
-      if constexpr (!kGivenV) {
-        float ws[2][4] = {};
-        tile_product<K, false>(ws, &sh.mid.w[0][0], kRowK, m0, &sh.s_t[0][0], kRowK, n0, f);
-        for_tile(m0, n0, lane, [&](int n, int e, int i, int c) {
-          if ((e & 1) == 0) store_bf16x2(&sh.v_new[i][c], u[n][e] - ws[n][e], u[n][e + 1] - ws[n][e + 1]);
-        });
-      }
-      float dkb[2][4] = {}, dvb[2][4] = {};
-      for (int k0 = m0; k0 < kBlock; k0 += 16) {  // (M^T)[i][t] = M[t][i], nonzero for t >= i
-        uint32_t af[4], bf[4], bv[4];
-        a_trans(af, &sh.m_b[0][0], kRowC, m0, k0, f);
-        b_trans(bf, &sh.mid.d_w[0][0], kRowK, n0, k0, f);
-        b_trans(bv, &sh.d_v_new[0][0], kRowV, n0, k0, f);
-        mma2(dkb, af, bf);
-        mma2(dvb, af, bv);
-      }
-      for_tile(m0, n0, lane, [&](int n, int e, int i, int c) {
-        const float dkh = sh.beta[i] * dkb[n][e];  // dK^
-        dk[n][e] += dkh * exp_ftz(sh.gamma[i][c]);
-        dgam[n][e] += dkh * __bfloat162float(sh.decayed.k_hat[i][c]);
-        if ((e & 1) == 0 && i < valid) {
-          store_pair(static_cast<bf16*>(a.dv) + token(i) * V + c, sh.beta[i] * dvb[n][e], sh.beta[i] * dvb[n][e + 1]);
-        }
-      });
-    }
-    if (warp >= 13) {
-      const int ab = warp - 13;
-      const LowerBlock blk(ab);
-      const int ra = blk.ra, cb = blk.cb;
-      float acc[2][4] = {};
-      tile_product<K, false>(acc, &sh.mid.d_w[0][0], kRowK, 16 * ra, &sh.decayed.k_hat[0][0], kRowK, 16 * cb, f);
-      for_tile(16 * ra, 16 * cb, lane, [&](int n, int e, int i, int j) {
-        if (ra != cb || j <= i) sh.gh[i][j] += acc[n][e];
-        // dM[t][s] = beta_s (G + H)[t][s], below the diagonal (the only entries dL depends on)
-        sh.d_m[i][j] = __float2bfloat16_rn(i > j ? sh.beta[j] * sh.gh[i][j] : 0.0f);
-        if (ab == 0) sh.d_m[i][j + kChunk] = __float2bfloat16_rn(0.0f);
-      });
-    }
-    compute_barrier();
-    BLOCK_PHASE_MARK(6);
-    if constexpr (kProducer) {
-      if (more) named_arrive(kKeysFree);  // q and k's space (Middle's): last read in phase 5
-    } else if constexpr (kTma) {
-      if (more && tid == 0) tma_keys(item_at(next_w));
-    }
-
-    // Phase 6: dK_ = V' dS'^T (into dk, dGamma and dgamma's column sums) unless dV' is given (then
-    // in phases 2-3); dAqk = dO V'^T (warps 9-11); dL = -M^T (dM M^T), strictly lower, with
-    // dM = (G + H) Diag(beta) below the diagonal
-    // (T1 = dM M^T on warps 12-15, dL's tiles on 12-14), then dP = Diag(beta) dL and dbeta's
-    // sum_j dL_ij P_ij.
-    if constexpr (!kGivenDV) d_k_bar();
-    if (warp >= 9 && warp < 12) {
-      d_aqk_block(warp - 9);
-      if (make_next_state) next_state();
-    } else if (warp < 9) {
-      if (make_next_state) next_state();
-    } else if (warp >= 12) {
-      // T1 = dM M^T, a 16 x 16 tile a warp (B[s][j] = M[j][s]: M's rows), then (warps 12-14)
-      // dL = -M^T T1 on the tiles below the diagonal; dP = Diag(beta) dL, and sum_j dL_ij P_ij.
-      const int x = warp - 12, ti = x / 2, tj = x % 2;
-      {
-        float acc[2][4] = {};
-        tile_product<kBlock, false>(acc, &sh.d_m[0][0], kRowC, 16 * ti, &sh.m_b[0][0], kRowC, 16 * tj, f);
-        for_tile(16 * ti, 16 * tj, lane, [&](int n, int e, int i, int j) {
-          if ((e & 1) == 0) store_bf16x2(&sh.t1[i][j], acc[n][e], acc[n][e + 1]);
-        });
-      }
-      asm volatile("bar.sync 1, 128;\n" ::: "memory");  // warps 12-15: T1 complete
-      if (x < 3) {
-        const int li = x == 0 ? 0 : 1, lj = x == 2 ? 1 : 0;  // dL tiles (0, 0), (1, 0), (1, 1)
-        float acc[2][4] = {};
-        for (int k0 = 16 * li; k0 < kBlock; k0 += 16) {
-          uint32_t af[4], bf[4];
-          a_trans(af, &sh.m_b[0][0], kRowC, 16 * li, k0, f);
-          b_trans(bf, &sh.t1[0][0], kRowC, 16 * lj, k0, f);
-          mma2(acc, af, bf);
-        }
-        float row_sum[2] = {};  // rows 16 li + g, + 8
-        for_tile(16 * li, 16 * lj, lane, [&](int n, int e, int i, int j) {
-          const float dl = i > j ? -acc[n][e] : 0.0f;
-          sh.d_p[i][j] = __float2bfloat16_rn(sh.beta[i] * dl);
-          if (x == 0) sh.d_p[i][j + kChunk] = __float2bfloat16_rn(0.0f);
-          row_sum[e >> 1] += dl * sh.p[i][j];
-        });
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          float sum = row_sum[r];
-          sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-          sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-          if (t == 0) sh.dbeta_l[lj][16 * li + g + 8 * r] = sum;
-        }
-      }
-    }
-    compute_barrier();
-    BLOCK_PHASE_MARK(7);
-    if constexpr (kProducer) {
-      if (more) named_arrive(kValuesFree);  // S^T, v, dO (and dS'^T unless it went after phase 3)
-    } else if constexpr (kTma) {
-      if (more && tid == 0) tma_states_and_values(item_at(next_w));
-    }
-
-    // Phase 7: the intra blocks' gradients. Rows (this tile's sub-chunk a = rt): dX_a = sum_{b <= a}
+    // The intra blocks' gradients (phase 7; phase 5 where dV' is given). Rows (this tile's sub-chunk a = rt): dX_a = sum_{b <= a}
     // dA_ab Kc_ab for Aqk (into dq) and P (into dk); columns (b = rt): dKc_ab = dAqk_ab^T Xq_a +
     // dP_ab^T Xk_a for a >= b (into dk). dGamma's factors are the bf16 operands the products saw.
-    {
+    // dGamma goes to d_gamma, for the last phase's reverse sum.
+    auto intra_blocks = [&](float (*d_gamma)[Shared::kPadK]) {
       float dxq[2][4] = {}, dxk[2][4] = {};
       for (int b = 0; b <= rt; ++b) {
         uint32_t aq[4], ap[4], bf[4];
@@ -989,9 +809,310 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
           store_pair(static_cast<bf16*>(a.dq) + token(i) * K + c, dq[n][e], dq[n][e + 1]);
           store_pair(static_cast<bf16*>(a.dk) + token(i) * K + c, dk[n][e], dk[n][e + 1]);
         }
-        *reinterpret_cast<float2*>(&sh.d_gamma[i][c]) = make_float2(dgam[n][e], dgam[n][e + 1]);
+        *reinterpret_cast<float2*>(&d_gamma[i][c]) = make_float2(dgam[n][e], dgam[n][e + 1]);
+      });
+    };
+
+    if constexpr (kGivenDV) {
+      // dV' given (the default): the chain through M collapses (model::kda::BackwardForm::
+      // kSubChunkInnovations; kda_backward.cu's derivation). dVb = M^T dU is the gradient of the input
+      // Vb = Diag(beta) V, the same whatever the chunking, so each sub-chunk's is M_aa^T dV'_a from its
+      // own 16-token chunk's dV' (what the reverse walk keeps: no correction to the block's, no M_10);
+      // then, since M Vb - M Kb S = U - W S = V',
+      //   dKb = M^T dW = -dVb S^T =: -Y,   dL = -M^T dM M^T = -dVb V'^T (strictly lower),
+      //   dK^ += Diag(beta) dKb,   dbeta_i = dVb_i . V_i - Y_i . K^_i + sum_j dL_ij P_ij,
+      // and no W, dW, G, H, dM nor the two products with M around dM.
+      //
+      // Phase 3: dVb on this warp's tile in place of its dV' (bf16), dv = Diag(beta) dVb (to global)
+      // and dVb (.) V into dbeta's row parts; every warp's dQ^; warps 10-12's dK_; dAqk (warps 13-15).
+      // dbeta's terms of rows m0 + g (+ 8) over this tile's 16 columns, which lie in the four lanes t
+      // of their g: into dbeta_parts[row][this tile's column tile] (phase 4 adds Y's).
+      auto add_row_parts = [&](float (&part)[2], bool first) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          float x = part[r];
+          x += __shfl_xor_sync(0xffffffffu, x, 1);
+          x += __shfl_xor_sync(0xffffffffu, x, 2);
+          float& slot = sh.given.dbeta_parts[m0 + g + 8 * r][warp % 8];
+          if (t == 0) slot = first ? x : slot + x;
+        }
+      };
+      {
+        float dvb[2][4] = {}, rowpart[2] = {};
+        uint32_t af[4], bv[4];
+        a_trans(af, &sh.m_b[0][0], kRowC, m0, m0, f);      // (M^T)[i][t] = M[t][i], both in sub-chunk rt
+        b_trans(bv, &sh.d_v_new[0][0], kRowV, n0, m0, f);  // dV'[t][c]: this tile's rows and columns
+        mma2(dvb, af, bv);
+        __syncwarp();
+        for_tile(m0, n0, lane, [&](int n, int e, int i, int c) {
+          rowpart[e >> 1] += dvb[n][e] * __bfloat162float(sh.v[i][c]);
+          if ((e & 1) == 0) {
+            store_bf16x2(&sh.d_v_new[i][c], dvb[n][e], dvb[n][e + 1]);
+            if (i < valid) {
+              store_pair(static_cast<bf16*>(a.dv) + token(i) * V + c, sh.beta[i] * dvb[n][e],
+                         sh.beta[i] * dvb[n][e + 1]);
+            }
+          }
+        });
+        add_row_parts(rowpart, true);
+      }
+      d_q_hat();
+      if (dk_late) d_k_bar();
+      if (warp >= 13) d_aqk_block(warp - 13);
+      compute_barrier();
+      BLOCK_PHASE_MARK(4);
+      if constexpr (kProducer) {
+        if (more) {
+          named_arrive(kDStatesFree);  // dS'^T: last read by dK_
+          named_arrive(kKeysFree);     // q and k: last read by dQ^ (dGamma's factor q)
+        }
+      }
+
+      // Phase 4: Y = dVb S^T on this warp's tile, dK^ = -Diag(beta) Y (into dk, dGamma) and dbeta's
+      // -Y (.) K^; dL = -dVb V'^T on the lower 16 x 16 blocks (warps 13-15), dP = Diag(beta) dL and
+      // dbeta's sum_j dL_ij P_ij.
+      {
+        float y[2][4] = {}, rowpart[2] = {};
+        tile_product<V, true>(y, &sh.d_v_new[0][0], kRowV, m0, &sh.s_t[0][0], kRowK, n0, f);
+        for_tile(m0, n0, lane, [&](int n, int e, int i, int c) {
+          const float kh = __bfloat162float(sh.decayed.k_hat[i][c]), dkh = -sh.beta[i] * y[n][e];
+          dk[n][e] += dkh * exp_ftz(sh.gamma[i][c]);
+          dgam[n][e] += dkh * kh;
+          rowpart[e >> 1] -= y[n][e] * kh;
+        });
+        add_row_parts(rowpart, false);
+      }
+      if (warp >= 13) {
+        const int ab = warp - 13;
+        const LowerBlock blk(ab);
+        const int ra = blk.ra, cb = blk.cb;
+        float acc[2][4] = {};
+        tile_product<V, false>(acc, &sh.d_v_new[0][0], kRowV, 16 * ra, &sh.v_new[0][0], kRowV, 16 * cb, f);
+        float row_sum[2] = {};  // rows 16 ra + g, + 8
+        for_tile(16 * ra, 16 * cb, lane, [&](int n, int e, int i, int j) {
+          const float dl = ra != cb || j < i ? -acc[n][e] : 0.0f;
+          sh.d_p[i][j] = __float2bfloat16_rn(sh.beta[i] * dl);
+          if (ab == 0) sh.d_p[i][j + kChunk] = __float2bfloat16_rn(0.0f);  // the block above the diagonal
+          row_sum[e >> 1] += dl * sh.p[i][j];
+        });
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          float sum = row_sum[r];
+          sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+          sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+          if (t == 0) sh.dbeta_l[cb][16 * ra + g + 8 * r] = sum;
+        }
+      }
+      compute_barrier();
+      BLOCK_PHASE_MARK(5);
+      if constexpr (kProducer) {
+        if (more) named_arrive(kValuesFree);  // v, dO and dV' (dVb): last read in phase 4
+      }
+
+      // Phase 5: the intra blocks' gradients; the pair's next state in place of S^T.
+      intra_blocks(sh.given.d_gamma);
+      if (make_next_state) next_state(std::integral_constant<int, kGradientWarps>{});
+      compute_barrier();
+      BLOCK_PHASE_MARK(8);
+      if constexpr (kProducer) {
+        if (more) {
+          named_arrive(kStatesFree);  // S^T and V': last read by the next state
+          named_arrive(kGatesFree);   // Gamma: last read by the intra blocks
+        }
+      }
+    } else {
+    // Phase 3: M_10 = -(M_11 L_10) M_00 (warp 0); dV' = K_ dS' + Aqk^T dO on every warp's tile,
+    // stored bf16.
+    if (warp == 0) {
+      // Y = M_11 L_10 (L_10[j][c] = beta_{16+j} P[16+j][c] as B from registers).
+      float y[2][4] = {};
+      {
+        uint32_t af[4], bf[4];
+        a_rows(af, &sh.m_b[0][0], kRowC, kChunk, kChunk, f);
+        auto l10 = [&](int j, int col) { return sh.beta[kChunk + j] * sh.p[kChunk + j][col]; };
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+          bf[2 * n] = pack_bf16(l10(2 * t, 8 * n + g), l10(2 * t + 1, 8 * n + g));
+          bf[2 * n + 1] = pack_bf16(l10(2 * t + 8, 8 * n + g), l10(2 * t + 9, 8 * n + g));
+        }
+        mma2(y, af, bf);
+      }
+      // Y as an A fragment: blocks (0, 0), (1, 0), (0, 1), (1, 1) of 8 x 8.
+      const uint32_t ya[4] = {pack_bf16(y[0][0], y[0][1]), pack_bf16(y[0][2], y[0][3]),
+                              pack_bf16(y[1][0], y[1][1]), pack_bf16(y[1][2], y[1][3])};
+      // M_10 = -Y M_00
+      float m10[2][4] = {};
+      uint32_t bf[4];
+      b_trans(bf, &sh.m_b[0][0], kRowC, 0, 0, f);
+      mma2(m10, ya, bf);
+      for_tile(kChunk, 0, lane, [&](int n, int e, int i, int c) {
+        const float x = -m10[n][e];
+        sh.chain.m[i][c] = x;
+        sh.m_b[i][c] = __float2bfloat16_rn(x);
+        sh.chain.mb_b[i][c] = __float2bfloat16_rn(x * sh.beta[c]);
       });
     }
+    {
+      float dvn[2][4] = {};
+      tile_product<K, false>(dvn, &sh.decayed.k_bar[0][0], kRowK, m0, &sh.ds_t[0][0], kRowK, n0, f);
+      // (Aqk^T)[i][t] = Aqk[t][i], nonzero for t >= i: k-steps from this tile's rows on.
+      for (int k0 = m0; k0 < kBlock; k0 += 16) {
+        uint32_t af[4], bf[4];
+        a_trans(af, &sh.chain.a_qk[0][0], kRowC, m0, k0, f);
+        b_trans(bf, &sh.d_o[0][0], kRowV, n0, k0, f);
+        mma2(dvn, af, bf);
+      }
+      for_tile(m0, n0, lane, [&](int n, int e, int i, int c) {
+        if ((e & 1) == 0) store_bf16x2(&sh.d_v_new[i][c], dvn[n][e], dvn[n][e + 1]);
+      });
+    }
+    compute_barrier();
+    BLOCK_PHASE_MARK(4);
+
+    // Phase 4: W = M Diag(beta) K^ (stored), U = M Diag(beta) V (kept), unless V' is given;
+    // dW = -dV' S^T (stored); G = dV' V^T (warps 13-15, the lower blocks).
+    float u[2][4] = {};
+    {
+      if constexpr (!kGivenV) {
+        float wt[2][4] = {};
+        for (int k0 = 0; k0 <= m0; k0 += 16) {  // M is lower: columns up to this tile's rows
+          uint32_t af[4], bf[4], bv[4];
+          a_rows(af, &sh.chain.mb_b[0][0], kRowC, m0, k0, f);
+          b_trans(bf, &sh.decayed.k_hat[0][0], kRowK, n0, k0, f);
+          b_trans(bv, &sh.v[0][0], kRowV, n0, k0, f);
+          mma2(wt, af, bf);
+          mma2(u, af, bv);
+        }
+        for_tile(m0, n0, lane, [&](int n, int e, int i, int c) {
+          if ((e & 1) == 0) store_bf16x2(&sh.mid.w[i][c], wt[n][e], wt[n][e + 1]);
+        });
+      }
+      float dw[2][4] = {};
+      tile_product<V, true>(dw, &sh.d_v_new[0][0], kRowV, m0, &sh.s_t[0][0], kRowK, n0, f);
+      for_tile(m0, n0, lane, [&](int n, int e, int i, int c) {
+        if ((e & 1) == 0) store_bf16x2(&sh.mid.d_w[i][c], -dw[n][e], -dw[n][e + 1]);
+      });
+    }
+    if (warp >= 13) {
+      const int ab = warp - 13;
+      const LowerBlock blk(ab);
+      const int ra = blk.ra, cb = blk.cb;
+      float acc[2][4] = {};
+      tile_product<V, false>(acc, &sh.d_v_new[0][0], kRowV, 16 * ra, &sh.v[0][0], kRowV, 16 * cb, f);
+      for_tile(16 * ra, 16 * cb, lane, [&](int n, int e, int i, int j) {
+        sh.chain.gh[i][j] = ra != cb || j <= i ? acc[n][e] : 0.0f;
+        if (ab == 0) sh.chain.gh[i][j + kChunk] = 0.0f;
+      });
+    }
+    compute_barrier();
+    BLOCK_PHASE_MARK(5);
+
+    // Phase 5: V' = U - W S (stored, unless given); dK^ = Diag(beta) M^T dW (into dk, dGamma); dv =
+    // Diag(beta) M^T dV' (stored to global); H = dW K^^T added to G (warps 13-15, the same entries).
+    {
+      if constexpr (!kGivenV) {
+        float ws[2][4] = {};
+        tile_product<K, false>(ws, &sh.mid.w[0][0], kRowK, m0, &sh.s_t[0][0], kRowK, n0, f);
+        for_tile(m0, n0, lane, [&](int n, int e, int i, int c) {
+          if ((e & 1) == 0) store_bf16x2(&sh.v_new[i][c], u[n][e] - ws[n][e], u[n][e + 1] - ws[n][e + 1]);
+        });
+      }
+      float dkb[2][4] = {}, dvb[2][4] = {};
+      for (int k0 = m0; k0 < kBlock; k0 += 16) {  // (M^T)[i][t] = M[t][i], nonzero for t >= i
+        uint32_t af[4], bf[4], bv[4];
+        a_trans(af, &sh.m_b[0][0], kRowC, m0, k0, f);
+        b_trans(bf, &sh.mid.d_w[0][0], kRowK, n0, k0, f);
+        b_trans(bv, &sh.d_v_new[0][0], kRowV, n0, k0, f);
+        mma2(dkb, af, bf);
+        mma2(dvb, af, bv);
+      }
+      for_tile(m0, n0, lane, [&](int n, int e, int i, int c) {
+        const float dkh = sh.beta[i] * dkb[n][e];  // dK^
+        dk[n][e] += dkh * exp_ftz(sh.gamma[i][c]);
+        dgam[n][e] += dkh * __bfloat162float(sh.decayed.k_hat[i][c]);
+        if ((e & 1) == 0 && i < valid) {
+          store_pair(static_cast<bf16*>(a.dv) + token(i) * V + c, sh.beta[i] * dvb[n][e], sh.beta[i] * dvb[n][e + 1]);
+        }
+      });
+    }
+    if (warp >= 13) {
+      const int ab = warp - 13;
+      const LowerBlock blk(ab);
+      const int ra = blk.ra, cb = blk.cb;
+      float acc[2][4] = {};
+      tile_product<K, false>(acc, &sh.mid.d_w[0][0], kRowK, 16 * ra, &sh.decayed.k_hat[0][0], kRowK, 16 * cb, f);
+      for_tile(16 * ra, 16 * cb, lane, [&](int n, int e, int i, int j) {
+        if (ra != cb || j <= i) sh.chain.gh[i][j] += acc[n][e];
+        // dM[t][s] = beta_s (G + H)[t][s], below the diagonal (the only entries dL depends on)
+        sh.chain.d_m[i][j] = __float2bfloat16_rn(i > j ? sh.beta[j] * sh.chain.gh[i][j] : 0.0f);
+        if (ab == 0) sh.chain.d_m[i][j + kChunk] = __float2bfloat16_rn(0.0f);
+      });
+    }
+    compute_barrier();
+    BLOCK_PHASE_MARK(6);
+    if constexpr (kProducer) {
+      if (more) named_arrive(kKeysFree);  // q and k's space (Middle's): last read in phase 5
+    } else if constexpr (kTma) {
+      if (more && tid == 0) tma_keys(item_at(next_w));
+    }
+
+    // Phase 6: dK_ = V' dS'^T (into dk, dGamma and dgamma's column sums) unless dV' is given (then
+    // in phases 2-3); dAqk = dO V'^T (warps 9-11); dL = -M^T (dM M^T), strictly lower, with
+    // dM = (G + H) Diag(beta) below the diagonal
+    // (T1 = dM M^T on warps 12-15, dL's tiles on 12-14), then dP = Diag(beta) dL and dbeta's
+    // sum_j dL_ij P_ij.
+    d_k_bar();
+    if (warp >= 9 && warp < 12) {
+      d_aqk_block(warp - 9);
+      if (make_next_state) next_state(std::integral_constant<int, 12>{});
+    } else if (warp < 9) {
+      if (make_next_state) next_state(std::integral_constant<int, 12>{});
+    } else if (warp >= 12) {
+      // T1 = dM M^T, a 16 x 16 tile a warp (B[s][j] = M[j][s]: M's rows), then (warps 12-14)
+      // dL = -M^T T1 on the tiles below the diagonal; dP = Diag(beta) dL, and sum_j dL_ij P_ij.
+      const int x = warp - 12, ti = x / 2, tj = x % 2;
+      {
+        float acc[2][4] = {};
+        tile_product<kBlock, false>(acc, &sh.chain.d_m[0][0], kRowC, 16 * ti, &sh.m_b[0][0], kRowC, 16 * tj, f);
+        for_tile(16 * ti, 16 * tj, lane, [&](int n, int e, int i, int j) {
+          if ((e & 1) == 0) store_bf16x2(&sh.chain.t1[i][j], acc[n][e], acc[n][e + 1]);
+        });
+      }
+      asm volatile("bar.sync 1, 128;\n" ::: "memory");  // warps 12-15: T1 complete
+      if (x < 3) {
+        const int li = x == 0 ? 0 : 1, lj = x == 2 ? 1 : 0;  // dL tiles (0, 0), (1, 0), (1, 1)
+        float acc[2][4] = {};
+        for (int k0 = 16 * li; k0 < kBlock; k0 += 16) {
+          uint32_t af[4], bf[4];
+          a_trans(af, &sh.m_b[0][0], kRowC, 16 * li, k0, f);
+          b_trans(bf, &sh.chain.t1[0][0], kRowC, 16 * lj, k0, f);
+          mma2(acc, af, bf);
+        }
+        float row_sum[2] = {};  // rows 16 li + g, + 8
+        for_tile(16 * li, 16 * lj, lane, [&](int n, int e, int i, int j) {
+          const float dl = i > j ? -acc[n][e] : 0.0f;
+          sh.d_p[i][j] = __float2bfloat16_rn(sh.beta[i] * dl);
+          if (x == 0) sh.d_p[i][j + kChunk] = __float2bfloat16_rn(0.0f);
+          row_sum[e >> 1] += dl * sh.p[i][j];
+        });
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          float sum = row_sum[r];
+          sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+          sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+          if (t == 0) sh.dbeta_l[lj][16 * li + g + 8 * r] = sum;
+        }
+      }
+    }
+    compute_barrier();
+    BLOCK_PHASE_MARK(7);
+    if constexpr (kProducer) {
+      if (more) named_arrive(kValuesFree);  // S^T, v, dO (and dS'^T unless it went after phase 3)
+    } else if constexpr (kTma) {
+      if (more && tid == 0) tma_states_and_values(item_at(next_w));
+    }
+
+    intra_blocks(sh.d_gamma);
     compute_barrier();
     BLOCK_PHASE_MARK(8);
     if constexpr (kProducer) {
@@ -1000,20 +1121,29 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
       if (more && tid == 0) tma_gates(item_at(next_w));
     }
 
-    // Phase 8: dg = reverse cumulative sum of dGamma + dgamma (threads 0 .. K - 1); dbeta (threads
-    // K .. K + 31): sum_t M[t][i] (G + H)[t][i] + sum_j dL_ij P_ij.
+    }  // dV' given or not
+
+    // Phase 8 (6 where dV' is given): dg = reverse cumulative sum of dGamma + dgamma (threads 0 .. K -
+    // 1); dbeta (threads K .. K + 31): sum_t M[t][i] (G + H)[t][i] + sum_j dL_ij P_ij, or where dV' is
+    // given the parts dVb (.) V - Y (.) K^ of the 8 column tiles + sum_j dL_ij P_ij.
     if (tid < K) {
       const int c = tid;
       float acc = sh.kbar_sum[0][c] + sh.kbar_sum[1][c], dd = 0.0f;
 #pragma unroll
       for (int s = 0; s < kSlices; ++s) dd += sh.d_decay[s][c];
       acc += exp_ftz(sh.last[c]) * dd;
-      store_reverse_column_sum<kBlock>(a.dg + token(0) * K + c, static_cast<int64_t>(H) * K, &sh.d_gamma[0][c],
-                                       Shared::kPadK, acc, valid);
+      const float* d_gamma = kGivenDV ? &sh.given.d_gamma[0][c] : &sh.d_gamma[0][c];
+      store_reverse_column_sum<kBlock>(a.dg + token(0) * K + c, static_cast<int64_t>(H) * K, d_gamma, Shared::kPadK,
+                                       acc, valid);
     } else if (tid < K + kBlock && tid - K < valid) {
       const int i = tid - K;
       float acc = sh.dbeta_l[0][i] + (i >= kChunk ? sh.dbeta_l[1][i] : 0.0f);
-      for (int r = i; r < kBlock; ++r) acc += sh.m[r][i] * sh.gh[r][i];
+      if constexpr (kGivenDV) {
+#pragma unroll
+        for (int x = 0; x < V / 16; ++x) acc += sh.given.dbeta_parts[i][x];
+      } else {
+        for (int r = i; r < kBlock; ++r) acc += sh.chain.m[r][i] * sh.chain.gh[r][i];
+      }
       a.dbeta[token(i)] = acc;
     }
     compute_barrier();  // phase 8's reads (dGamma, the partial sums) before the next block writes them
