@@ -34,6 +34,13 @@
 //     terms are sum_t M[t][i] (G + H)[t][i]: no reduction over v or kk of a C x V or C x K
 //     product is needed beyond G and H.
 //   M = (I + L)^-1:     dL = -M^T dM M^T, kept strictly lower (L's only free entries)
+//     The chain collapses (model::kda::BackwardForm::kInnovations, twenty-ninth session): U = M Vb
+//     and W = M Kb, so -M^T dM M^T = -dVb U^T - dKb W^T, and dKb = M^T dW = -dVb S^T; with
+//     U - W S = V' that is
+//         dKb = -dVb S^T,   dL = -dVb V'^T (strictly lower),   dbeta_i = dVb_i . (V_i) - (dVb S^T)_i . K^_i + ...
+//     no dW, dM, G or H. And dVb, the gradient of the input Diag(beta) V, is the same whatever the
+//     chunking: a block's is M_aa^T dV'_a for each of its 16-token sub-chunks a, from the dV' pass 2
+//     keeps. Pass 3 by blocks with dV' given computes this form.
 //   L = Diag(beta) P:   dP = Diag(beta) dL           dbeta_i += sum_j dL[i][j] P[i][j]
 //   P = strictly_lower(K^ K~^T):  dK^ += dP K~       dK~ += dP^T K^
 //   Back to the inputs, elementwise (E = e^Gamma):

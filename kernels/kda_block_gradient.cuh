@@ -26,8 +26,10 @@
 //
 // V' and dV' (the default since the eighteenth session, KdaBackwardOptions::keep_values): passes 1
 // and 2 keep them and this pass reads them with v and dO (kGivenV, kGivenDV below) instead of making
-// W, U, Aqk, V' = U - W S and dV' = K_ dS' + Aqk^T dO; only the first sub-chunk's dV' is corrected,
-// from its 16-token chunk's to the block's (the comment at the kernel).
+// W, U, Aqk, V' = U - W S and dV' = K_ dS' + Aqk^T dO. With both given the chain through M collapses
+// (twenty-ninth session; model::kda::BackwardForm): dVb = M_aa^T dV'_a per sub-chunk, then dKb =
+// -dVb S^T and dL = -dVb V'^T, so that only M's diagonal blocks are made and W, dW, G, H, dM and the
+// products around it are gone: seven barriers a block after the loads instead of nine.
 #pragma once
 
 #include <cuda.h>  // CUtensorMap (BlockLoads::kTma); the encoder comes through the runtime
@@ -75,7 +77,7 @@ struct alignas(128) BlockShared {
     float d_gamma[kBlock][kPadK];  // phases 7-8
   };
   bf16 v_new[kBlock][kRowV];   // V'
-  bf16 d_v_new[kBlock][kRowV]; // dV' (where dV' is given: dVb = M^T dV' from phase 3 on, in place)
+  bf16 d_v_new[kBlock][kRowV]; // dV'
   float p[kBlock][kPadC];      // strictly_lower(P)
   // The inverse chain's arrays (dL = -M^T dM M^T: where dV' is not given), or, where it is, dGamma and
   // dbeta's parts: the Decayed operands then live through phase 5, where the pair's next state is made.
@@ -88,8 +90,11 @@ struct alignas(128) BlockShared {
     bf16 d_m[kBlock][kRowC];     // dM = (G + H) Diag(beta) below the diagonal
   };
   struct Innovations {
-    float d_gamma[kBlock][kPadK];        // phases 5-6
-    float dbeta_parts[kBlock][V / 16];   // dVb (.) V - Y (.) K^ over each 16-column tile (phases 3-4)
+    union {
+      bf16 d_vb[kBlock][kRowV];      // dVb = M^T dV' (phases 3-4)
+      float d_gamma[kBlock][kPadK];  // phases 5-6
+    };
+    float dbeta_parts[kBlock][V / 16];  // dVb (.) V - Y (.) K^ over each 16-column tile (phases 3-6)
   };
   union alignas(16) {
     InverseChain chain;
@@ -247,7 +252,7 @@ enum class BlockLoads { kTop, kProducer, kTma };
 // 6.75-6.76 against 6.89-6.90 ms on an H100, 6.86-6.90 against 7.14-7.17 on an H200; and dK_ made in
 // phases 2-3 with dS'^T loaded after phase 3, 6.63-6.65 ms on that H200.)
 constexpr int kBlockComputeBarrier = 2, kValuesFree = 3, kGatesFree = 4, kKeysFree = 5, kLoaded = 6,
-              kDStatesFree = 7, kStatesFree = 8;
+              kDStatesFree = 7;
 template <BlockLoads kLoads>
 constexpr int block_gradient_threads() { return kGradientThreads + (kLoads == BlockLoads::kProducer ? 32 : 0); }
 
@@ -295,13 +300,12 @@ __device__ __forceinline__ void tma_load(void* dst, const CUtensorMap& map, uint
 
 // kGivenV: V' comes from pass 1 (ChunkGradientArgs::new_values) instead of being recomputed here:
 // no W, U nor W S (one of the five products with the state). kGivenDV (with kGivenV): dV' too,
-// from pass 2 (d_new_values): no Aqk, K_ dS' nor Aqk^T dO (a second product with the state). The reverse walk's dV' is the gradient of V' within a chunk of 16; a
-// block's first sub-chunk needs it within the block of 32, which adds the path through the state
-// between the sub-chunks and the second sub-chunk's V' (dV'_1 = K_1 dS' + ...):
-//   dV'_0 (block) = dV'_0 (chunk) + K_0 W_1^T dV'_1 = dV'_0 (chunk) + Y^T dV'_1,
-// with W_1 the second chunk's own M_11 Diag(beta) K^_1 and K_0 = k e^{B_1 - Gamma} (its K_), so
-// that W_1 K_0^T = M_11 Diag(beta) P_10 = M_11 L_10 = Y, the product that M_10 = -Y M_00 needs
-// anyway (phase 3).
+// from pass 2 (d_new_values): no Aqk, K_ dS' nor Aqk^T dO (a second product with the state). The
+// reverse walk's dV' is the gradient of V' within a chunk of 16, not within the block of 32; but dVb
+// = M^T dV', the gradient of the input Diag(beta) V, is the same in either chunking, so each
+// sub-chunk's is its own M_aa^T times its chunk's dV', and everything after needs only dVb and V'
+// (the comment at phase 3). Until the twenty-ninth session this pass corrected the first sub-chunk's
+// dV' to the block's (dV'_0 += Y^T dV'_1, Y = M_11 L_10) and ran the whole chain through M_10.
 template <int K, int V, BlockLoads kLoads = BlockLoads::kTop, bool kGivenV = false, bool kGivenDV = false>
 __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
     kda_block_gradient_kernel(const ChunkGradientArgs a, const __grid_constant__ BlockTensorMaps maps) {
@@ -375,33 +379,24 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
     }
     cp_async_commit();
   };
-  // The states and value rows; with kEarlyDS in two parts of their own (`parts`): kValueRows v, dO
-  // and dV' (free after phase 4), kStateRows S^T and V' (free after phase 5, where the pair's next
-  // state is made from them).
-  enum : int { kValueRows = 1, kStateRows = 2, kAllRows = 3 };
-  auto issue_states_and_values = [&](const Item& it, int me, int stride, int parts = kAllRows) {
+  auto issue_states_and_values = [&](const Item& it, int me, int stride) {
     int64_t s_at, ds_at;
     state_indices(it, s_at, ds_at);
     const bf16* s = a.chunk_states + s_at * V * K;
     const bf16* ds = a.chunk_d_states + ds_at * V * K;
     const bool s_made = chained && (it.index & 1);  // by the pair's first block, in place
-    const bool states = (parts & kStateRows) != 0, values = (parts & kValueRows) != 0;
     for (int e = me; e < V * K / 8; e += stride) {
       const int row = e / (K / 8), col = (e % (K / 8)) * 8;
-      if (states && !s_made) cp_async16(&sh.s_t[row][col], s + static_cast<int64_t>(e) * 8);
+      if (!s_made) cp_async16(&sh.s_t[row][col], s + static_cast<int64_t>(e) * 8);
       if constexpr (!kEarlyDS) cp_async16(&sh.ds_t[row][col], ds + static_cast<int64_t>(e) * 8);
     }
     for (int e = me; e < kBlock * V / 8; e += stride) {
       const int i = e / (V / 8), col = (e % (V / 8)) * 8;
       const int64_t at = real_row(it, i) * V + col;
-      if (values) {
-        cp_async16_or_zero(&sh.v[i][col], v + at, i < it.valid);
-        cp_async16_or_zero(&sh.d_o[i][col], d_o + at, i < it.valid);
-        if constexpr (kGivenDV) cp_async16_or_zero(&sh.d_v_new[i][col], a.d_new_values + at, i < it.valid);
-      }
-      if constexpr (kGivenV) {
-        if (states) cp_async16_or_zero(&sh.v_new[i][col], a.new_values + at, i < it.valid);
-      }
+      cp_async16_or_zero(&sh.v[i][col], v + at, i < it.valid);
+      cp_async16_or_zero(&sh.d_o[i][col], d_o + at, i < it.valid);
+      if constexpr (kGivenV) cp_async16_or_zero(&sh.v_new[i][col], a.new_values + at, i < it.valid);
+      if constexpr (kGivenDV) cp_async16_or_zero(&sh.d_v_new[i][col], a.d_new_values + at, i < it.valid);
     }
     cp_async_commit();
   };
@@ -480,23 +475,14 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
       for (int64_t w = first_slot; w < a.items; w = next_slot(w)) {
         const Item it = item_at(w);
         const bool first = w == first_slot;
-        if constexpr (kEarlyDS) {
-          // The order the compute warps free them in: dS'^T, q and k after phase 3; v, dO and dV'
-          // after phase 4; S^T, V' and Gamma after phase 5.
+        if constexpr (kEarlyDS) {  // freed in this order: dS'^T, q and k after phase 3, the rest after 4
           if (!first) named_sync(kDStatesFree);
           issue_d_states(it, lane, 32);
-          if (!first) named_sync(kKeysFree);
-          issue_keys(it, lane, 32);
-          if (!first) named_sync(kValuesFree);
-          issue_states_and_values(it, lane, 32, kValueRows);
-          if (!first) named_sync(kStatesFree);
-          issue_states_and_values(it, lane, 32, kStateRows);
-        } else {
-          if (!first) named_sync(kKeysFree);
-          issue_keys(it, lane, 32);
-          if (!first) named_sync(kValuesFree);
-          issue_states_and_values(it, lane, 32);
         }
+        if (!first) named_sync(kKeysFree);
+        issue_keys(it, lane, 32);
+        if (!first) named_sync(kValuesFree);
+        issue_states_and_values(it, lane, 32);
         if (!first) named_sync(kGatesFree);
         issue_gates(it, lane, 32);
         cp_async_wait<0>();
@@ -728,8 +714,8 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
     // rounded to bf16 once, as pass 1 rounds the states it stores. The 64 16 x 16 tiles of S^T on
     // warps 0-11 in phase 6, where warps 12-15 run the dL chain. (26 of them on warps 0-12 in phase
     // 5, beside warps 13-15's H, and the rest in phase 6: the same bits, no faster, 6.65-6.66 ms
-    // against 6.60 for pass 3 on an H100.) Where dV' is given: four a warp in phase 5, beside the
-    // intra blocks (S^T last read by phase 4's Y; K_ lives on, dGamma lying elsewhere).
+    // against 6.60 for pass 3 on an H100.) Where dV' is given: on warps 0-12 in phase 4, beside dL
+    // (S^T last read in phase 3; K_ lives on, dGamma lying elsewhere).
     const bool make_next_state = chained && (cur.index & 1) == 0 && cur.index + 1 < num_blocks;
     auto next_state = [&](auto warps) {  // std::integral_constant: the warps that share the tiles
       for (int tile = warp; tile < (V / 16) * (K / 16); tile += warps()) {
@@ -821,40 +807,58 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
       // then, since M Vb - M Kb S = U - W S = V',
       //   dKb = M^T dW = -dVb S^T =: -Y,   dL = -M^T dM M^T = -dVb V'^T (strictly lower),
       //   dK^ += Diag(beta) dKb,   dbeta_i = dVb_i . V_i - Y_i . K^_i + sum_j dL_ij P_ij,
-      // and no W, dW, G, H, dM nor the two products with M around dM.
+      // and no W, dW, G, H, dM nor the two products with M around dM. A tile of Y needs only its own
+      // sub-chunk's M_aa and its own tile of X = dV' S^T (Y = M_aa^T X): made in registers in phase 3,
+      // so that S^T is last read there and the pair's next state is made in phase 4.
       //
-      // Phase 3: dVb on this warp's tile in place of its dV' (bf16), dv = Diag(beta) dVb (to global)
-      // and dVb (.) V into dbeta's row parts; every warp's dQ^; warps 10-12's dK_; dAqk (warps 13-15).
       // dbeta's terms of rows m0 + g (+ 8) over this tile's 16 columns, which lie in the four lanes t
-      // of their g: into dbeta_parts[row][this tile's column tile] (phase 4 adds Y's).
-      auto add_row_parts = [&](float (&part)[2], bool first) {
+      // of their g: into dbeta_parts[row][this tile's column tile].
+      auto store_row_parts = [&](const float (&part)[2]) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           float x = part[r];
           x += __shfl_xor_sync(0xffffffffu, x, 1);
           x += __shfl_xor_sync(0xffffffffu, x, 2);
-          float& slot = sh.given.dbeta_parts[m0 + g + 8 * r][warp % 8];
-          if (t == 0) slot = first ? x : slot + x;
+          if (t == 0) sh.given.dbeta_parts[m0 + g + 8 * r][warp % 8] = x;
         }
       };
+      // Phase 3: on this warp's tile, dVb = M_aa^T dV' (stored bf16 for phase 4's dL) and dv =
+      // Diag(beta) dVb (to global); Y = M_aa^T X: dK^ = -Diag(beta) Y (into dk, dGamma); dbeta's
+      // dVb (.) V - Y (.) K^. Every warp's dQ^; warps 10-12's dK_; dAqk (warps 13-15).
       {
-        float dvb[2][4] = {}, rowpart[2] = {};
-        uint32_t af[4], bv[4];
-        a_trans(af, &sh.m_b[0][0], kRowC, m0, m0, f);      // (M^T)[i][t] = M[t][i], both in sub-chunk rt
-        b_trans(bv, &sh.d_v_new[0][0], kRowV, n0, m0, f);  // dV'[t][c]: this tile's rows and columns
-        mma2(dvb, af, bv);
-        __syncwarp();
-        for_tile(m0, n0, lane, [&](int n, int e, int i, int c) {
-          rowpart[e >> 1] += dvb[n][e] * __bfloat162float(sh.v[i][c]);
-          if ((e & 1) == 0) {
-            store_bf16x2(&sh.d_v_new[i][c], dvb[n][e], dvb[n][e + 1]);
-            if (i < valid) {
-              store_pair(static_cast<bf16*>(a.dv) + token(i) * V + c, sh.beta[i] * dvb[n][e],
-                         sh.beta[i] * dvb[n][e + 1]);
+        uint32_t mt[4];
+        a_trans(mt, &sh.m_b[0][0], kRowC, m0, m0, f);  // (M^T)[i][t] = M[t][i], both in sub-chunk rt
+        float rowpart[2] = {};
+        {
+          float dvb[2][4] = {};
+          uint32_t bv[4];
+          b_trans(bv, &sh.d_v_new[0][0], kRowV, n0, m0, f);  // dV'[t][c]: this tile's rows and columns
+          mma2(dvb, mt, bv);
+          for_tile(m0, n0, lane, [&](int n, int e, int i, int c) {
+            rowpart[e >> 1] += dvb[n][e] * __bfloat162float(sh.v[i][c]);
+            if ((e & 1) == 0) {
+              store_bf16x2(&sh.given.d_vb[i][c], dvb[n][e], dvb[n][e + 1]);
+              if (i < valid) {
+                store_pair(static_cast<bf16*>(a.dv) + token(i) * V + c, sh.beta[i] * dvb[n][e],
+                           sh.beta[i] * dvb[n][e + 1]);
+              }
             }
-          }
+          });
+        }
+        float x[2][4] = {}, y[2][4] = {};
+        tile_product<V, true>(x, &sh.d_v_new[0][0], kRowV, m0, &sh.s_t[0][0], kRowK, n0, f);  // X = dV' S^T
+        // X as the B operand (k = its rows, n = its columns): each 8 x 8 block of the accumulator,
+        // packed to bf16, transposed by movmatrix (blocks (0, 0), (1, 0), (0, 1), (1, 1)).
+        const uint32_t xb[4] = {movmatrix_trans(pack_bf16(x[0][0], x[0][1])), movmatrix_trans(pack_bf16(x[0][2], x[0][3])),
+                                movmatrix_trans(pack_bf16(x[1][0], x[1][1])), movmatrix_trans(pack_bf16(x[1][2], x[1][3]))};
+        mma2(y, mt, xb);
+        for_tile(m0, n0, lane, [&](int n, int e, int i, int c) {
+          const float kh = __bfloat162float(sh.decayed.k_hat[i][c]), dkh = -sh.beta[i] * y[n][e];
+          dk[n][e] += dkh * exp_ftz(sh.gamma[i][c]);
+          dgam[n][e] += dkh * kh;
+          rowpart[e >> 1] -= y[n][e] * kh;
         });
-        add_row_parts(rowpart, true);
+        store_row_parts(rowpart);
       }
       d_q_hat();
       if (dk_late) d_k_bar();
@@ -868,26 +872,14 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
         }
       }
 
-      // Phase 4: Y = dVb S^T on this warp's tile, dK^ = -Diag(beta) Y (into dk, dGamma) and dbeta's
-      // -Y (.) K^; dL = -dVb V'^T on the lower 16 x 16 blocks (warps 13-15), dP = Diag(beta) dL and
-      // dbeta's sum_j dL_ij P_ij.
-      {
-        float y[2][4] = {}, rowpart[2] = {};
-        tile_product<V, true>(y, &sh.d_v_new[0][0], kRowV, m0, &sh.s_t[0][0], kRowK, n0, f);
-        for_tile(m0, n0, lane, [&](int n, int e, int i, int c) {
-          const float kh = __bfloat162float(sh.decayed.k_hat[i][c]), dkh = -sh.beta[i] * y[n][e];
-          dk[n][e] += dkh * exp_ftz(sh.gamma[i][c]);
-          dgam[n][e] += dkh * kh;
-          rowpart[e >> 1] -= y[n][e] * kh;
-        });
-        add_row_parts(rowpart, false);
-      }
+      // Phase 4: dL = -dVb V'^T on the lower 16 x 16 blocks (warps 13-15), dP = Diag(beta) dL and
+      // dbeta's sum_j dL_ij P_ij; the pair's next state in place of S^T (warps 0-12).
       if (warp >= 13) {
         const int ab = warp - 13;
         const LowerBlock blk(ab);
         const int ra = blk.ra, cb = blk.cb;
         float acc[2][4] = {};
-        tile_product<V, false>(acc, &sh.d_v_new[0][0], kRowV, 16 * ra, &sh.v_new[0][0], kRowV, 16 * cb, f);
+        tile_product<V, false>(acc, &sh.given.d_vb[0][0], kRowV, 16 * ra, &sh.v_new[0][0], kRowV, 16 * cb, f);
         float row_sum[2] = {};  // rows 16 ra + g, + 8
         for_tile(16 * ra, 16 * cb, lane, [&](int n, int e, int i, int j) {
           const float dl = ra != cb || j < i ? -acc[n][e] : 0.0f;
@@ -902,23 +894,21 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
           sum += __shfl_xor_sync(0xffffffffu, sum, 2);
           if (t == 0) sh.dbeta_l[cb][16 * ra + g + 8 * r] = sum;
         }
+      } else if (make_next_state) {
+        next_state(std::integral_constant<int, 13>{});
       }
       compute_barrier();
       BLOCK_PHASE_MARK(5);
       if constexpr (kProducer) {
-        if (more) named_arrive(kValuesFree);  // v, dO and dV' (dVb): last read in phase 4
+        if (more) named_arrive(kValuesFree);  // S^T, v, dO, V' and dV': last read in phase 4
       }
 
-      // Phase 5: the intra blocks' gradients; the pair's next state in place of S^T.
+      // Phase 5: the intra blocks' gradients.
       intra_blocks(sh.given.d_gamma);
-      if (make_next_state) next_state(std::integral_constant<int, kGradientWarps>{});
       compute_barrier();
       BLOCK_PHASE_MARK(8);
       if constexpr (kProducer) {
-        if (more) {
-          named_arrive(kStatesFree);  // S^T and V': last read by the next state
-          named_arrive(kGatesFree);   // Gamma: last read by the intra blocks
-        }
+        if (more) named_arrive(kGatesFree);  // Gamma: last read by the intra blocks
       }
     } else {
     // Phase 3: M_10 = -(M_11 L_10) M_00 (warp 0); dV' = K_ dS' + Aqk^T dO on every warp's tile,
