@@ -366,9 +366,9 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
     s_at = pair * stored_chunks(num_chunks, si) + 2 * it.index / si;
     ds_at = pair * stored_chunks(num_chunks, di) + min64(2 * it.index + 1, num_chunks - 1) / di;
   };
-  // With dV' given, dK_ = V' dS'^T is made in phases 2-3 instead of 6, so that dS'^T is last read
-  // there and the producer warp loads the next item's from phase 4 on (a fourth part).
-  constexpr bool kEarlyDS = kProducer && kGivenDV;
+  // With dV' given, dS'^T goes as a part of its own (kDStatesFree), when dK_ = V' dS'^T, its last
+  // reader, is done.
+  constexpr bool kDStatesApart = kProducer && kGivenDV;
   auto issue_d_states = [&](const Item& it, int me, int stride) {
     int64_t s_at, ds_at;
     state_indices(it, s_at, ds_at);
@@ -388,7 +388,7 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
     for (int e = me; e < V * K / 8; e += stride) {
       const int row = e / (K / 8), col = (e % (K / 8)) * 8;
       if (!s_made) cp_async16(&sh.s_t[row][col], s + static_cast<int64_t>(e) * 8);
-      if constexpr (!kEarlyDS) cp_async16(&sh.ds_t[row][col], ds + static_cast<int64_t>(e) * 8);
+      if constexpr (!kDStatesApart) cp_async16(&sh.ds_t[row][col], ds + static_cast<int64_t>(e) * 8);
     }
     for (int e = me; e < kBlock * V / 8; e += stride) {
       const int i = e / (V / 8), col = (e % (V / 8)) * 8;
@@ -475,12 +475,12 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
       for (int64_t w = first_slot; w < a.items; w = next_slot(w)) {
         const Item it = item_at(w);
         const bool first = w == first_slot;
-        if constexpr (kEarlyDS) {  // freed in this order: dS'^T, q and k after phase 3, the rest after 4
+        if (!first) named_sync(kKeysFree);
+        issue_keys(it, lane, 32);
+        if constexpr (kDStatesApart) {  // freed in this order: q and k after phase 3, then dS'^T and the rest
           if (!first) named_sync(kDStatesFree);
           issue_d_states(it, lane, 32);
         }
-        if (!first) named_sync(kKeysFree);
-        issue_keys(it, lane, 32);
         if (!first) named_sync(kValuesFree);
         issue_states_and_values(it, lane, 32);
         if (!first) named_sync(kGatesFree);
@@ -492,6 +492,14 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
     }
   }
 
+  // beta of an item into sh.beta by one warp (lane i row i): the first item's here, each next one's in
+  // the last phase of the item before, by warp 5, which idles there. Loaded at the top of each item,
+  // its global load's latency held the top barrier (warp 0 ~1.4-2.2K cycles a block more than the
+  // others; twenty-ninth session).
+  auto load_beta = [&](const Item& it, int i) {
+    sh.beta[i] = i < it.valid ? __bfloat162float(beta[(it.row0 + i) * H + it.h]) : 0.0f;
+  };
+  if (tid < kBlock && first_slot < a.items) load_beta(item_at(first_slot), tid);
   [[maybe_unused]] uint32_t count = 0;  // this CTA's items so far (kTma: the mbarriers' parity)
   for (int64_t w = first_slot; w < a.items; w = next_slot(w), ++count) {
     const Item cur = item_at(w);
@@ -504,12 +512,10 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
     warp_phase = 0;
 #endif
     if constexpr (kProducer) {
-      if (tid < kBlock) sh.beta[tid] = tid < valid ? __bfloat162float(beta[token(tid)]) : 0.0f;
       BLOCK_WARP_ARRIVE();
       named_sync(kLoaded);
       BLOCK_WARP_LEAVE();
     } else if constexpr (kTma) {
-      if (tid < kBlock) sh.beta[tid] = tid < valid ? __bfloat162float(beta[token(tid)]) : 0.0f;
       const uint32_t parity = count & 1u;
       BLOCK_WARP_ARRIVE();
       for (int part = 0; part < 3; ++part) mbarrier_wait(&sh.loaded[part], parity);
@@ -519,7 +525,6 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
       issue_states_and_values(cur, tid, kGradientThreads);
       issue_gates(cur, tid, kGradientThreads);
       issue_keys(cur, tid, kGradientThreads);
-      if (tid < kBlock) sh.beta[tid] = tid < valid ? __bfloat162float(beta[token(tid)]) : 0.0f;
       BLOCK_WARP_ARRIVE();
       cp_async_wait<0>();
       __syncthreads();
@@ -585,6 +590,18 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
         store_bf16x2(&sh.decayed.k_bar[i][cp], ki.x * exp_ftz(last.x - gam.x), ki.y * exp_ftz(last.y - gam.y));
       }
     }
+    // Where dV' is given: this warp's tile of X = dV' S^T (needing nothing made here; phase 3's Y =
+    // M_aa^T X), kept as the B operand of that product: each 8 x 8 block of the accumulator, packed
+    // to bf16 and transposed by movmatrix (blocks (0, 0), (1, 0), (0, 1), (1, 1): k = X's rows).
+    [[maybe_unused]] uint32_t xb[4];
+    if constexpr (kGivenDV) {
+      float x[2][4] = {};
+      tile_product<V, true>(x, &sh.d_v_new[0][0], kRowV, m0, &sh.s_t[0][0], kRowK, n0, f);
+      xb[0] = movmatrix_trans(pack_bf16(x[0][0], x[0][1]));
+      xb[1] = movmatrix_trans(pack_bf16(x[0][2], x[0][3]));
+      xb[2] = movmatrix_trans(pack_bf16(x[1][0], x[1][1]));
+      xb[3] = movmatrix_trans(pack_bf16(x[1][2], x[1][3]));
+    }
     compute_barrier();
     BLOCK_PHASE_MARK(2);
 
@@ -647,6 +664,7 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
     if constexpr (!kGivenDV) d_q_hat();
     if constexpr (kGivenDV) {
       if (!dk_late) d_k_bar();
+      if (warp >= 13) d_aqk_block(warp - 13);
     }
     if (warp >= 10 && !(kGivenDV && warp >= 13)) {
       // Tasks 0-2: P_00, P_10, P_11; 3-5: Aqk_00, Aqk_10, Aqk_11.
@@ -714,8 +732,8 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
     // rounded to bf16 once, as pass 1 rounds the states it stores. The 64 16 x 16 tiles of S^T on
     // warps 0-11 in phase 6, where warps 12-15 run the dL chain. (26 of them on warps 0-12 in phase
     // 5, beside warps 13-15's H, and the rest in phase 6: the same bits, no faster, 6.65-6.66 ms
-    // against 6.60 for pass 3 on an H100.) Where dV' is given: on warps 0-12 in phase 4, beside dL
-    // (S^T last read in phase 3; K_ lives on, dGamma lying elsewhere).
+    // against 6.60 for pass 3 on an H100.) Where dV' is given: on warps 0-9 in phase 4 (S^T last
+    // read in phase 3; K_ lives on, dGamma lying elsewhere).
     const bool make_next_state = chained && (cur.index & 1) == 0 && cur.index + 1 < num_blocks;
     auto next_state = [&](auto warps) {  // std::integral_constant: the warps that share the tiles
       for (int tile = warp; tile < (V / 16) * (K / 16); tile += warps()) {
@@ -808,8 +826,10 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
       //   dKb = M^T dW = -dVb S^T =: -Y,   dL = -M^T dM M^T = -dVb V'^T (strictly lower),
       //   dK^ += Diag(beta) dKb,   dbeta_i = dVb_i . V_i - Y_i . K^_i + sum_j dL_ij P_ij,
       // and no W, dW, G, H, dM nor the two products with M around dM. A tile of Y needs only its own
-      // sub-chunk's M_aa and its own tile of X = dV' S^T (Y = M_aa^T X): made in registers in phase 3,
-      // so that S^T is last read there and the pair's next state is made in phase 4.
+      // sub-chunk's M_aa and its own tile of X = dV' S^T (Y = M_aa^T X): X is made in phase 1, Y in
+      // registers in phase 3, so that S^T is last read there (dQ^) and the pair's next state is made
+      // in phase 4. Phase 2 holds dK_ (warps 0-9, 13-15) and dAqk (13-15) beside P and the
+      // diagonal inverses (10-12), phase 4 warps 10-12's dK_ beside dL (13-15) and the next state.
       //
       // dbeta's terms of rows m0 + g (+ 8) over this tile's 16 columns, which lie in the four lanes t
       // of their g: into dbeta_parts[row][this tile's column tile].
@@ -824,7 +844,7 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
       };
       // Phase 3: on this warp's tile, dVb = M_aa^T dV' (stored bf16 for phase 4's dL) and dv =
       // Diag(beta) dVb (to global); Y = M_aa^T X: dK^ = -Diag(beta) Y (into dk, dGamma); dbeta's
-      // dVb (.) V - Y (.) K^. Every warp's dQ^; warps 10-12's dK_; dAqk (warps 13-15).
+      // dVb (.) V - Y (.) K^; dQ^.
       {
         uint32_t mt[4];
         a_trans(mt, &sh.m_b[0][0], kRowC, m0, m0, f);  // (M^T)[i][t] = M[t][i], both in sub-chunk rt
@@ -845,13 +865,8 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
             }
           });
         }
-        float x[2][4] = {}, y[2][4] = {};
-        tile_product<V, true>(x, &sh.d_v_new[0][0], kRowV, m0, &sh.s_t[0][0], kRowK, n0, f);  // X = dV' S^T
-        // X as the B operand (k = its rows, n = its columns): each 8 x 8 block of the accumulator,
-        // packed to bf16, transposed by movmatrix (blocks (0, 0), (1, 0), (0, 1), (1, 1)).
-        const uint32_t xb[4] = {movmatrix_trans(pack_bf16(x[0][0], x[0][1])), movmatrix_trans(pack_bf16(x[0][2], x[0][3])),
-                                movmatrix_trans(pack_bf16(x[1][0], x[1][1])), movmatrix_trans(pack_bf16(x[1][2], x[1][3]))};
-        mma2(y, mt, xb);
+        float y[2][4] = {};
+        mma2(y, mt, xb);  // Y = M_aa^T X, X = dV' S^T from phase 1
         for_tile(m0, n0, lane, [&](int n, int e, int i, int c) {
           const float kh = __bfloat162float(sh.decayed.k_hat[i][c]), dkh = -sh.beta[i] * y[n][e];
           dk[n][e] += dkh * exp_ftz(sh.gamma[i][c]);
@@ -861,19 +876,14 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
         store_row_parts(rowpart);
       }
       d_q_hat();
-      if (dk_late) d_k_bar();
-      if (warp >= 13) d_aqk_block(warp - 13);
       compute_barrier();
       BLOCK_PHASE_MARK(4);
       if constexpr (kProducer) {
-        if (more) {
-          named_arrive(kDStatesFree);  // dS'^T: last read by dK_
-          named_arrive(kKeysFree);     // q and k: last read by dQ^ (dGamma's factor q)
-        }
+        if (more) named_arrive(kKeysFree);  // q and k: last read by dQ^ (dGamma's factor q)
       }
 
       // Phase 4: dL = -dVb V'^T on the lower 16 x 16 blocks (warps 13-15), dP = Diag(beta) dL and
-      // dbeta's sum_j dL_ij P_ij; the pair's next state in place of S^T (warps 0-12).
+      // dbeta's sum_j dL_ij P_ij; dK_ (warps 10-12); the pair's next state in place of S^T (warps 0-9).
       if (warp >= 13) {
         const int ab = warp - 13;
         const LowerBlock blk(ab);
@@ -894,13 +904,18 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
           sum += __shfl_xor_sync(0xffffffffu, sum, 2);
           if (t == 0) sh.dbeta_l[cb][16 * ra + g + 8 * r] = sum;
         }
+      } else if (dk_late) {
+        d_k_bar();
       } else if (make_next_state) {
-        next_state(std::integral_constant<int, 13>{});
+        next_state(std::integral_constant<int, 10>{});
       }
       compute_barrier();
       BLOCK_PHASE_MARK(5);
       if constexpr (kProducer) {
-        if (more) named_arrive(kValuesFree);  // S^T, v, dO, V' and dV': last read in phase 4
+        if (more) {
+          named_arrive(kDStatesFree);  // dS'^T: last read by dK_
+          named_arrive(kValuesFree);   // S^T, v, dO, V' and dV': last read in phase 4
+        }
       }
 
       // Phase 5: the intra blocks' gradients.
@@ -1135,6 +1150,8 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
         for (int r = i; r < kBlock; ++r) acc += sh.chain.m[r][i] * sh.chain.gh[r][i];
       }
       a.dbeta[token(i)] = acc;
+    } else if (tid >= K + kBlock && tid < K + 2 * kBlock && more) {
+      load_beta(item_at(next_w), tid - K - kBlock);  // read from phase 2 on; this item's last read in phase 4
     }
     compute_barrier();  // phase 8's reads (dGamma, the partial sums) before the next block writes them
     BLOCK_PHASE_MARK(9);
