@@ -492,14 +492,17 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
     }
   }
 
-  // beta of an item into sh.beta by one warp (lane i row i): the first item's here, each next one's in
-  // the last phase of the item before, by warp 5, which idles there. Loaded at the top of each item,
-  // its global load's latency held the top barrier (warp 0 ~1.4-2.2K cycles a block more than the
-  // others; twenty-ninth session).
+  // beta of an item into sh.beta by one warp (lane i row i). Where dV' is given: the first item's
+  // here, each next one's in the last phase of the item before, by warp 5, which idles there. Loaded
+  // at the top of each item, its global load's latency held the top barrier (warp 0 ~1.4-2.2K
+  // cycles a block more than the others; twenty-ninth session). The chain's form (dV' not given)
+  // keeps the load at the top: moved, it ran 3-4% slower (more spills; H100).
   auto load_beta = [&](const Item& it, int i) {
     sh.beta[i] = i < it.valid ? __bfloat162float(beta[(it.row0 + i) * H + it.h]) : 0.0f;
   };
-  if (tid < kBlock && first_slot < a.items) load_beta(item_at(first_slot), tid);
+  if constexpr (kGivenDV) {
+    if (tid < kBlock && first_slot < a.items) load_beta(item_at(first_slot), tid);
+  }
   [[maybe_unused]] uint32_t count = 0;  // this CTA's items so far (kTma: the mbarriers' parity)
   for (int64_t w = first_slot; w < a.items; w = next_slot(w), ++count) {
     const Item cur = item_at(w);
@@ -512,10 +515,12 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
     warp_phase = 0;
 #endif
     if constexpr (kProducer) {
+      if (!kGivenDV && tid < kBlock) load_beta(cur, tid);
       BLOCK_WARP_ARRIVE();
       named_sync(kLoaded);
       BLOCK_WARP_LEAVE();
     } else if constexpr (kTma) {
+      if (!kGivenDV && tid < kBlock) load_beta(cur, tid);
       const uint32_t parity = count & 1u;
       BLOCK_WARP_ARRIVE();
       for (int part = 0; part < 3; ++part) mbarrier_wait(&sh.loaded[part], parity);
@@ -525,6 +530,7 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
       issue_states_and_values(cur, tid, kGradientThreads);
       issue_gates(cur, tid, kGradientThreads);
       issue_keys(cur, tid, kGradientThreads);
+      if (!kGivenDV && tid < kBlock) load_beta(cur, tid);
       BLOCK_WARP_ARRIVE();
       cp_async_wait<0>();
       __syncthreads();
@@ -1150,7 +1156,7 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
         for (int r = i; r < kBlock; ++r) acc += sh.chain.m[r][i] * sh.chain.gh[r][i];
       }
       a.dbeta[token(i)] = acc;
-    } else if (tid >= K + kBlock && tid < K + 2 * kBlock && more) {
+    } else if (kGivenDV && tid >= K + kBlock && tid < K + 2 * kBlock && more) {
       load_beta(item_at(next_w), tid - K - kBlock);  // read from phase 2 on; this item's last read in phase 4
     }
     compute_barrier();  // phase 8's reads (dGamma, the partial sums) before the next block writes them
