@@ -476,8 +476,10 @@ Gradients chunked_backward_reference(const at::Tensor& q, const at::Tensor& k, c
                            bc.transpose(-1, -2);
     d_l = at::tril(-small_product(small_product(inverse.transpose(-1, -2), d_m), inverse.transpose(-1, -2)), -1);
   } else {
+    const bool kept = form == BackwardForm::kKeptInnovationGradients;  // dVb stored, not dV'
     if (form == BackwardForm::kInnovations || anchor == chunk) {
       d_vb = small_product(inverse.transpose(-1, -2), d_v_new);
+      if (kept) d_vb = operand(d_vb, rounding.states);
     } else {
       // dV' of a reverse walk over sub-chunks of `anchor` tokens (pass 2's, stored as `states` are),
       // then M_aa^T dV'_a on each: [B, H, N, C, X] viewed as [B, H, N C / anchor, anchor, X].
@@ -509,9 +511,10 @@ Gradients chunked_backward_reference(const at::Tensor& q, const at::Tensor& k, c
             return blocks;
           }(),
           3);  // [B, H, N, C / anchor, anchor, anchor]
-      const at::Tensor d_v_kept = operand(at::stack(d_v_sub, 2), rounding.states)
+      const at::Tensor d_v_kept = operand(at::stack(d_v_sub, 2), kept ? false : rounding.states)
                                       .reshape({batch, heads, num_chunks, chunk / anchor, anchor, v_dim});
       d_vb = small_product(diagonal.transpose(-1, -2), d_v_kept).reshape({batch, heads, num_chunks, chunk, v_dim});
+      if (kept) d_vb = operand(d_vb, rounding.states);
     }
     d_kb = -state_product(d_vb, s.transpose(-1, -2));
     d_l = at::tril(-small_product(d_vb, v_new.transpose(-1, -2)), -1);

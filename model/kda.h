@@ -164,7 +164,10 @@ struct BackwardRounding {
 //                   time and keeps it). dVb = dv / beta is the gradient of an input, the same whatever the
 //                   chunking, so only M's diagonal blocks are needed, and the sub-chunk's dV' needs no
 //                   correction to the chunk's: what the kernels' pass 3 by blocks computes.
-enum class BackwardForm { kInverseChain, kInnovations, kSubChunkInnovations };
+//   kKeptInnovationGradients  the same, with dVb made by the sub-chunk walk itself and stored (rounded
+//                   as `states` are) instead of dV': what pass 3 would read if pass 2 kept dVb, so that
+//                   it needs no M at all (dv = Diag(beta) dVb from the stored dVb).
+enum class BackwardForm { kInverseChain, kInnovations, kSubChunkInnovations, kKeptInnovationGradients };
 Gradients chunked_backward_reference(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                      const at::Tensor& g, const at::Tensor& beta,
                                      const at::Tensor& initial_state, double scale, const at::Tensor& d_o,

@@ -370,7 +370,7 @@ TEST(Kda, BlockedBackwardEqualsAutogradOfTheChunkedForm) {
       // The three ways to dL (kda.h, BackwardForm): M^T dM M^T; -dVb V'^T; the same with dVb from
       // the sub-chunks' walk (the kernels' form).
       for (const auto form : {kda::BackwardForm::kInverseChain, kda::BackwardForm::kInnovations,
-                              kda::BackwardForm::kSubChunkInnovations}) {
+                              kda::BackwardForm::kSubChunkInnovations, kda::BackwardForm::kKeptInnovationGradients}) {
         const auto got = as_list(kda::chunked_backward_reference(in.q, in.k, in.v, in.g, in.beta, in.state,
                                                                  scale_for(in.q), d_o, d_final, chunk, anchor, {}, form));
         for (size_t i = 0; i < got.size(); ++i) {
@@ -424,6 +424,10 @@ TEST(Kda, BlockedBackwardPrecisionOfBf16OperandsByProductClass) {
        kda::BackwardForm::kSubChunkInnovations},
       {"C=64 anchor 16, all bf16, dL = -dVb V'^T, dVb by 16s", 64, 16, everything,
        kda::BackwardForm::kSubChunkInnovations},
+      {"C=32 anchor 16, all bf16, dVb kept by the walk in bf16", 32, 16, everything,
+       kda::BackwardForm::kKeptInnovationGradients},
+      {"C=64 anchor 16, all bf16, dVb kept by the walk in bf16", 64, 16, everything,
+       kda::BackwardForm::kKeptInnovationGradients},
   };
   std::map<std::string, double> worst;  // case -> worst relative error over g and gradients
   for (const double g_fill : {1.0, -5.0, 0.0}) {
@@ -463,6 +467,10 @@ TEST(Kda, BlockedBackwardPrecisionOfBf16OperandsByProductClass) {
   // in bf16, dKb = -dVb S^T, dL = -dVb V'^T): no less precise than the chain it replaces.
   EXPECT_LT(worst["C=32 anchor 16, all bf16, dL = -dVb V'^T, dVb by 16s"], 6e-3);
   EXPECT_LT(worst["C=64 anchor 16, all bf16, dL = -dVb V'^T, dVb by 16s"], 6e-3);
+  // ... and with dVb itself kept in bf16 by the reverse walk (dv = Diag(beta) dVb from it), pass 3
+  // would need no M: the precision it would cost.
+  EXPECT_LT(worst["C=32 anchor 16, all bf16, dVb kept by the walk in bf16"], 6e-3);
+  EXPECT_LT(worst["C=64 anchor 16, all bf16, dVb kept by the walk in bf16"], 6e-3);
   // M of a 64-token block from its 16 x 16 diagonal inverses and bf16 block products: 4.9e-3.
   EXPECT_LT(worst["C=64 anchor 16, all bf16, M's blocks from bf16 products"], 6e-3);
   EXPECT_GT(worst["C=64 anchor 16, all bf16, dGamma's factors unrounded"],
