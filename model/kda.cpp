@@ -378,6 +378,70 @@ at::Tensor from_chunks(const at::Tensor& x, int64_t length) {
   return x.permute({0, 2, 3, 1, 4}).reshape({batch, chunks * chunk, heads, width}).slice(1, 0, length);
 }
 
+// One chunking's forward quantities (chunked_reference's), in the compute dtype: [B, H, N, C, *] for
+// chunks of `chunk` tokens with exponents anchored every `anchor`, the intra-chunk products' and M's
+// operands rounded as `rounding` says; `count` chunks (the sequence zero-padded to count * chunk tokens).
+// The backward reference makes one for its chunks and, for the sub-chunk forms, one for pass 2's
+// sub-chunks (exact).
+struct Chunking {
+  int64_t chunk = 0, anchor = 0, count = 0;
+  bool round_diagonal = false, round_off_diagonal = false, dgamma_from_unrounded = false;
+  at::Tensor qc, kc, vc, gc, bc, doc;  // the inputs by chunk (beta as a column [.., C, 1])
+  at::Tensor gamma_cum, gamma_last;    // Gamma anchored at the chunk start; its last row [.., 1, K]
+  at::Tensor q_hat, k_hat, k_bar;      // scale q e^Gamma, k e^Gamma, k e^{gamma - Gamma}
+  at::Tensor a_qk, p, inverse;         // Aqk, P (strictly lower), M = (I + Diag(beta) P)^-1
+  at::Tensor w, u, decay_last;         // M Diag(beta) K^, M Diag(beta) V, e^gamma [.., K, 1]
+
+  // The anchored products by blocks (they refer to this object's tensors: keep it alive).
+  AnchoredBlocks qk() const {
+    return {chunk, anchor, round_diagonal, round_off_diagonal, qc, kc, gamma_cum, dgamma_from_unrounded};
+  }
+  AnchoredBlocks kk() const {
+    return {chunk, anchor, round_diagonal, round_off_diagonal, kc, kc, gamma_cum, dgamma_from_unrounded};
+  }
+};
+
+Chunking chunking(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                  const at::Tensor& beta, const at::Tensor& d_o, double scale, int64_t chunk, int64_t anchor,
+                  int64_t count, at::ScalarType dtype, const BackwardRounding& rounding) {
+  Chunking c;
+  c.chunk = chunk, c.anchor = anchor, c.count = count;
+  c.round_diagonal = rounding.diagonal_blocks, c.round_off_diagonal = rounding.off_diagonal_blocks;
+  c.dgamma_from_unrounded = rounding.dgamma_from_unrounded;
+  c.qc = to_chunks(q, chunk, c.count, dtype), c.kc = to_chunks(k, chunk, c.count, dtype);
+  c.vc = to_chunks(v, chunk, c.count, dtype), c.gc = to_chunks(g, chunk, c.count, dtype);
+  c.bc = to_chunks(beta.unsqueeze(-1), chunk, c.count, dtype), c.doc = to_chunks(d_o, chunk, c.count, dtype);
+  c.gamma_cum = c.gc.cumsum(3);
+  c.gamma_last = c.gamma_cum.select(3, chunk - 1).unsqueeze(3);
+  c.q_hat = c.qc * scale * c.gamma_cum.exp();
+  c.k_hat = c.kc * c.gamma_cum.exp();
+  c.k_bar = c.kc * (c.gamma_last - c.gamma_cum).exp();
+  c.a_qk = at::tril(c.qk().forward(), 0) * scale;
+  c.p = at::tril(c.kk().forward(), -1);
+  // M, by anchor-sized blocks (exact unless rounding.inverse_blocks)
+  c.inverse = unit_lower_inverse_by_blocks(c.bc * c.p, anchor, rounding.inverse_blocks);
+  c.w = at::matmul(c.inverse, c.bc * c.k_hat);
+  c.u = at::matmul(c.inverse, c.bc * c.vc);
+  c.decay_last = c.gamma_last.squeeze(3).exp().unsqueeze(-1);
+  return c;
+}
+
+// Pass 2: the reverse walk from d_state (the gradient of the state leaving the last chunk), exact.
+// Fills `leaving` (dS' leaving every chunk) and `d_v_new` (every chunk's dV') and returns the
+// gradient of the state entering the first chunk.
+at::Tensor reverse_walk(const Chunking& c, at::Tensor d_state, std::vector<at::Tensor>& leaving,
+                        std::vector<at::Tensor>& d_v_new) {
+  leaving.resize(c.count), d_v_new.resize(c.count);
+  for (int64_t n = c.count - 1; n >= 0; --n) {
+    leaving[n] = d_state;
+    d_v_new[n] = at::matmul(c.k_bar.select(2, n), d_state) +
+                 at::matmul(c.a_qk.select(2, n).transpose(-1, -2), c.doc.select(2, n));
+    d_state = at::matmul(c.q_hat.select(2, n).transpose(-1, -2), c.doc.select(2, n)) +
+              c.decay_last.select(2, n) * d_state - at::matmul(c.w.select(2, n).transpose(-1, -2), d_v_new[n]);
+  }
+  return d_state;
+}
+
 }  // namespace
 
 Gradients chunked_backward_reference(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -395,40 +459,24 @@ Gradients chunked_backward_reference(const at::Tensor& q, const at::Tensor& k, c
               "chunk = ", chunk, ", got ", anchor);
   const at::ScalarType dtype = compute_dtype(q);
   const int64_t batch = q.size(0), length = q.size(1), heads = q.size(2), k_dim = q.size(3), v_dim = v.size(3);
-  at::Tensor d_state = d_final_state.defined() ? d_final_state.to(dtype)
-                                               : at::zeros({batch, heads, k_dim, v_dim}, q.options().dtype(dtype));
-  TORCH_CHECK(d_state.sizes() == at::IntArrayRef({batch, heads, k_dim, v_dim}), where,
-              ": d_final_state must be [B, H, K, V], got ", d_state.sizes());
+  const at::Tensor d_final = d_final_state.defined()
+                                 ? d_final_state.to(dtype)
+                                 : at::zeros({batch, heads, k_dim, v_dim}, q.options().dtype(dtype));
+  TORCH_CHECK(d_final.sizes() == at::IntArrayRef({batch, heads, k_dim, v_dim}), where,
+              ": d_final_state must be [B, H, K, V], got ", d_final.sizes());
   Gradients out;
   if (length == 0) {
     out.dq = at::zeros_like(q), out.dk = at::zeros_like(k), out.dv = at::zeros_like(v);
     out.dg = at::zeros_like(g), out.dbeta = at::zeros_like(beta);
-    out.d_initial_state = d_state;
+    out.d_initial_state = d_final;
     return out;
   }
   const int64_t num_chunks = (length + chunk - 1) / chunk;
-  const at::Tensor qc = to_chunks(q, chunk, num_chunks, dtype), kc = to_chunks(k, chunk, num_chunks, dtype);
-  const at::Tensor vc = to_chunks(v, chunk, num_chunks, dtype), gc = to_chunks(g, chunk, num_chunks, dtype);
-  const at::Tensor bc = to_chunks(beta.unsqueeze(-1), chunk, num_chunks, dtype);
-  const at::Tensor doc = to_chunks(d_o, chunk, num_chunks, dtype);
-
-  // The chunk's forward quantities (chunked_reference's), every one in the compute dtype.
-  const at::Tensor gamma_cum = gc.cumsum(3);
-  const at::Tensor gamma_last = gamma_cum.select(3, chunk - 1).unsqueeze(3);  // [B, H, N, 1, K]
-  const at::Tensor q_hat = qc * scale * gamma_cum.exp();
-  const at::Tensor k_hat = kc * gamma_cum.exp();
-  const at::Tensor k_bar = kc * (gamma_last - gamma_cum).exp();
-  const AnchoredBlocks qk{chunk, anchor, rounding.diagonal_blocks, rounding.off_diagonal_blocks, qc, kc, gamma_cum,
-                          rounding.dgamma_from_unrounded};
-  const AnchoredBlocks kk{chunk, anchor, rounding.diagonal_blocks, rounding.off_diagonal_blocks, kc, kc, gamma_cum,
-                          rounding.dgamma_from_unrounded};
-  const at::Tensor a_qk = at::tril(qk.forward(), 0) * scale;
-  const at::Tensor p = at::tril(kk.forward(), -1);
-  // M, by anchor-sized blocks (exact unless rounding.inverse_blocks)
-  const at::Tensor inverse = unit_lower_inverse_by_blocks(bc * p, anchor, rounding.inverse_blocks);
-  const at::Tensor w = at::matmul(inverse, bc * k_hat);
-  const at::Tensor u = at::matmul(inverse, bc * vc);
-  const at::Tensor decay_last = gamma_last.squeeze(3).exp().unsqueeze(-1);  // e^gamma [B, H, N, K, 1]
+  const Chunking c = chunking(q, k, v, g, beta, d_o, scale, chunk, anchor, num_chunks, dtype, rounding);
+  const at::Tensor &qc = c.qc, &kc = c.kc, &vc = c.vc, &gc = c.gc, &bc = c.bc, &doc = c.doc;
+  const at::Tensor &gamma_cum = c.gamma_cum, &gamma_last = c.gamma_last, &decay_last = c.decay_last;
+  const at::Tensor &q_hat = c.q_hat, &k_hat = c.k_hat, &k_bar = c.k_bar, &a_qk = c.a_qk, &p = c.p;
+  const at::Tensor &inverse = c.inverse, &w = c.w, &u = c.u;
 
   // A product with the K x V state (pass 3's five, pass 2's walk): operands as the kernels feed them.
   auto state_product = [&](const at::Tensor& a, const at::Tensor& b) {
@@ -440,21 +488,14 @@ Gradients chunked_backward_reference(const at::Tensor& q, const at::Tensor& k, c
 
   // Pass 1: the state entering every chunk. Pass 2: dS' leaving every chunk, walked backwards. Both
   // keep their running state exact; what pass 3 reads of them is rounded as stored (states).
-  std::vector<at::Tensor> entering(num_chunks), leaving(num_chunks);
+  std::vector<at::Tensor> entering(num_chunks), leaving, walk_d_v_new;
   at::Tensor state = state_or_zeros(initial_state, q, v, dtype);
   for (int64_t n = 0; n < num_chunks; ++n) {
     entering[n] = state;
     const at::Tensor v_new = u.select(2, n) - at::matmul(w.select(2, n), state);
     state = decay_last.select(2, n) * state + at::matmul(k_bar.select(2, n).transpose(-1, -2), v_new);
   }
-  for (int64_t n = num_chunks - 1; n >= 0; --n) {
-    leaving[n] = d_state;
-    const at::Tensor d_v_new = at::matmul(k_bar.select(2, n), d_state) +
-                               at::matmul(a_qk.select(2, n).transpose(-1, -2), doc.select(2, n));
-    d_state = at::matmul(q_hat.select(2, n).transpose(-1, -2), doc.select(2, n)) + decay_last.select(2, n) * d_state -
-              at::matmul(w.select(2, n).transpose(-1, -2), d_v_new);
-  }
-  out.d_initial_state = d_state;
+  out.d_initial_state = reverse_walk(c, d_final, leaving, walk_d_v_new);
 
   // Pass 3, every chunk at once (kda_backward.cu's derivation, the anchored products' terms from
   // AnchoredBlocks::backward).
@@ -481,36 +522,18 @@ Gradients chunked_backward_reference(const at::Tensor& q, const at::Tensor& k, c
       d_vb = small_product(inverse.transpose(-1, -2), d_v_new);
       if (kept) d_vb = operand(d_vb, rounding.states);
     } else {
-      // dV' of a reverse walk over sub-chunks of `anchor` tokens (pass 2's, stored as `states` are),
-      // then M_aa^T dV'_a on each: [B, H, N, C, X] viewed as [B, H, N C / anchor, anchor, X].
-      const int64_t subs = num_chunks * chunk / anchor;
-      auto sub_view = [&](const at::Tensor& x) {
-        return x.reshape({batch, heads, subs, anchor, x.size(-1)});
-      };
-      const at::Tensor sk = sub_view(kc), sg = sub_view(gc), sb = sub_view(bc), sdo = sub_view(doc);
-      const at::Tensor s_cum = sg.cumsum(3), s_last = s_cum.select(3, anchor - 1).unsqueeze(3);
-      const at::Tensor s_q_hat = sub_view(qc) * scale * s_cum.exp(), s_k_hat = sk * s_cum.exp();
-      const at::Tensor s_k_til = sk * (-s_cum).exp(), s_k_bar = sk * (s_last - s_cum).exp();
-      const at::Tensor s_aqk = at::tril(at::matmul(s_q_hat, s_k_til.transpose(-1, -2)), 0);
-      const at::Tensor s_inverse = unit_lower_inverse(sb * at::tril(at::matmul(s_k_hat, s_k_til.transpose(-1, -2)), -1));
-      const at::Tensor s_w = at::matmul(s_inverse, sb * s_k_hat), s_decay = s_last.squeeze(3).exp().unsqueeze(-1);
-      std::vector<at::Tensor> d_v_sub(subs);
-      at::Tensor d_walk = d_final_state.defined() ? d_final_state.to(dtype) : at::zeros_like(d_state);
-      for (int64_t n = subs - 1; n >= 0; --n) {
-        d_v_sub[n] = at::matmul(s_k_bar.select(2, n), d_walk) + at::matmul(s_aqk.select(2, n).transpose(-1, -2), sdo.select(2, n));
-        d_walk = at::matmul(s_q_hat.select(2, n).transpose(-1, -2), sdo.select(2, n)) + s_decay.select(2, n) * d_walk -
-                 at::matmul(s_w.select(2, n).transpose(-1, -2), d_v_sub[n]);
+      // dV' of pass 2's reverse walk over sub-chunks of `anchor` tokens (exact, stored as `states`
+      // are unless dVb is what is kept), then M_aa^T dV'_a on each, with M's diagonal blocks taken
+      // from `inverse` (as pass 3 makes them): [B, H, N, C, X] viewed as [B, H, N, C / anchor, anchor, X].
+      const Chunking sub = chunking(q, k, v, g, beta, d_o, scale, anchor, anchor, num_chunks * chunk / anchor,
+                                    dtype, {});
+      std::vector<at::Tensor> sub_leaving, d_v_sub;
+      reverse_walk(sub, d_final, sub_leaving, d_v_sub);
+      std::vector<at::Tensor> blocks;
+      for (int64_t a = 0; a < chunk / anchor; ++a) {
+        blocks.push_back(inverse.narrow(-2, a * anchor, anchor).narrow(-1, a * anchor, anchor));
       }
-      // M's diagonal blocks are the sub-chunks' own inverses (taken from `inverse`, as pass 3 makes them).
-      const at::Tensor diagonal = at::stack(
-          [&] {
-            std::vector<at::Tensor> blocks;
-            for (int64_t a = 0; a < chunk / anchor; ++a) {
-              blocks.push_back(inverse.narrow(-2, a * anchor, anchor).narrow(-1, a * anchor, anchor));
-            }
-            return blocks;
-          }(),
-          3);  // [B, H, N, C / anchor, anchor, anchor]
+      const at::Tensor diagonal = at::stack(blocks, 3);  // [B, H, N, C / anchor, anchor, anchor]
       const at::Tensor d_v_kept = operand(at::stack(d_v_sub, 2), kept ? false : rounding.states)
                                       .reshape({batch, heads, num_chunks, chunk / anchor, anchor, v_dim});
       d_vb = small_product(diagonal.transpose(-1, -2), d_v_kept).reshape({batch, heads, num_chunks, chunk, v_dim});
@@ -527,8 +550,8 @@ Gradients chunked_backward_reference(const at::Tensor& q, const at::Tensor& k, c
 
   // Back to the inputs. Q^, K^, K_ directly; Aqk (x = scale q) and P (x = k) through their blocks.
   at::Tensor dq_a = at::zeros_like(qc), dk = at::zeros_like(kc), d_gamma = at::zeros_like(gc);
-  qk.backward(d_a_qk * scale, dq_a, dk, d_gamma);
-  kk.backward(d_p, dk, dk, d_gamma);
+  c.qk().backward(d_a_qk * scale, dq_a, dk, d_gamma);
+  c.kk().backward(d_p, dk, dk, d_gamma);
   const at::Tensor dq = d_q_hat * scale * gamma_cum.exp() + dq_a;
   dk = dk + d_k_hat * gamma_cum.exp() + d_k_bar * (gamma_last - gamma_cum).exp();
   d_gamma = d_gamma + d_q_hat * q_hat + d_k_hat * k_hat - d_k_bar * k_bar;
