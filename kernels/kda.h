@@ -197,7 +197,7 @@ struct KdaBackwardOptions {
   bool keep_values = true;
   // With chunk_states and pass 3 by blocks: the V' the same forward kept
   // (KdaChunkedOptions::new_values, bf16 [B, L, H, V], 16-byte aligned; given without chunk_states:
-  // cudaErrorInvalidValue); pass 2 then keeps dV' and pass 3 reads both, as with keep_values.
+  // cudaErrorInvalidValue); pass 2 then keeps dVb = M^T dV' and pass 3 reads both, as with keep_values.
   // nullptr with chunk_states: pass 3 recomputes them.
   const void* new_values = nullptr;
 };

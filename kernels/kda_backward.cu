@@ -75,7 +75,7 @@
 //      gradient of the state leaving each 32-token block, where pass 3 goes by blocks), then
 //        dV'^T = dS'^T K_^T + dO^T Aqk,   dS^T = dS'^T Diag(e^gamma) + dO^T Q^ - dV'^T W
 //      (mma.sync m16n8k16, bf16 operands, fp32 accumulators). The last dS is d initial_state.
-//      With keep_values it also stores every chunk's dV' (bf16 [N, L, H, V]).
+//      With keep_values it also stores every chunk's dVb = M^T dV' (bf16 [N, L, H, V]).
 //      bf16 with K = V = 128: kda_head_state_gradient_kernel, one CTA of 16 warps per (sequence,
 //      head) with the forward's specialized warps: 8 walk while 4 pairs prepare (head_pipeline);
 //      with few heads and a long sequence, context parallel (ReversePlan): segment transitions
@@ -90,9 +90,9 @@
 //      (dGamma's factors the bf16 operands: below) - then dq, dk, dv, dbeta, dg as above.
 //      bf16 with K = V = 128 (KdaBackwardOptions::pass3_blocks, the default): by blocks of 32
 //      tokens instead (kda_block_gradient_kernel, kda_block_gradient.cuh), reading S entering each
-//      block and dS' leaving it, and with keep_values V' and dV' instead of recomputing them.
+//      block and dS' leaving it, and with keep_values V' and dVb instead of recomputing them.
 // Workspace: two bf16 [N, H, chunks, K, V] (S and dS' per chunk; per block with pass 3 by blocks)
-// plus one fp32 state, and with keep_values two bf16 [N, L, H, V] (V' and dV').
+// plus one fp32 state, and with keep_values two bf16 [N, L, H, V] (V' and dVb).
 #include "kernels/kda.h"
 
 #include <cuda_bf16.h>
@@ -116,8 +116,9 @@ struct StateGradientArgs {
   float* d_initial_state;        // [N, H, K, V] or nullptr (not written)
   bf16* chunk_d_states;          // [N, H, ceil(chunks / i), V, K]: dS' leaving chunks i - 1, 2i - 1, ...
                                  // and the last (i = forward.state_interval; written)
-  // bf16 [N, L, H, V]: every chunk's dV' = K_ dS' + Aqk^T dO, the gradient of V' within its chunk
-  // of 16 (written; nullptr: not kept). Pass 3 by blocks reads it instead of recomputing it.
+  // bf16 [N, L, H, V]: every chunk's dVb = M^T dV' (dV' = K_ dS' + Aqk^T dO, the gradient of V'
+  // within its chunk of 16), the gradient of the input Diag(beta) V: the same whatever the chunking
+  // (written; nullptr: not kept). Pass 3 by blocks reads it and needs no M.
   bf16* d_new_values;
 };
 
@@ -140,8 +141,8 @@ __device__ __forceinline__ void store_d_state(bf16* head_d_states, int interval,
 // One chunk walked backwards by one warp on its 16 rows of dS^T (d_state[K / 8][4]: n-tile j
 // holds dS^T[v_row + g (+8)][8j + 2t (+1)], the forward's state layout). slot.v holds this CTA's
 // dO columns; v_local is the warp's first column within them. d_new_values (nullptr: not kept):
-// where this warp's 16 columns of the chunk's dV' go (token 0's, rows `stride` apart, `valid` of
-// them), bf16.
+// where this warp's 16 columns of the chunk's dVb = M^T dV' go (token 0's, rows `stride` apart,
+// `valid` of them), bf16; slot.m holds the chunk's M.
 template <int K, int kTile, typename Slot = ChunkSlot<K, kTile>>
 __device__ void reverse_walk_chunk(const Slot& slot, float (&d_state)[K / 8][4],
                                    int v_local, int lane, bf16* d_new_values = nullptr, int64_t stride = 0,
@@ -177,10 +178,17 @@ __device__ void reverse_walk_chunk(const Slot& slot, float (&d_state)[K / 8][4],
   // -dV'^T as an A operand (an accumulator pair is an m16k16 A fragment).
   const uint32_t neg_dv[4] = {pack_bf16(-x[0][0], -x[0][1]), pack_bf16(-x[0][2], -x[0][3]),
                               pack_bf16(-x[1][0], -x[1][1]), pack_bf16(-x[1][2], -x[1][3])};
-  if (d_new_values != nullptr) {  // dV' itself: the sign bits flipped back (exact)
+  if (d_new_values != nullptr) {  // dVb^T = dV'^T M, with dV'^T the sign bits flipped back (exact)
     const uint32_t dv[4] = {neg_dv[0] ^ 0x80008000u, neg_dv[1] ^ 0x80008000u, neg_dv[2] ^ 0x80008000u,
                             neg_dv[3] ^ 0x80008000u};
-    store_transposed_tile(d_new_values, stride, dv, valid, lane);
+    uint32_t b[4];
+    ldmatrix_x4_trans(b, &slot.m[f.t_row][f.t_col]);  // M[t][i]: k = t, n = i
+    float y[2][4] = {};
+    mma(y[0], dv, b[0], b[1]);
+    mma(y[1], dv, b[2], b[3]);
+    const uint32_t d_vb[4] = {pack_bf16(y[0][0], y[0][1]), pack_bf16(y[0][2], y[0][3]), pack_bf16(y[1][0], y[1][1]),
+                              pack_bf16(y[1][2], y[1][3])};
+    store_transposed_tile(d_new_values, stride, d_vb, valid, lane);
   }
 
   // dS^T = dS'^T Diag(e^gamma) + dO^T Q^ - dV'^T W.
@@ -323,7 +331,7 @@ __global__ void __launch_bounds__(kHeadThreads, 1) kda_head_state_gradient_kerne
       count, warp,
       [&](int slot, int64_t i) {
         const int64_t chunk = chunk_end - 1 - i;
-        bf16* d_new_values = nullptr;  // this chunk's dV' rows, where kept
+        bf16* d_new_values = nullptr;  // this chunk's dVb rows, where kept
         if constexpr (!kTransition) {
           // dS' of this chunk (the gradient of the state leaving it), as pass 3 reads it.
           store_d_state<K>(d_states, interval, chunk, num_chunks, V, v_col, d_state, lane);
@@ -389,7 +397,8 @@ struct ChunkGradientArgs {
   const bf16* chunk_d_states;
   int states_interval, d_states_interval;
   // Pass 3 by blocks, where passes 1 and 2 kept them (bf16 [N, L, H, V]; nullptr: recomputed): V'
-  // of every token (the forward walk's) and dV' of every 16-token chunk (the reverse walk's).
+  // of every token (the forward walk's) and dVb = M^T dV' of every 16-token chunk (the reverse
+  // walk's).
   const bf16* new_values;
   const bf16* d_new_values;
   void *dq, *dk, *dv;          // T, as q, k, v
@@ -1355,7 +1364,7 @@ bool blocked_pass3(KdaDtype dtype, int64_t key_dim, int64_t value_dim, const Kda
   return options.pass3_blocks && dtype == KdaDtype::kBFloat16 && key_dim == 128 && value_dim == 128;
 }
 
-// Whether pass 3 by blocks reads V' and dV' kept by passes 1 and 2 (KdaBackwardOptions::keep_values;
+// Whether pass 3 by blocks reads V' and dVb = M^T dV' kept by passes 1 and 2 (KdaBackwardOptions::keep_values;
 // with states the forward kept, where it kept V' too: KdaBackwardOptions::new_values).
 bool blocked_pass3_values(KdaDtype dtype, int64_t key_dim, int64_t value_dim, bool states_given,
                           const KdaBackwardOptions& options) {

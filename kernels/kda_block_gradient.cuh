@@ -27,9 +27,10 @@
 // V' and dV' (the default since the eighteenth session, KdaBackwardOptions::keep_values): passes 1
 // and 2 keep them and this pass reads them with v and dO (kGivenV, kGivenDV below) instead of making
 // W, U, Aqk, V' = U - W S and dV' = K_ dS' + Aqk^T dO. With both given the chain through M collapses
-// (twenty-ninth session; model::kda::BackwardForm): dVb = M_aa^T dV'_a per sub-chunk, then dKb =
-// -dVb S^T and dL = -dVb V'^T, so that only M's diagonal blocks are made and W, dW, G, H, dM and the
-// products around it are gone: seven barriers a block after the loads instead of nine.
+// (twenty-ninth session; model::kda::BackwardForm): dKb = -dVb S^T and dL = -dVb V'^T from dVb =
+// M^T dV', which the reverse walk keeps in place of dV' (thirtieth session), so that no M is made
+// here and W, dW, G, H, dM and the products around it are gone: seven barriers a block after the
+// loads instead of nine.
 #pragma once
 
 #include <cuda.h>  // CUtensorMap (BlockLoads::kTma); the encoder comes through the runtime
@@ -90,17 +91,14 @@ struct alignas(128) BlockShared {
     bf16 d_m[kBlock][kRowC];     // dM = (G + H) Diag(beta) below the diagonal
   };
   struct Innovations {
-    union {
-      bf16 d_vb[kBlock][kRowV];      // dVb = M^T dV' (phases 3-4)
-      float d_gamma[kBlock][kPadK];  // phases 5-6
-    };
+    float d_gamma[kBlock][kPadK];       // phases 5-6
     float dbeta_parts[kBlock][V / 16];  // dVb (.) V - Y (.) K^ over each 16-column tile (phases 3-6)
   };
   union alignas(16) {
     InverseChain chain;
     Innovations given;
   };
-  bf16 m_b[kBlock][kRowC];     // M (where dV' is given, only the diagonal blocks)
+  bf16 m_b[kBlock][kRowC];     // M (where dV' is not given)
   bf16 d_aqk[kBlock][kRowC];   // dAqk
   bf16 d_p[kBlock][kRowC];     // dP = Diag(beta) dL
   alignas(16) float l_t[kBlockSubChunks][kChunk][kChunk];  // the diagonal blocks' L^T
@@ -300,12 +298,13 @@ __device__ __forceinline__ void tma_load(void* dst, const CUtensorMap& map, uint
 
 // kGivenV: V' comes from pass 1 (ChunkGradientArgs::new_values) instead of being recomputed here:
 // no W, U nor W S (one of the five products with the state). kGivenDV (with kGivenV): dV' too,
-// from pass 2 (d_new_values): no Aqk, K_ dS' nor Aqk^T dO (a second product with the state). The
-// reverse walk's dV' is the gradient of V' within a chunk of 16, not within the block of 32; but dVb
-// = M^T dV', the gradient of the input Diag(beta) V, is the same in either chunking, so each
-// sub-chunk's is its own M_aa^T times its chunk's dV', and everything after needs only dVb and V'
-// (the comment at phase 3). Until the twenty-ninth session this pass corrected the first sub-chunk's
-// dV' to the block's (dV'_0 += Y^T dV'_1, Y = M_11 L_10) and ran the whole chain through M_10.
+// from pass 2 (d_new_values) as dVb = M^T dV': no Aqk, K_ dS' nor Aqk^T dO (a second product with
+// the state), and no M. The reverse walk's dV' is the gradient of V' within a chunk of 16, not within
+// the block of 32; but dVb, the gradient of the input Diag(beta) V, is the same in either chunking,
+// so the walk's chunk of 16 gives the block's, and everything after needs only dVb and V' (the
+// comment at phase 3). Until the twenty-ninth session this pass corrected the first sub-chunk's dV'
+// to the block's (dV'_0 += Y^T dV'_1, Y = M_11 L_10) and ran the whole chain through M_10; in the
+// twenty-ninth it made dVb = M_aa^T dV'_a from its own diagonal inverses.
 template <int K, int V, BlockLoads kLoads = BlockLoads::kTop, bool kGivenV = false, bool kGivenDV = false>
 __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
     kda_block_gradient_kernel(const ChunkGradientArgs a, const __grid_constant__ BlockTensorMaps maps) {
@@ -596,18 +595,10 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
         store_bf16x2(&sh.decayed.k_bar[i][cp], ki.x * exp_ftz(last.x - gam.x), ki.y * exp_ftz(last.y - gam.y));
       }
     }
-    // Where dV' is given: this warp's tile of X = dV' S^T (needing nothing made here; phase 3's Y =
-    // M_aa^T X), kept as the B operand of that product: each 8 x 8 block of the accumulator, packed
-    // to bf16 and transposed by movmatrix (blocks (0, 0), (1, 0), (0, 1), (1, 1): k = X's rows).
-    [[maybe_unused]] uint32_t xb[4];
-    if constexpr (kGivenDV) {
-      float x[2][4] = {};
-      tile_product<V, true>(x, &sh.d_v_new[0][0], kRowV, m0, &sh.s_t[0][0], kRowK, n0, f);
-      xb[0] = movmatrix_trans(pack_bf16(x[0][0], x[0][1]));
-      xb[1] = movmatrix_trans(pack_bf16(x[0][2], x[0][3]));
-      xb[2] = movmatrix_trans(pack_bf16(x[1][0], x[1][1]));
-      xb[3] = movmatrix_trans(pack_bf16(x[1][2], x[1][3]));
-    }
+    // Where dVb is given: this warp's tile of Y = dVb S^T, which needs nothing made here (phase 3
+    // takes it from registers: dK^ = -Diag(beta) Y and dbeta's Y (.) K^).
+    [[maybe_unused]] float y[2][4] = {};
+    if constexpr (kGivenDV) tile_product<V, true>(y, &sh.d_v_new[0][0], kRowV, m0, &sh.s_t[0][0], kRowK, n0, f);
     compute_barrier();
     BLOCK_PHASE_MARK(2);
 
@@ -666,7 +657,7 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
     // 6.86-6.87 against 6.91-7.04 ms, H100); the nineteenth added dK_ to phase 2 and then moved the
     // other warps' dQ^ too: pass 3 6.56-6.60 against 6.81-6.88 ms (H100), dGamma's terms in another
     // order (dg within 7.6e-8 of its largest; dq, dk, dv, dbeta the same bits), and no spills.
-    const bool dk_late = kGivenDV && warp >= 10 && warp < 13;
+    constexpr bool dk_late = false;  // (dvb3: every dK_ in phase 2)
     if constexpr (!kGivenDV) d_q_hat();
     if constexpr (kGivenDV) {
       if (!dk_late) d_k_bar();
@@ -697,14 +688,14 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
         const bool below = ra != cb || j < i;
         if (is_p) {
           sh.p[i][j] = below ? acc[n][e] : 0.0f;
-          if (ra == cb) sh.l_t[ra][j - 16 * cb][i - 16 * ra] = below ? sh.beta[i] * acc[n][e] : 0.0f;
+          if (!kGivenDV && ra == cb) sh.l_t[ra][j - 16 * cb][i - 16 * ra] = below ? sh.beta[i] * acc[n][e] : 0.0f;
           if (ab == 0) sh.p[i][j + kChunk] = 0.0f;  // the block above the diagonal
         } else {
           sh.chain.a_qk[i][j] = __float2bfloat16_rn(below || i == j ? acc[n][e] : 0.0f);
           if (ab == 0) sh.chain.a_qk[i][j + kChunk] = __float2bfloat16_rn(0.0f);
         }
       });
-      if (is_p && ra == cb) {
+      if (!kGivenDV && is_p && ra == cb) {  // dVb given: no M here
         __syncwarp();
         if (lane < kChunk) {
           const int c = lane, o = kChunk * ra;
@@ -759,6 +750,25 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
                          exp_ftz(sh.last[c + 1]) * s.y + acc[n][e + 1]);
           }
         });
+      }
+    };
+
+    // A lower 16 x 16 tile of dL (rows 16 ra, columns 16 cb) from acc = -dL: dP = Diag(beta) dL (bf16;
+    // tile (0, 0) also zeroes the block above the diagonal), dbeta's sum_j dL_ij P_ij into dbeta_l[cb].
+    auto store_d_l = [&](int ra, int cb, const float (&acc)[2][4]) {
+      float row_sum[2] = {};  // rows 16 ra + g, + 8
+      for_tile(16 * ra, 16 * cb, lane, [&](int n, int e, int i, int j) {
+        const float dl = i > j ? -acc[n][e] : 0.0f;
+        sh.d_p[i][j] = __float2bfloat16_rn(sh.beta[i] * dl);
+        if (ra == 0 && cb == 0) sh.d_p[i][j + kChunk] = __float2bfloat16_rn(0.0f);
+        row_sum[e >> 1] += dl * sh.p[i][j];
+      });
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float sum = row_sum[r];
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        if (t == 0) sh.dbeta_l[cb][16 * ra + g + 8 * r] = sum;
       }
     };
 
@@ -824,18 +834,15 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
     };
 
     if constexpr (kGivenDV) {
-      // dV' given (the default): the chain through M collapses (model::kda::BackwardForm::
-      // kSubChunkInnovations; kda_backward.cu's derivation). dVb = M^T dU is the gradient of the input
-      // Vb = Diag(beta) V, the same whatever the chunking, so each sub-chunk's is M_aa^T dV'_a from its
-      // own 16-token chunk's dV' (what the reverse walk keeps: no correction to the block's, no M_10);
-      // then, since M Vb - M Kb S = U - W S = V',
+      // dVb given (the default; d_new_values, kept by the reverse walk in place of dV'): the chain
+      // through M collapses (model::kda::BackwardForm::kKeptInnovationGradients; kda_backward.cu's
+      // derivation). dVb = M^T dU is the gradient of the input Vb = Diag(beta) V, the same whatever
+      // the chunking, so the walk's chunk of 16 gives the block's; then, since M Vb - M Kb S = U -
+      // W S = V',
       //   dKb = M^T dW = -dVb S^T =: -Y,   dL = -M^T dM M^T = -dVb V'^T (strictly lower),
       //   dK^ += Diag(beta) dKb,   dbeta_i = dVb_i . V_i - Y_i . K^_i + sum_j dL_ij P_ij,
-      // and no W, dW, G, H, dM nor the two products with M around dM. A tile of Y needs only its own
-      // sub-chunk's M_aa and its own tile of X = dV' S^T (Y = M_aa^T X): X is made in phase 1, Y in
-      // registers in phase 3, so that S^T is last read there (dQ^) and the pair's next state is made
-      // in phase 4. Phase 2 holds dK_ (warps 0-9, 13-15) and dAqk (13-15) beside P and the
-      // diagonal inverses (10-12), phase 4 warps 10-12's dK_ beside dL (13-15) and the next state.
+      // and no M, W, dW, G, H nor dM here. Phase 2 holds dK_ (warps 0-9, 13-15) and dAqk (13-15)
+      // beside P (10-12); phase 4 warps 10-12's dK_ beside dL (13-15) and the next state.
       //
       // dbeta's terms of rows m0 + g (+ 8) over this tile's 16 columns, which lie in the four lanes t
       // of their g: into dbeta_parts[row][this tile's column tile].
@@ -848,32 +855,17 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
           if (t == 0) sh.given.dbeta_parts[m0 + g + 8 * r][warp % 8] = x;
         }
       };
-      // Phase 3: on this warp's tile, dVb = M_aa^T dV' (stored bf16 for phase 4's dL) and dv =
-      // Diag(beta) dVb (to global); Y = M_aa^T X: dK^ = -Diag(beta) Y (into dk, dGamma); dbeta's
-      // dVb (.) V - Y (.) K^; dQ^.
+      // Phase 3: on this warp's tile, with Y = dVb S^T from phase 1: dK^ = -Diag(beta) Y (into dk,
+      // dGamma); dv = Diag(beta) dVb (to global); dbeta's dVb (.) V - Y (.) K^; dQ^.
       {
-        uint32_t mt[4];
-        a_trans(mt, &sh.m_b[0][0], kRowC, m0, m0, f);  // (M^T)[i][t] = M[t][i], both in sub-chunk rt
         float rowpart[2] = {};
-        {
-          float dvb[2][4] = {};
-          uint32_t bv[4];
-          b_trans(bv, &sh.d_v_new[0][0], kRowV, n0, m0, f);  // dV'[t][c]: this tile's rows and columns
-          mma2(dvb, mt, bv);
-          for_tile(m0, n0, lane, [&](int n, int e, int i, int c) {
-            rowpart[e >> 1] += dvb[n][e] * __bfloat162float(sh.v[i][c]);
-            if ((e & 1) == 0) {
-              store_bf16x2(&sh.given.d_vb[i][c], dvb[n][e], dvb[n][e + 1]);
-              if (i < valid) {
-                store_pair(static_cast<bf16*>(a.dv) + token(i) * V + c, sh.beta[i] * dvb[n][e],
-                           sh.beta[i] * dvb[n][e + 1]);
-              }
-            }
-          });
-        }
-        float y[2][4] = {};
-        mma2(y, mt, xb);  // Y = M_aa^T X, X = dV' S^T from phase 1
         for_tile(m0, n0, lane, [&](int n, int e, int i, int c) {
+          const float dvb = __bfloat162float(sh.d_v_new[i][c]);
+          rowpart[e >> 1] += dvb * __bfloat162float(sh.v[i][c]);
+          if ((e & 1) == 0 && i < valid) {
+            store_pair(static_cast<bf16*>(a.dv) + token(i) * V + c, sh.beta[i] * dvb,
+                       sh.beta[i] * __bfloat162float(sh.d_v_new[i][c + 1]));
+          }
           const float kh = __bfloat162float(sh.decayed.k_hat[i][c]), dkh = -sh.beta[i] * y[n][e];
           dk[n][e] += dkh * exp_ftz(sh.gamma[i][c]);
           dgam[n][e] += dkh * kh;
@@ -885,43 +877,28 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
       compute_barrier();
       BLOCK_PHASE_MARK(4);
       if constexpr (kProducer) {
-        if (more) named_arrive(kKeysFree);  // q and k: last read by dQ^ (dGamma's factor q)
+        if (more) {
+          named_arrive(kKeysFree);     // q and k: last read by dQ^ (dGamma's factor q)
+          named_arrive(kDStatesFree);  // dS'^T: last read by dK_ (phase 2)
+        }
       }
 
       // Phase 4: dL = -dVb V'^T on the lower 16 x 16 blocks (warps 13-15), dP = Diag(beta) dL and
-      // dbeta's sum_j dL_ij P_ij; dK_ (warps 10-12); the pair's next state in place of S^T (warps 0-9).
+      // dbeta's sum_j dL_ij P_ij; the pair's next state in place of S^T (warps 0-12).
       if (warp >= 13) {
         const int ab = warp - 13;
         const LowerBlock blk(ab);
         const int ra = blk.ra, cb = blk.cb;
         float acc[2][4] = {};
-        tile_product<V, false>(acc, &sh.given.d_vb[0][0], kRowV, 16 * ra, &sh.v_new[0][0], kRowV, 16 * cb, f);
-        float row_sum[2] = {};  // rows 16 ra + g, + 8
-        for_tile(16 * ra, 16 * cb, lane, [&](int n, int e, int i, int j) {
-          const float dl = ra != cb || j < i ? -acc[n][e] : 0.0f;
-          sh.d_p[i][j] = __float2bfloat16_rn(sh.beta[i] * dl);
-          if (ab == 0) sh.d_p[i][j + kChunk] = __float2bfloat16_rn(0.0f);  // the block above the diagonal
-          row_sum[e >> 1] += dl * sh.p[i][j];
-        });
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          float sum = row_sum[r];
-          sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-          sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-          if (t == 0) sh.dbeta_l[cb][16 * ra + g + 8 * r] = sum;
-        }
-      } else if (dk_late) {
-        d_k_bar();
+        tile_product<V, false>(acc, &sh.d_v_new[0][0], kRowV, 16 * ra, &sh.v_new[0][0], kRowV, 16 * cb, f);
+        store_d_l(ra, cb, acc);
       } else if (make_next_state) {
-        next_state(std::integral_constant<int, 10>{});
+        next_state(std::integral_constant<int, 13>{});
       }
       compute_barrier();
       BLOCK_PHASE_MARK(5);
       if constexpr (kProducer) {
-        if (more) {
-          named_arrive(kDStatesFree);  // dS'^T: last read by dK_
-          named_arrive(kValuesFree);   // S^T, v, dO, V' and dV': last read in phase 4
-        }
+        if (more) named_arrive(kValuesFree);  // S^T, v, dO, V' and dV': last read in phase 4
       }
 
       // Phase 5: the intra blocks' gradients.
@@ -1099,20 +1076,7 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
           b_trans(bf, &sh.chain.t1[0][0], kRowC, 16 * lj, k0, f);
           mma2(acc, af, bf);
         }
-        float row_sum[2] = {};  // rows 16 li + g, + 8
-        for_tile(16 * li, 16 * lj, lane, [&](int n, int e, int i, int j) {
-          const float dl = i > j ? -acc[n][e] : 0.0f;
-          sh.d_p[i][j] = __float2bfloat16_rn(sh.beta[i] * dl);
-          if (x == 0) sh.d_p[i][j + kChunk] = __float2bfloat16_rn(0.0f);
-          row_sum[e >> 1] += dl * sh.p[i][j];
-        });
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          float sum = row_sum[r];
-          sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-          sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-          if (t == 0) sh.dbeta_l[lj][16 * li + g + 8 * r] = sum;
-        }
+        store_d_l(li, lj, acc);
       }
     }
     compute_barrier();

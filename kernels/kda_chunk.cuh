@@ -277,7 +277,10 @@ struct alignas(16) ChunkSlot {
   bf16 m_beta[kChunk][24];     // M Diag(beta)       (prepare only)
   bf16 v[kChunk][kTile + 8];   // this CTA's value columns (prepare only)
   float u[kChunk][kTile + 4];  // U = M Diag(beta) V
-  float lower[kChunk][kChunk + 1];  // L = Diag(beta) strictly_lower(K^ K~^T)  (prepare only)
+  union {
+    float lower[kChunk][kChunk + 1];  // L = Diag(beta) strictly_lower(K^ K~^T)  (prepare only)
+    bf16 m[kChunk][24];               // then, in the reverse walk, M (dVb^T = dV'^T M)
+  };
   float decay_last[K];         // e^gamma
 };
 
@@ -572,6 +575,13 @@ __device__ void prepare_chunk(const ChunkedArgs& a, ChunkSlot<K, kTile>& slot, i
 #pragma unroll
       for (int i = 0; i < kChunk; ++i) slot.m_beta[i][c] = __float2bfloat16_rn(m[i] * beta);
     }
+    if constexpr (kGradients) {  // M itself, over L (every lane's reads of it done)
+      __syncwarp();
+      if (lane < 16) {
+#pragma unroll
+        for (int i = 0; i < kChunk; ++i) slot.m[i][c] = __float2bfloat16_rn(m[i]);
+      }
+    }
   }
   __syncwarp();
 
@@ -631,6 +641,7 @@ struct alignas(16) HeadSlot {
   float decay_last[K];        // e^gamma
   float u[kGradients ? 1 : kChunk][V + 4];  // U = M Diag(beta) V (forward)
   bf16 v[kGradients ? kChunk : 1][V + 8];   // dO (reverse walk)
+  bf16 m[kGradients ? kChunk : 1][24];      // M (reverse walk: dVb^T = dV'^T M)
 };
 
 // The prepare's own arrays, one set per pair.
@@ -843,7 +854,10 @@ __device__ __forceinline__ void prepare_chunk_pair(const ChunkedArgs& a, Slot& s
     unit_lower_inverse_column([&](int i, int j) { return scratch.lower[i][j]; }, col, m);
     if (lane < 16) {
 #pragma unroll
-      for (int i = 0; i < kChunk; ++i) scratch.m_beta[i][col] = __float2bfloat16_rn(m[i] * beta);
+      for (int i = 0; i < kChunk; ++i) {
+        scratch.m_beta[i][col] = __float2bfloat16_rn(m[i] * beta);
+        if constexpr (kGradients) slot.m[i][col] = __float2bfloat16_rn(m[i]);
+      }
     }
   } else if constexpr (kOutputs) {
     // Aqk = lower_incl_diagonal(Q^ K~^T).
