@@ -492,7 +492,7 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
   }
 
   // beta of an item into sh.beta by one warp (lane i row i). Where dV' is given: the first item's
-  // here, each next one's in the last phase of the item before, by warp 5, which idles there. Loaded
+  // here, each next one's by warp 5 in the item before (issued in phase 5, stored in the last). Loaded
   // at the top of each item, its global load's latency held the top barrier (warp 0 ~1.4-2.2K
   // cycles a block more than the others; twenty-ninth session). The chain's form (dV' not given)
   // keeps the load at the top: moved, it ran 3-4% slower (more spills; H100).
@@ -509,6 +509,7 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
     const bool more = next_w < a.items;
     const int valid = cur.valid;
     auto token = [&](int i) { return (cur.row0 + i) * H + cur.h; };  // [B, L, H] index of row i
+    [[maybe_unused]] unsigned short next_beta = 0;  // warp 5, where dV' is given: the next item's beta
 
 #ifdef KDA_PHASE_PROFILE
     warp_phase = 0;
@@ -901,7 +902,15 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
         if (more) named_arrive(kValuesFree);  // S^T, v, dO, V' and dV': last read in phase 4
       }
 
-      // Phase 5: the intra blocks' gradients.
+      // Phase 5: the intra blocks' gradients. Warp 5 first issues the next item's beta (as raw bf16
+      // bits, stored to sh.beta in the last phase), so that its global load's latency passes under
+      // the intra blocks: issued in the last phase, it held that phase's barrier (~2.8K cycles a
+      // block against ~1.3K for the other warps' work there; thirtieth session's profile).
+      if (tid >= K + kBlock && tid < K + 2 * kBlock && more) {
+        const Item next = item_at(next_w);
+        const int i = tid - K - kBlock;
+        next_beta = i < next.valid ? reinterpret_cast<const unsigned short*>(beta)[(next.row0 + i) * H + next.h] : 0;
+      }
       intra_blocks(sh.given.d_gamma);
       compute_barrier();
       BLOCK_PHASE_MARK(8);
@@ -1121,7 +1130,8 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
       }
       a.dbeta[token(i)] = acc;
     } else if (kGivenDV && tid >= K + kBlock && tid < K + 2 * kBlock && more) {
-      load_beta(item_at(next_w), tid - K - kBlock);  // read from phase 2 on; this item's last read in phase 4
+      // the next item's beta, loaded in phase 5 (read from phase 2 on; this item's last read in phase 4)
+      sh.beta[tid - K - kBlock] = __bfloat162float(__ushort_as_bfloat16(next_beta));
     }
     compute_barrier();  // phase 8's reads (dGamma, the partial sums) before the next block writes them
     BLOCK_PHASE_MARK(9);
