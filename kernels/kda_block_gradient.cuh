@@ -574,26 +574,36 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
         if (r < kSlices / 2) b1.x += x.x, b1.y += x.y;
         last.x += x.x, last.y += x.y;
       }
+      // Per column: e^{B_1} and e^{gamma - B_1}, so that a row needs two exponentials (e^{+-(Gamma -
+      // B)}, its own anchor B) instead of four: e^Gamma = e^{Gamma - B_1} e^{B_1} past the first
+      // sub-chunk (e^{Gamma - 0} in it), e^{gamma - Gamma} = e^{gamma - B_1} e^{B_1 - Gamma}, with
+      // e^{B_1 - Gamma} = e^{B_1} e^{-Gamma} in the first sub-chunk. Every factor lies within
+      // e^{+-16 |g_min|}, as the anchors' own (four ex2 a row and column before).
+      const float2 e_b1 = make_float2(exp_ftz(b1.x), exp_ftz(b1.y));
+      const float2 e_last_b1 = make_float2(exp_ftz(last.x - b1.x), exp_ftz(last.y - b1.y));
       if (rg == 0) {
         *reinterpret_cast<float2*>(&sh.anchor[cp]) = b1;
         *reinterpret_cast<float2*>(&sh.last[cp]) = last;
-        store_bf16x2(&sh.c10[cp], exp_ftz(b1.x), exp_ftz(b1.y));
+        store_bf16x2(&sh.c10[cp], e_b1.x, e_b1.y);
       }
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
         const int i = rg * kRows + r;
         const float2 gam = make_float2(local[r].x + offset.x, local[r].y + offset.y);
         *reinterpret_cast<float2*>(&sh.gamma[i][cp]) = gam;
-        const float2 anchor = i < kChunk ? make_float2(0.0f, 0.0f) : b1;
+        const bool first = i < kChunk;
+        const float2 anchor = first ? make_float2(0.0f, 0.0f) : b1;
         const float2 qi = load_bf16x2(&sh.in.q[i][cp]), ki = load_bf16x2(&sh.in.k[i][cp]);
-        float2 up, down;
+        float2 up, down;  // e^{Gamma - B}, e^{B - Gamma}
         exp_both(gam.x - anchor.x, up.x, down.x);
         exp_both(gam.y - anchor.y, up.y, down.y);
         store_bf16x2(&sh.x_q[i][cp], a.scale * qi.x * up.x, a.scale * qi.y * up.y);
         store_bf16x2(&sh.x_k[i][cp], ki.x * up.x, ki.y * up.y);
         store_bf16x2(&sh.k_c[i][cp], ki.x * down.x, ki.y * down.y);
-        store_bf16x2(&sh.decayed.k_hat[i][cp], ki.x * exp_ftz(gam.x), ki.y * exp_ftz(gam.y));
-        store_bf16x2(&sh.decayed.k_bar[i][cp], ki.x * exp_ftz(last.x - gam.x), ki.y * exp_ftz(last.y - gam.y));
+        const float2 e_gam = first ? up : make_float2(up.x * e_b1.x, up.y * e_b1.y);
+        const float2 e_b1_gam = first ? make_float2(e_b1.x * down.x, e_b1.y * down.y) : down;
+        store_bf16x2(&sh.decayed.k_hat[i][cp], ki.x * e_gam.x, ki.y * e_gam.y);
+        store_bf16x2(&sh.decayed.k_bar[i][cp], ki.x * (e_last_b1.x * e_b1_gam.x), ki.y * (e_last_b1.y * e_b1_gam.y));
       }
     }
     // Where dVb is given: this warp's tile of Y = dVb S^T, which needs nothing made here (phase 3
@@ -860,6 +870,8 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
       // dGamma); dv = Diag(beta) dVb (to global); dbeta's dVb (.) V - Y (.) K^; dQ^.
       {
         float rowpart[2] = {};
+        float q_acc[2][4] = {};  // dQ^ = dO S^T, its epilogue sharing e^Gamma with dK^'s
+        tile_product<V, true>(q_acc, &sh.d_o[0][0], kRowV, m0, &sh.s_t[0][0], kRowK, n0, f);
         for_tile(m0, n0, lane, [&](int n, int e, int i, int c) {
           const float dvb = __bfloat162float(sh.d_v_new[i][c]);
           rowpart[e >> 1] += dvb * __bfloat162float(sh.v[i][c]);
@@ -868,13 +880,16 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
                        sh.beta[i] * __bfloat162float(sh.d_v_new[i][c + 1]));
           }
           const float kh = __bfloat162float(sh.decayed.k_hat[i][c]), dkh = -sh.beta[i] * y[n][e];
-          dk[n][e] += dkh * exp_ftz(sh.gamma[i][c]);
+          const float decay = exp_ftz(sh.gamma[i][c]);  // e^Gamma
+          dk[n][e] += dkh * decay;
           dgam[n][e] += dkh * kh;
           rowpart[e >> 1] -= y[n][e] * kh;
+          const float term = a.scale * decay * q_acc[n][e];  // dQ^ (.) scale e^Gamma
+          dq[n][e] += term;
+          dgam[n][e] += term * __bfloat162float(sh.in.q[i][c]);  // dQ^ (.) Q^
         });
         store_row_parts(rowpart);
       }
-      d_q_hat();
       compute_barrier();
       BLOCK_PHASE_MARK(4);
       if constexpr (kProducer) {
