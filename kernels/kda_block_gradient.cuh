@@ -65,7 +65,7 @@ struct alignas(128) BlockShared {
   };
   alignas(128) bf16 v[kBlock][kRowV];
   alignas(128) bf16 d_o[kBlock][kRowV];
-  alignas(128) float gamma[kBlock][kPadK];  // g as loaded, then Gamma (from the block's start)
+  alignas(128) float gamma[kBlock][kPadK];  // g as loaded, then Gamma (from the block's start) unless dV' is given
   bf16 x_q[kBlock][kRowK];     // scale q e^{Gamma - B_a}
   bf16 x_k[kBlock][kRowK];     // k e^{Gamma - B_a}
   bf16 k_c[kBlock][kRowK];     // k e^{B_a - Gamma}
@@ -74,14 +74,16 @@ struct alignas(128) BlockShared {
     bf16 k_bar[kBlock][kRowK];  // K_ = k e^{gamma - Gamma}
   };
   union alignas(16) {
-    Decayed decayed;               // phases 1-6
-    float d_gamma[kBlock][kPadK];  // phases 7-8
+    Decayed decayed;               // phases 1-6 (1-4 where dV' is given)
+    float d_gamma[kBlock][kPadK];  // phases 7-8 (5-6 where dV' is given)
   };
   bf16 v_new[kBlock][kRowV];   // V'
   bf16 d_v_new[kBlock][kRowV]; // dV'
   float p[kBlock][kPadC];      // strictly_lower(P)
-  // The inverse chain's arrays (dL = -M^T dM M^T: where dV' is not given), or, where it is, dGamma and
-  // dbeta's parts: the Decayed operands then live through phase 5, where the pair's next state is made.
+  // The inverse chain's arrays (dL = -M^T dM M^T: where dV' is not given), or, where it is, Gamma and
+  // dbeta's parts: Gamma apart from g's rows as loaded, so that the next item's g can land from phase
+  // 1 on, and dGamma in the Decayed operands' space (d_gamma), written by the intra blocks after the
+  // pair's next state has last read K_.
   struct InverseChain {
     float gh[kBlock][kPadC];     // G + H (lower, diagonal included)
     float m[kBlock][kPadC];      // M
@@ -91,7 +93,7 @@ struct alignas(128) BlockShared {
     bf16 d_m[kBlock][kRowC];     // dM = (G + H) Diag(beta) below the diagonal
   };
   struct Innovations {
-    float d_gamma[kBlock][kPadK];       // phases 5-6
+    float gamma[kBlock][kPadK];         // Gamma (phases 1-5): g's rows as loaded are free after phase 0
     float dbeta_parts[kBlock][V / 16];  // dVb (.) V - Y (.) K^ over each 16-column tile (phases 3-6)
   };
   union alignas(16) {
@@ -474,16 +476,22 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
       for (int64_t w = first_slot; w < a.items; w = next_slot(w)) {
         const Item it = item_at(w);
         const bool first = w == first_slot;
+        if constexpr (kDStatesApart) {  // freed in this order: g after phase 0, q, k and dS'^T after phase 3, the rest
+          if (!first) named_sync(kGatesFree);
+          issue_gates(it, lane, 32);
+        }
         if (!first) named_sync(kKeysFree);
         issue_keys(it, lane, 32);
-        if constexpr (kDStatesApart) {  // freed in this order: q and k after phase 3, then dS'^T and the rest
+        if constexpr (kDStatesApart) {
           if (!first) named_sync(kDStatesFree);
           issue_d_states(it, lane, 32);
         }
         if (!first) named_sync(kValuesFree);
         issue_states_and_values(it, lane, 32);
-        if (!first) named_sync(kGatesFree);
-        issue_gates(it, lane, 32);
+        if constexpr (!kDStatesApart) {
+          if (!first) named_sync(kGatesFree);
+          issue_gates(it, lane, 32);
+        }
         cp_async_wait<0>();
         named_arrive(kLoaded);
       }
@@ -508,6 +516,9 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
     const int64_t next_w = next_slot(w);
     const bool more = next_w < a.items;
     const int valid = cur.valid;
+    // Gamma's rows: over g's as loaded, or where dV' is given apart from them (the next item's g then
+    // lands from phase 1 on).
+    float(*const gamma_rows)[Shared::kPadK] = kGivenDV ? sh.given.gamma : sh.gamma;
     auto token = [&](int i) { return (cur.row0 + i) * H + cur.h; };  // [B, L, H] index of row i
     [[maybe_unused]] unsigned short next_beta = 0;  // warp 5, where dV' is given: the next item's beta
 
@@ -563,6 +574,9 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
     }
     compute_barrier();
     BLOCK_PHASE_MARK(1);
+    if constexpr (kProducer && kGivenDV) {
+      if (more) named_arrive(kGatesFree);  // g's rows as loaded: last read in phase 0 (Gamma goes apart)
+    }
 
     // Phase 1: Gamma, and the operands of every product, per element (the same thread's rows).
     {
@@ -590,7 +604,7 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
       for (int r = 0; r < kRows; ++r) {
         const int i = rg * kRows + r;
         const float2 gam = make_float2(local[r].x + offset.x, local[r].y + offset.y);
-        *reinterpret_cast<float2*>(&sh.gamma[i][cp]) = gam;
+        *reinterpret_cast<float2*>(&gamma_rows[i][cp]) = gam;
         const bool first = i < kChunk;
         const float2 anchor = first ? make_float2(0.0f, 0.0f) : b1;
         const float2 qi = load_bf16x2(&sh.in.q[i][cp]), ki = load_bf16x2(&sh.in.k[i][cp]);
@@ -632,7 +646,7 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
       float colsum[2][2] = {};
       for_tile(m0, n0, lane, [&](int n, int e, int i, int c) {
         const float kb = __bfloat162float(sh.decayed.k_bar[i][c]), x = acc[n][e] * kb;
-        dk[n][e] += acc[n][e] * exp_ftz(sh.last[c] - sh.gamma[i][c]);
+        dk[n][e] += acc[n][e] * exp_ftz(sh.last[c] - gamma_rows[i][c]);
         dgam[n][e] -= x;
         colsum[n][e & 1] += x;
       });
@@ -657,7 +671,7 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
       float acc[2][4] = {};
       tile_product<V, true>(acc, &sh.d_o[0][0], kRowV, m0, &sh.s_t[0][0], kRowK, n0, f);
       for_tile(m0, n0, lane, [&](int n, int e, int i, int c) {
-        const float term = a.scale * exp_ftz(sh.gamma[i][c]) * acc[n][e];  // dQ^ (.) scale e^Gamma
+        const float term = a.scale * exp_ftz(gamma_rows[i][c]) * acc[n][e];  // dQ^ (.) scale e^Gamma
         dq[n][e] += term;
         dgam[n][e] += term * __bfloat162float(sh.in.q[i][c]);              // dQ^ (.) Q^
       });
@@ -817,7 +831,7 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
       column_block(rt, dkc);
       if (rt == 0) column_block(1, dkc10);
       for_tile(m0, n0, lane, [&](int n, int e, int i, int c) {
-        const float gam = sh.gamma[i][c], b_own = rt == 0 ? 0.0f : sh.anchor[c];
+        const float gam = gamma_rows[i][c], b_own = rt == 0 ? 0.0f : sh.anchor[c];
         float up, down;
         exp_both(gam - b_own, up, down);  // e^{Gamma - B_rt}, e^{B_rt - Gamma}
         dq[n][e] += a.scale * up * dxq[n][e];
@@ -880,7 +894,7 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
                        sh.beta[i] * __bfloat162float(sh.d_v_new[i][c + 1]));
           }
           const float kh = __bfloat162float(sh.decayed.k_hat[i][c]), dkh = -sh.beta[i] * y[n][e];
-          const float decay = exp_ftz(sh.gamma[i][c]);  // e^Gamma
+          const float decay = exp_ftz(gamma_rows[i][c]);  // e^Gamma
           dk[n][e] += dkh * decay;
           dgam[n][e] += dkh * kh;
           rowpart[e >> 1] -= y[n][e] * kh;
@@ -926,12 +940,9 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
         const int i = tid - K - kBlock;
         next_beta = i < next.valid ? reinterpret_cast<const unsigned short*>(beta)[(next.row0 + i) * H + next.h] : 0;
       }
-      intra_blocks(sh.given.d_gamma);
+      intra_blocks(sh.d_gamma);
       compute_barrier();
       BLOCK_PHASE_MARK(8);
-      if constexpr (kProducer) {
-        if (more) named_arrive(kGatesFree);  // Gamma: last read by the intra blocks
-      }
     } else {
     // Phase 3: M_10 = -(M_11 L_10) M_00 (warp 0); dV' = K_ dS' + Aqk^T dO on every warp's tile,
     // stored bf16.
@@ -1040,7 +1051,7 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
       }
       for_tile(m0, n0, lane, [&](int n, int e, int i, int c) {
         const float dkh = sh.beta[i] * dkb[n][e];  // dK^
-        dk[n][e] += dkh * exp_ftz(sh.gamma[i][c]);
+        dk[n][e] += dkh * exp_ftz(gamma_rows[i][c]);
         dgam[n][e] += dkh * __bfloat162float(sh.decayed.k_hat[i][c]);
         if ((e & 1) == 0 && i < valid) {
           store_pair(static_cast<bf16*>(a.dv) + token(i) * V + c, sh.beta[i] * dvb[n][e], sh.beta[i] * dvb[n][e + 1]);
@@ -1131,7 +1142,7 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
 #pragma unroll
       for (int s = 0; s < kSlices; ++s) dd += sh.d_decay[s][c];
       acc += exp_ftz(sh.last[c]) * dd;
-      const float* d_gamma = kGivenDV ? &sh.given.d_gamma[0][c] : &sh.d_gamma[0][c];
+      const float* d_gamma = &sh.d_gamma[0][c];
       store_reverse_column_sum<kBlock>(a.dg + token(0) * K + c, static_cast<int64_t>(H) * K, d_gamma, Shared::kPadK,
                                        acc, valid);
     } else if (tid < K + kBlock && tid - K < valid) {
