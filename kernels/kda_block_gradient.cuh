@@ -394,8 +394,10 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
     for (int e = me; e < kBlock * V / 8; e += stride) {
       const int i = e / (V / 8), col = (e % (V / 8)) * 8;
       const int64_t at = real_row(it, i) * V + col;
-      cp_async16_or_zero(&sh.v[i][col], v + at, i < it.valid);
-      cp_async16_or_zero(&sh.d_o[i][col], d_o + at, i < it.valid);
+      if constexpr (!kDStatesApart) {  // else with the keys
+        cp_async16_or_zero(&sh.v[i][col], v + at, i < it.valid);
+        cp_async16_or_zero(&sh.d_o[i][col], d_o + at, i < it.valid);
+      }
       if constexpr (kGivenV) cp_async16_or_zero(&sh.v_new[i][col], a.new_values + at, i < it.valid);
       if constexpr (kGivenDV) cp_async16_or_zero(&sh.d_v_new[i][col], a.d_new_values + at, i < it.valid);
     }
@@ -414,6 +416,14 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
       const int64_t at = real_row(it, i) * K + col;
       cp_async16_or_zero(&sh.in.q[i][col], q + at, i < it.valid);
       cp_async16_or_zero(&sh.in.k[i][col], k + at, i < it.valid);
+    }
+    if constexpr (kDStatesApart) {  // v and dO too: last read in phase 3 there, as q and k
+      for (int e = me; e < kBlock * V / 8; e += stride) {
+        const int i = e / (V / 8), col = (e % (V / 8)) * 8;
+        const int64_t at = real_row(it, i) * V + col;
+        cp_async16_or_zero(&sh.v[i][col], v + at, i < it.valid);
+        cp_async16_or_zero(&sh.d_o[i][col], d_o + at, i < it.valid);
+      }
     }
     cp_async_commit();
   };
@@ -476,7 +486,7 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
       for (int64_t w = first_slot; w < a.items; w = next_slot(w)) {
         const Item it = item_at(w);
         const bool first = w == first_slot;
-        if constexpr (kDStatesApart) {  // freed in this order: g after phase 0, q, k and dS'^T after phase 3, the rest
+        if constexpr (kDStatesApart) {  // freed in this order: g after phase 0, q, k, v, dO and dS'^T after phase 3, the rest
           if (!first) named_sync(kGatesFree);
           issue_gates(it, lane, 32);
         }
@@ -908,7 +918,7 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
       BLOCK_PHASE_MARK(4);
       if constexpr (kProducer) {
         if (more) {
-          named_arrive(kKeysFree);     // q and k: last read by dQ^ (dGamma's factor q)
+          named_arrive(kKeysFree);     // q, k, v and dO: last read in phase 3 (dQ^, dbeta's dVb (.) V)
           named_arrive(kDStatesFree);  // dS'^T: last read by dK_ (phase 2)
         }
       }
@@ -928,7 +938,7 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
       compute_barrier();
       BLOCK_PHASE_MARK(5);
       if constexpr (kProducer) {
-        if (more) named_arrive(kValuesFree);  // S^T, v, dO, V' and dV': last read in phase 4
+        if (more) named_arrive(kValuesFree);  // S^T, V' and dVb: last read in phase 4
       }
 
       // Phase 5: the intra blocks' gradients. Warp 5 first issues the next item's beta (as raw bf16
