@@ -486,16 +486,14 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
       for (int64_t w = first_slot; w < a.items; w = next_slot(w)) {
         const Item it = item_at(w);
         const bool first = w == first_slot;
-        if constexpr (kDStatesApart) {  // freed in this order: g after phase 0, q, k, v, dO and dS'^T after phase 3, the rest
+        if constexpr (kDStatesApart) {  // freed in this order: g after phase 0, dS'^T after phase 2, q, k, v, dO after phase 3, the rest
           if (!first) named_sync(kGatesFree);
           issue_gates(it, lane, 32);
-        }
-        if (!first) named_sync(kKeysFree);
-        issue_keys(it, lane, 32);
-        if constexpr (kDStatesApart) {
           if (!first) named_sync(kDStatesFree);
           issue_d_states(it, lane, 32);
         }
+        if (!first) named_sync(kKeysFree);
+        issue_keys(it, lane, 32);
         if (!first) named_sync(kValuesFree);
         issue_states_and_values(it, lane, 32);
         if constexpr (!kDStatesApart) {
@@ -754,6 +752,9 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
     }
     compute_barrier();
     BLOCK_PHASE_MARK(3);
+    if constexpr (kProducer && kGivenDV) {
+      if (more) named_arrive(kDStatesFree);  // dS'^T: last read by dK_ (phase 2, every warp's)
+    }
 
     // With states stored every 64 tokens: the state entering the pair's second block, in place of
     // this block's S^T (last read in phase 4 where V' is given; the producer warp then loads no S^T
@@ -917,10 +918,7 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
       compute_barrier();
       BLOCK_PHASE_MARK(4);
       if constexpr (kProducer) {
-        if (more) {
-          named_arrive(kKeysFree);     // q, k, v and dO: last read in phase 3 (dQ^, dbeta's dVb (.) V)
-          named_arrive(kDStatesFree);  // dS'^T: last read by dK_ (phase 2)
-        }
+        if (more) named_arrive(kKeysFree);  // q, k, v and dO: last read in phase 3 (dQ^, dbeta's dVb (.) V)
       }
 
       // Phase 4: dL = -dVb V'^T on the lower 16 x 16 blocks (warps 13-15), dP = Diag(beta) dL and
