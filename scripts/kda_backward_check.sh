@@ -73,7 +73,9 @@ for shape in "${shapes[@]}"; do
   out=$(grep -E "max \|diff\|" "$work/run.log")
   echo "== $shape ${mode:-default}: $rev against the working tree"
   echo "$out"
-  if echo "$out" | grep -v -q "max |diff| 0.000e+00"; then status=1; fi
+  # The driver's own lines comparing its variants ("... against recomputed") are not REV's against
+  # the working tree's: they differ by design and do not count.
+  if echo "$out" | grep -v "against recomputed" | grep -v -q "max |diff| 0.000e+00"; then status=1; fi
   rm -f "$work/g.bin"
 done
 echo "== timing at $timing: $rev"
