@@ -488,12 +488,12 @@ Gradients chunked_backward_reference(const at::Tensor& q, const at::Tensor& k, c
 
   // Pass 1: the state entering every chunk. Pass 2: dS' leaving every chunk, walked backwards. Both
   // keep their running state exact; what pass 3 reads of them is rounded as stored (states).
-  std::vector<at::Tensor> entering(num_chunks), leaving, walk_d_v_new;
+  std::vector<at::Tensor> entering(num_chunks), walk_v_new(num_chunks), leaving, walk_d_v_new;
   at::Tensor state = state_or_zeros(initial_state, q, v, dtype);
   for (int64_t n = 0; n < num_chunks; ++n) {
     entering[n] = state;
-    const at::Tensor v_new = u.select(2, n) - at::matmul(w.select(2, n), state);
-    state = decay_last.select(2, n) * state + at::matmul(k_bar.select(2, n).transpose(-1, -2), v_new);
+    walk_v_new[n] = u.select(2, n) - at::matmul(w.select(2, n), state);
+    state = decay_last.select(2, n) * state + at::matmul(k_bar.select(2, n).transpose(-1, -2), walk_v_new[n]);
   }
   out.d_initial_state = reverse_walk(c, d_final, leaving, walk_d_v_new);
 
@@ -501,7 +501,8 @@ Gradients chunked_backward_reference(const at::Tensor& q, const at::Tensor& k, c
   // AnchoredBlocks::backward).
   const at::Tensor s = operand(at::stack(entering, 2), rounding.states);   // [B, H, N, K, V]
   const at::Tensor ds = operand(at::stack(leaving, 2), rounding.states);   // dS'
-  const at::Tensor v_new = u - state_product(w, s);                        // V'
+  const at::Tensor v_new = rounding.values_from_walk ? operand(at::stack(walk_v_new, 2), true)  // V'
+                                                     : u - state_product(w, s);
   const at::Tensor d_k_bar = state_product(v_new, ds.transpose(-1, -2));   // dK_ = V' dS'^T
   const at::Tensor d_v_new = state_product(k_bar, ds) + small_product(a_qk.transpose(-1, -2), doc);
   const at::Tensor d_decay = (ds * s).sum(-1);                             // d e^gamma [B, H, N, K]

@@ -151,6 +151,9 @@ struct BackwardRounding {
   // M made by anchor-sized blocks with bf16 operands in the off-diagonal blocks' products (the
   // diagonal blocks' inverses exact, as the kernels' fp32 substitution)
   bool inverse_blocks = false;
+  // V' as pass 1's walk makes it (from the exact running state) and stores it (bf16), instead of
+  // recomputed in pass 3 as U - W S from the stored S: the kernels' default (keep_values)
+  bool values_from_walk = false;
 };
 // How pass 3 reaches dL (the gradient of the strictly lower L = Diag(beta) P) and dK^'s term through
 // W = M Diag(beta) K^, given dV' (write Vb = Diag(beta) V, Kb = Diag(beta) K^, U = M Vb, W = M Kb):
