@@ -244,8 +244,9 @@ __device__ __forceinline__ void for_tile(int m0, int n0, int lane, F&& f) {
 enum class BlockLoads { kTop, kProducer, kTma };
 
 // Named barriers (0 is __syncthreads): 1 the dL tiles' warps; with kProducer, 2 the 16 compute warps,
-// 3-5 and 7 an item's arrays free for the next item's loads (dS'^T after phase 3 where dV' is given,
-// else after 6; q and k after 5; S^T, v and dO after 6; Gamma after 7), 6 those loads landed.
+// 3-5 and 7 an item's arrays free for the next item's loads, 6 those loads landed. Without dV' given:
+// q and k after phase 5; S^T, dS'^T, v and dO after 6; Gamma after 7. With it (thirtieth session):
+// g after phase 0 (Gamma lies apart), dS'^T after 2, q, k, v and dO after 3, S^T, V' and dVb after 4.
 // (Issuing S^T and v after phase 5, where they are last read, was slower: 7.97 against 7.65-7.81 ms.
 // The nineteenth session's two changes, with V' and dV' given, pass 3: q and k after phase 5 -
 // dGamma no longer in their space but in K^ and K_'s, dead after phase 6 - rather than after 8,
@@ -350,8 +351,7 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
   };
   // An item's loads by cp.async (rows past the sequence's end zero), in three parts (four with dV'
   // given: dS'^T alone). kProducer (what KdaBackwardOptions::pass3_blocks runs): a 17th warp issues
-  // them, each part as soon as the previous item frees its arrays (dS'^T after phase 3 with dV'
-  // given, q and k after phase 5, S^T, dS'^T otherwise, v, dO after phase 6, g after phase 7),
+  // them, each part as soon as the previous item frees its arrays (the named barriers above),
   // waits for them and signals kLoaded; the compute warps meet on
   // a barrier of their own, so that none waits for an issuing warp stalled on the SM's outstanding
   // requests (phase 8 issuing them itself took 9.5K cycles instead of 1.3K). Measured (H100): the
@@ -877,8 +877,8 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
       // W S = V',
       //   dKb = M^T dW = -dVb S^T =: -Y,   dL = -M^T dM M^T = -dVb V'^T (strictly lower),
       //   dK^ += Diag(beta) dKb,   dbeta_i = dVb_i . V_i - Y_i . K^_i + sum_j dL_ij P_ij,
-      // and no M, W, dW, G, H nor dM here. Phase 2 holds dK_ (warps 0-9, 13-15) and dAqk (13-15)
-      // beside P (10-12); phase 4 warps 10-12's dK_ beside dL (13-15) and the next state.
+      // and no M, W, dW, G, H nor dM here. Phase 1 makes each warp's tile of Y; phase 2 holds every
+      // warp's dK_, with dAqk (13-15) and P (10-12); phase 4 dL (13-15) beside the pair's next state.
       //
       // dbeta's terms of rows m0 + g (+ 8) over this tile's 16 columns, which lie in the four lanes t
       // of their g: into dbeta_parts[row][this tile's column tile].
