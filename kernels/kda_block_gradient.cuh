@@ -684,16 +684,16 @@ __global__ void __launch_bounds__(block_gradient_threads<kLoads>(), 1)
         dgam[n][e] += term * __bfloat162float(sh.in.q[i][c]);              // dQ^ (.) Q^
       });
     };
-    // With dV' given, phase 2 holds dK_ (every warp but 10-12: P and the inverses, its longest
-    // chains) and every warp makes its dQ^ in phase 3, where most idled; dAqk stays in phase 6
-    // (warps 9-11, idle there otherwise). The eighteenth session moved warps 10-12's dQ^ (pass 3
-    // 6.86-6.87 against 6.91-7.04 ms, H100); the nineteenth added dK_ to phase 2 and then moved the
-    // other warps' dQ^ too: pass 3 6.56-6.60 against 6.81-6.88 ms (H100), dGamma's terms in another
-    // order (dg within 7.6e-8 of its largest; dq, dk, dv, dbeta the same bits), and no spills.
-    constexpr bool dk_late = false;  // (dvb3: every dK_ in phase 2)
+    // With dV' given, phase 2 holds every warp's dK_ (dS'^T's last reader), dAqk (warps 13-15) and
+    // P (10-12), and every warp makes its dQ^ in phase 3. History: the eighteenth session moved warps
+    // 10-12's dQ^ there (pass 3 6.86-6.87 against 6.91-7.04 ms, H100); the nineteenth added dK_ to
+    // phase 2 and then moved the other warps' dQ^ too: pass 3 6.56-6.60 against 6.81-6.88 ms (H100),
+    // dGamma's terms in another order (dg within 7.6e-8 of its largest; dq, dk, dv, dbeta the same
+    // bits), and no spills; the thirtieth, with no M to make here, gave warps 10-12 their dK_ in
+    // phase 2 as well.
     if constexpr (!kGivenDV) d_q_hat();
     if constexpr (kGivenDV) {
-      if (!dk_late) d_k_bar();
+      d_k_bar();
       if (warp >= 13) d_aqk_block(warp - 13);
     }
     if (warp >= 10 && !(kGivenDV && warp >= 13)) {
