@@ -13,11 +13,14 @@
 # kernels/kda.cu per distinct forward). Then, on each shape of $SHAPES (default "2 4133 2 128 128;
 # 1 2000 3 128 128"), prints every candidate's gradients against the base's ("max |diff|
 # 0.000e+00" on every line: the same bits; a candidate may change them on purpose, so a difference
-# is reported, not an error). Then times them at $TIMING (default "2 16384 64 128 128") in the
+# is reported, not an error, unless STRICT=1). $MODE, when set, goes to every driver after the file:
+# "blocks" or "chunks" (pass 3 by 32-token blocks or 16-token chunks; drivers before the
+# seventeenth session know only "blocks"). Then times them at $TIMING (default "2 16384 64 128 128") in the
 # order base, candidates..., for $ROUNDS rounds (default 2), printing the driver's lines that
 # match $LINES (default: the whole backward and pass 3 with V' and dV' given and by chained pairs).
 # PROFILE=1 also builds each version's -DKDA_PHASE_PROFILE driver and prints its pass-3 phase table
-# (chained pairs). Exits non-zero when an argument is not a version or a build or run fails.
+# (chained pairs). Exits non-zero when an argument is not a version or a build or run fails, and
+# with STRICT=1 when a candidate's gradients differ from the base's.
 set -euo pipefail
 
 [ "$#" -ge 2 ] || { echo "usage: scripts/kda_backward_ab.sh BASE CANDIDATE..." >&2; exit 2; }
@@ -25,6 +28,8 @@ IFS=';' read -r -a shapes <<<"${SHAPES:-2 4133 2 128 128;1 2000 3 128 128}"
 timing=${TIMING:-2 16384 64 128 128}
 rounds=${ROUNDS:-2}
 lines=${LINES:-whole backward|given, producer|chained pairs}
+mode=${MODE:-}
+differ=0
 nvcc=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
 flags=(-O3 -std=c++17 -arch=sm_90a --expt-relaxed-constexpr)
 work=$(mktemp -d)
@@ -81,22 +86,24 @@ done
 echo "built $n drivers at ${SECONDS} s ($(ls "$work"/kda_*.o | wc -l) forward objects)"
 
 for shape in "${shapes[@]}"; do
-  # shellcheck disable=SC2086  # a shape is five numbers
-  "$work/driver0" $shape "$work/g.bin" >"$work/run.log" 2>&1 ||
+  # shellcheck disable=SC2086  # a shape is five numbers; mode one word or none
+  "$work/driver0" $shape "$work/g.bin" $mode >"$work/run.log" 2>&1 ||
     { tail -3 "$work/run.log"; echo "kda_backward_ab: ${labels[0]}'s driver failed on $shape" >&2; exit 1; }
   for ((i = 1; i < n; i++)); do
     # shellcheck disable=SC2086
-    "$work/driver$i" $shape "$work/g.bin" >"$work/run.log" 2>&1 ||
+    "$work/driver$i" $shape "$work/g.bin" $mode >"$work/run.log" 2>&1 ||
       { tail -3 "$work/run.log"; echo "kda_backward_ab: ${labels[$i]}'s driver failed on $shape" >&2; exit 1; }
     out=$(grep -E "max \|diff\|" "$work/run.log" | grep -v "against recomputed" || true)
     if [ -z "$out" ]; then
       same="no comparison printed (does this driver take compare.bin?)"
+      differ=1
     elif echo "$out" | grep -v -q "max |diff| 0.000e+00"; then
       same="differ"
+      differ=1
     else
       same="the same bits"
     fi
-    echo "== $shape: ${labels[$i]} against ${labels[0]}: $same"
+    echo "== $shape${mode:+ $mode}: ${labels[$i]} against ${labels[0]}: $same"
     [ "$same" = "the same bits" ] || echo "$out"
   done
   rm -f "$work/g.bin"
@@ -116,4 +123,8 @@ if [ "${PROFILE:-0}" = 1 ]; then
     echo "== phase profile: ${labels[$i]}"
     "$work/profile$i" | sed -n '/chained pairs) phase mark/,$p' | head -30
   done
+fi
+if [ "${STRICT:-0}" = 1 ] && [ "$differ" = 1 ]; then
+  echo "kda_backward_ab: GRADIENTS DIFFER" >&2
+  exit 1
 fi
