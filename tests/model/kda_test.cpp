@@ -432,6 +432,8 @@ TEST(Kda, BlockedBackwardPrecisionOfBf16OperandsByProductClass) {
        kda::BackwardForm::kKeptInnovationGradients},
       {"C=32 anchor 16, all bf16, V' and dVb kept by the walks", 32, 16, walk_values,
        kda::BackwardForm::kKeptInnovationGradients},
+      {"C=64 anchor 16, all bf16, V' and dVb kept by the walks", 64, 16, walk_values,
+       kda::BackwardForm::kKeptInnovationGradients},
   };
   std::map<std::string, double> worst;  // case -> worst relative error over g and gradients
   for (const double g_fill : {1.0, -5.0, 0.0}) {
@@ -478,6 +480,9 @@ TEST(Kda, BlockedBackwardPrecisionOfBf16OperandsByProductClass) {
   // The kernels' default, V' kept by pass 1's walk too (made from its fp32 state, not from the
   // stored bf16 S): no less precise than V' recomputed.
   EXPECT_LT(worst["C=32 anchor 16, all bf16, V' and dVb kept by the walks"], 6e-3);
+  // ... and the same by 64-token blocks (the fused pass 3 of branch b64, kda_block64_gradient.cuh; its
+  // K^ and K_ enter only elementwise, in fp32, where this rounds them as operands).
+  EXPECT_LT(worst["C=64 anchor 16, all bf16, V' and dVb kept by the walks"], 6e-3);
   // M of a 64-token block from its 16 x 16 diagonal inverses and bf16 block products: 4.9e-3.
   EXPECT_LT(worst["C=64 anchor 16, all bf16, M's blocks from bf16 products"], 6e-3);
   EXPECT_GT(worst["C=64 anchor 16, all bf16, dGamma's factors unrounded"],
