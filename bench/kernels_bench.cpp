@@ -297,6 +297,11 @@ double bench_backward(const KernelsBenchOptions& o, int64_t batch, int64_t lengt
   kernels::KdaBackwardOptions values;
   values.keep_values = false;
   report_variant("V' and dV' recomputed in pass 3", " (kept by the walks)", values);
+  // Pass 3 by fused 64-token blocks (KdaBackwardOptions::pass3_block_tokens = 64; opt-in): passes 1
+  // and 2 store every fourth chunk's state and state gradient, and pass 3 reads each once a block.
+  kernels::KdaBackwardOptions fused;
+  fused.pass3_block_tokens = 64;
+  report_variant("pass 3 by 64-token blocks", " (32-token blocks)", fused);
   // A training step's forward keeping the chunk states (KdaChunkedOptions::chunk_states with o) and
   // the backward from them (no state recompute), against the forward and backward above.
   {

@@ -200,6 +200,13 @@ struct KdaBackwardOptions {
   // cudaErrorInvalidValue); pass 2 then keeps dVb = M^T dV' and pass 3 reads both, as with keep_values.
   // nullptr with chunk_states: pass 3 recomputes them.
   const void* new_values = nullptr;
+  // Pass 3's block, with V' and dVb (keep_values, or new_values with the states given): 32 tokens
+  // (kda_block_gradient.cuh), or 64 (kda_block64_gradient.cuh: one item a 64-token block reading
+  // the state entering it and the state gradient leaving it once, so that passes 1 and 2 both store
+  // every fourth chunk's; no pairs, no state made in pass 3). Anything else, or 64 without V' and
+  // dVb, is cudaErrorInvalidValue. 64 is opt-in until it is measured on the GPU machine
+  // (kernels/JOURNAL.md, "Thirty-first session").
+  int pass3_block_tokens = 32;
 };
 
 // Enough for any dtype and options (every chunk's states):

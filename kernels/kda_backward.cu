@@ -1198,6 +1198,7 @@ cudaError_t persistent_ctas(Kernel kernel, int threads, size_t shared, int64_t i
 }
 
 #include "kernels/kda_block_gradient.cuh"
+#include "kernels/kda_block64_gradient.cuh"
 
 namespace odyssey::kernels {
 namespace {
@@ -1342,6 +1343,9 @@ cudaError_t run_backward(const StateGradientArgs& sa, const ChunkGradientArgs& c
       // The loads by a producer warp: faster than at the top of each block or by the tensor-memory
       // accelerator (BlockLoads; the same gradients bit for bit; kernels/JOURNAL.md, "Seventeenth
       // session"). With V' and dV' from passes 1 and 2 where they kept them.
+      if (ca.new_values != nullptr && options.pass3_block_tokens == 64) {
+        return launch_block64_gradients<128, 128>(ca, batch, stream);
+      }
       if (ca.new_values != nullptr) return launch_block_gradients<128, 128, BlockLoads::kProducer, true, true>(ca, batch, stream);
       return launch_block_gradients<128, 128, BlockLoads::kProducer>(ca, batch, stream);
     }
@@ -1377,7 +1381,13 @@ bool blocked_pass3_values(KdaDtype dtype, int64_t key_dim, int64_t value_dim, bo
 // makes the state entering every second block itself, from the one before (blocks in pairs,
 // kda_block_gradient.cuh), so pass 1 stores every fourth chunk's state; without V', every second.
 // 16-token chunks read every chunk's.
+// Pass 3 by fused 64-token blocks (KdaBackwardOptions::pass3_block_tokens = 64) reads the gradient
+// leaving every fourth chunk.
+bool blocked_pass3_64(KdaDtype dtype, int64_t key_dim, int64_t value_dim, const KdaBackwardOptions& options) {
+  return blocked_pass3(dtype, key_dim, value_dim, options) && options.pass3_block_tokens == 64;
+}
 int backward_d_state_interval(KdaDtype dtype, int64_t key_dim, int64_t value_dim, const KdaBackwardOptions& options) {
+  if (blocked_pass3_64(dtype, key_dim, value_dim, options)) return 4;
   return blocked_pass3(dtype, key_dim, value_dim, options) ? 2 : 1;
 }
 int recomputed_state_interval(KdaDtype dtype, int64_t key_dim, int64_t value_dim, const KdaBackwardOptions& options) {
@@ -1441,6 +1451,11 @@ cudaError_t kda_chunked_backward(KdaDtype dtype, const void* q, const void* k, c
   }
   const bool states_given = chunk_states != nullptr;
   if (states_given && reinterpret_cast<uintptr_t>(chunk_states) % 16 != 0) return cudaErrorInvalidValue;
+  if (options.pass3_block_tokens != 32 && options.pass3_block_tokens != 64) return cudaErrorInvalidValue;
+  if (blocked_pass3_64(dtype, key_dim, value_dim, options) &&
+      !blocked_pass3_values(dtype, key_dim, value_dim, states_given, options)) {
+    return cudaErrorInvalidValue;  // 64-token blocks read V' and dVb
+  }
   // Passes 1 and 2 store what pass 3 reads: with 32-token blocks the gradient of the state leaving
   // every block (every second chunk's) and the state entering every block (with V' kept, every
   // second block's: every fourth chunk's), else every chunk's.

@@ -237,7 +237,8 @@ KdaChunkedGradients kda_chunked_backward(const at::Tensor& q, const at::Tensor& 
                                          const at::Tensor& beta, const at::Tensor& initial_state,
                                          const at::Tensor& d_o, const at::Tensor& d_final_state,
                                          double scale, const at::Tensor& chunk_states,
-                                         bool pass3_blocks, bool keep_values, const at::Tensor& new_values) {
+                                         bool pass3_blocks, bool keep_values, const at::Tensor& new_values,
+                                         int64_t pass3_block_tokens) {
   constexpr const char* where = "kernels::kda_chunked_backward";
   TORCH_CHECK(d_o.defined(), where, ": d_o must be defined (the gradient of o)");
   const auto [batch, length, heads, key, value] = check_kda_sequence(where, q, k, v, g, beta, d_o);
@@ -250,6 +251,13 @@ KdaChunkedGradients kda_chunked_backward(const at::Tensor& q, const at::Tensor& 
   kernels::KdaBackwardOptions options;
   options.pass3_blocks = pass3_blocks;
   options.keep_values = keep_values;
+  TORCH_CHECK(pass3_block_tokens == 32 || pass3_block_tokens == 64, where,
+              ": pass3_block_tokens must be 32 or 64 (KdaBackwardOptions::pass3_block_tokens), got ", pass3_block_tokens);
+  options.pass3_block_tokens = static_cast<int>(pass3_block_tokens);
+  TORCH_CHECK(pass3_block_tokens == 32 ||
+                  kernels::kda_backward_state_interval(kernel_dtype(q.scalar_type()), key, value, options) < 2 ||
+                  (chunk_states.defined() ? new_values.defined() : keep_values),
+              where, ": pass3_block_tokens = 64 reads V' and dVb: keep_values, or new_values with chunk_states");
   if (new_values.defined()) {
     TORCH_CHECK(chunk_states.defined(), where,
                 ": new_values is kept with chunk_states (kda_chunked's keep_new_values); give both or neither");

@@ -76,7 +76,9 @@ KdaChunkedOutput kda_chunked(const at::Tensor& q, const at::Tensor& k, const at:
 // to keep). keep_values:
 // KdaBackwardOptions::keep_values (passes 1 and 2 keep V' and dV' for pass 3 by blocks; on by
 // default, as there). new_values: kda_chunked's, kept with chunk_states (keep_new_values), read by pass 3
-// by blocks instead of recomputing V' (with chunk_states only).
+// by blocks instead of recomputing V' (with chunk_states only). pass3_block_tokens:
+// KdaBackwardOptions::pass3_block_tokens (32, the default, or 64: fused 64-token blocks, with V' and
+// dVb, i.e. keep_values or new_values; states given are then every fourth chunk's).
 struct KdaChunkedGradients {
   at::Tensor dq, dk, dv, dg, dbeta, d_initial_state;
 };
@@ -86,7 +88,8 @@ KdaChunkedGradients kda_chunked_backward(const at::Tensor& q, const at::Tensor& 
                                          const at::Tensor& d_o, const at::Tensor& d_final_state,
                                          double scale, const at::Tensor& chunk_states = at::Tensor(),
                                          bool pass3_blocks = true, bool keep_values = true,
-                                         const at::Tensor& new_values = at::Tensor());
+                                         const at::Tensor& new_values = at::Tensor(),
+                                         int64_t pass3_block_tokens = 32);
 
 // Whether kda_step can run these: CUDA, q k v of one dtype bf16 / fp32, K in {32, 64, 128}, V a
 // multiple of 32 up to 256, state fp32 and contiguous (it is updated in place).

@@ -571,9 +571,10 @@ void expect_gradients(const std::string& what, const Gradients& got, const Gradi
 }
 
 Gradients kernel_gradients(const Inputs& in, const at::Tensor& d_o, const at::Tensor& d_final,
-                           bool pass3_blocks = true, bool keep_values = true) {
+                           bool pass3_blocks = true, bool keep_values = true, int64_t pass3_block_tokens = 32) {
   const KdaChunkedGradients d = kda_chunked_backward(in.q, in.k, in.v, in.g, in.beta, in.state, d_o, d_final,
-                                                     in.scale, at::Tensor(), pass3_blocks, keep_values);
+                                                     in.scale, at::Tensor(), pass3_blocks, keep_values, at::Tensor(),
+                                                     pass3_block_tokens);
   return {d.dq, d.dk, d.dv, d.dg, d.dbeta, in.state.defined() ? d.d_initial_state : at::Tensor()};
 }
 
@@ -989,6 +990,81 @@ TEST_F(KdaKernel, NewValuesKeptByTheForwardFeedTheBlockedPassBitForBit) {
                                  grads[3].data_ptr<float>(), dbeta.data_ptr<float>(), nullptr, 1, 40, 2, 128, 128,
                                  static_cast<float>(in.scale), fourth.chunk_states.data_ptr(), nullptr, 0, nullptr,
                                  backward_options),
+            cudaErrorInvalidValue);
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+}
+
+// Pass 3 by fused 64-token blocks (KdaBackwardOptions::pass3_block_tokens = 64,
+// kda_block64_gradient.cuh; passes 1 and 2 store every fourth chunk's state and state gradient)
+// against fp64 autograd: blocks of one token, of one to four sub-chunks, partly filled ones, exactly
+// full ones, many blocks (2000 tokens: 31 and a quarter), with random gates, g = -5 (the factors
+// e^{B_a - B_b} down to e^{-240}) and g = 0; and within bf16 rounding of the 32-token pass.
+TEST_F(KdaKernel, BackwardBySixtyFourTokenBlocksMatches) {
+  for (const Gates gates : {Gates::kRandom, Gates::kSaturated, Gates::kOne}) {
+    for (int64_t length : {1, 15, 16, 17, 31, 33, 47, 49, 63, 64, 65, 100, 129, 2000}) {
+      if (gates == Gates::kOne && length < 32) continue;
+      const Inputs in = make_inputs(2, length, 2, 128, 128, at::kBFloat16, gates, true, 1600 + length);
+      const auto [d_o, d_final] = output_gradients(in, /*with_final=*/true, 1700 + length);
+      const char* gate_names[] = {"", " g = -5", " g = 0"};
+      const std::string name = shape_name(2, length, 2, 128, 128, at::kBFloat16) + gate_names[static_cast<int>(gates)];
+      const Gradients fused = kernel_gradients(in, d_o, d_final, true, true, /*pass3_block_tokens=*/64);
+      expect_gradients(name + " 64-token blocks", fused, reference_gradients(in, d_o, d_final));
+      expect_gradients(name + " 64-token blocks against 32", fused, kernel_gradients(in, d_o, d_final));
+    }
+  }
+}
+
+// States and V' kept by a training step's forward at every fourth chunk feed the 64-token pass: the
+// same gradients bit for bit as its recompute (the whole-head walk, partly filled last blocks, and
+// at 4133 tokens of one sequence the context-parallel forward and reverse walk). Misuse is refused by
+// name: 64-token blocks without V' and dVb, and block sizes other than 32 and 64.
+TEST_F(KdaKernel, KeptStatesFeedTheSixtyFourTokenPassBitForBit) {
+  for (const int64_t length : {17, 65, 100, 4133}) {
+    const int64_t batch = length == 4133 ? 1 : 2;
+    const Inputs in = make_inputs(batch, length, 2, 128, 128, at::kBFloat16, Gates::kRandom, true, 1800 + length);
+    const std::string name = shape_name(batch, length, 2, 128, 128, at::kBFloat16);
+    const KdaChunkedOutput kept = kda_chunked(in.q, in.k, in.v, in.g, in.beta, in.state, in.scale, at::Tensor(), 0,
+                                              true, true, 0, /*keep_chunk_states=*/true, 4, /*keep_new_values=*/true);
+    const auto [d_o, d_final] = output_gradients(in, /*with_final=*/true, 1900 + length);
+    const KdaChunkedGradients recomputed =
+        kda_chunked_backward(in.q, in.k, in.v, in.g, in.beta, in.state, d_o, d_final, in.scale, at::Tensor(), true,
+                             true, at::Tensor(), 64);
+    const KdaChunkedGradients from_kept =
+        kda_chunked_backward(in.q, in.k, in.v, in.g, in.beta, in.state, d_o, d_final, in.scale, kept.chunk_states,
+                             true, false, kept.new_values, 64);
+    const auto r = by_name(recomputed), k = by_name(from_kept);
+    for (size_t x = 0; x < r.size(); ++x) {
+      EXPECT_TRUE(at::equal(r[x].second, k[x].second))
+          << name << ": " << r[x].first << " from the kept states, max diff " << max_error(r[x].second, k[x].second);
+    }
+  }
+  const Inputs in = make_inputs(1, 40, 2, 128, 128, at::kBFloat16, Gates::kRandom, false, 2000);
+  const auto [d_o, d_final] = output_gradients(in, /*with_final=*/false, 2001);
+  auto refused = [&](const std::function<void()>& f, const std::string& message) {
+    try {
+      f();
+      ADD_FAILURE() << "accepted: " << message;
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();
+    }
+  };
+  refused([&] { kda_chunked_backward(in.q, in.k, in.v, in.g, in.beta, at::Tensor(), d_o, d_final, in.scale,
+                                     at::Tensor(), true, /*keep_values=*/false, at::Tensor(), 64); },
+          "pass3_block_tokens = 64 reads V' and dVb");
+  refused([&] { kda_chunked_backward(in.q, in.k, in.v, in.g, in.beta, at::Tensor(), d_o, d_final, in.scale,
+                                     at::Tensor(), true, true, at::Tensor(), 48); },
+          "pass3_block_tokens must be 32 or 64");
+  // The launcher: 64-token blocks without V' and dVb are cudaErrorInvalidValue before anything runs.
+  at::Tensor grads = at::empty({4, 1, 40, 2, 128}, in.g.options()), dbeta = at::empty({1, 40, 2}, in.g.options());
+  const at::Tensor d_o16 = d_o.to(at::kBFloat16).contiguous();
+  KdaBackwardOptions options;
+  options.keep_values = false;
+  options.pass3_block_tokens = 64;
+  EXPECT_EQ(kda_chunked_backward(KdaDtype::kBFloat16, in.q.data_ptr(), in.k.data_ptr(), in.v.data_ptr(),
+                                 in.g.data_ptr<float>(), in.beta.data_ptr(), nullptr, d_o16.data_ptr(), nullptr,
+                                 grads[0].data_ptr(), grads[1].data_ptr(), grads[2].data_ptr(),
+                                 grads[3].data_ptr<float>(), dbeta.data_ptr<float>(), nullptr, 1, 40, 2, 128, 128,
+                                 static_cast<float>(in.scale), nullptr, nullptr, 0, nullptr, options),
             cudaErrorInvalidValue);
   ASSERT_EQ(cudaGetLastError(), cudaSuccess);
 }
