@@ -13,8 +13,9 @@
 //   phases 0-2  S^T, dS'^T, dO, v, V', dVb (136 KB) with q, k and Gamma: the three products with the
 //               state (dQ^ = dO S^T, Y = dVb S^T, dK_ = V' dS'^T) and the small ones (dAqk = dO V'^T,
 //               dL = -dVb V'^T, on the ten lower 16 x 16 blocks);
-//   phases 3-6  in their place the anchored operands X_q, X_k, Kc, dP and dGamma (93 KB): P's blocks,
-//               the intra blocks' gradients and dg's reverse sums.
+//   phases 3-6  in the values' place the anchored operands X_q, X_k, Kc and dP (61 KB), dGamma in q
+//               and k's: P's blocks, the intra blocks' gradients and dg's reverse sums; S^T and
+//               dS'^T's space takes the next item's.
 // The derivation is model::kda::chunked_backward_reference(..., chunk = 64, anchor = 16, rounding,
 // BackwardForm::kKeptInnovationGradients) (CPU; its bf16 emulation gives 2-5e-3 of each gradient's
 // largest magnitude against fp64), as the 32-token pass's with four sub-chunks:
@@ -31,8 +32,10 @@
 // balance the intra blocks' work: a row tile a has a + 1 blocks in its rows and 4 - a in its
 // columns). The ten dAqk blocks go to warps 0-9 and the ten dL blocks to warps 10-15 and 0-3, which
 // keep them in registers until P's block of the same place is made (phase 4), so that P is never
-// stored. Loads: every thread issues the item's copies at the top (cp.async) and waits; the next
-// steps are the 32-token pass's (a producer warp issuing each array once its last reader is done).
+// stored. Loads by cp.async from every thread: S^T and dS'^T (70 KB, apart from the rest) for the next
+// item as soon as phase 2 is done with them, so that they land under phases 3-6; the other arrays
+// at the top of the item (their space holds the intra operands and dGamma until its end). The next
+// steps are the 32-token pass's: a producer warp issuing each array once its last reader is done.
 #pragma once
 
 namespace odyssey::kernels {
@@ -59,27 +62,33 @@ template <int K, int V>
 struct alignas(128) Block64Shared {
   static constexpr int kRowK = K + 8, kRowV = V + 8, kRowC = kBlock64 + 8, kPadK = K + 4;
   static constexpr int kSlices = kGradientThreads / (K / 2);  // 8: of Gamma's rows, of the V rows (d_decay)
-  struct States {                     // phases 0-2: the products with the state and the small ones
-    bf16 s_t[V][kRowK];               // S^T entering the block
-    bf16 ds_t[V][kRowK];              // dS'^T leaving it
+  // S^T and dS'^T (phases 0-2): from phase 3 on the next item's land here (issued after phase 2).
+  alignas(128) bf16 s_t[V][kRowK];    // S^T entering the block
+  alignas(128) bf16 ds_t[V][kRowK];   // dS'^T leaving it
+  struct Values {                     // phases 0-2
     bf16 d_o[kBlock64][kRowV];
     bf16 v[kBlock64][kRowV];
     bf16 v_new[kBlock64][kRowV];      // V' (pass 1's)
     bf16 d_vb[kBlock64][kRowV];       // dVb = M^T dV' (pass 2's)
   };
-  struct Intra {                      // phases 3-6
+  struct Intra {                      // phases 3-5
     bf16 x_q[kBlock64][kRowK];        // scale q e^{Gamma - B_a}
     bf16 x_k[kBlock64][kRowK];        // k e^{Gamma - B_a}
     bf16 k_c[kBlock64][kRowK];        // k e^{B_a - Gamma}
     bf16 d_p[kBlock64][kRowC];        // dP = Diag(beta) dL (the lower blocks)
-    float d_gamma[kBlock64][kPadK];   // dGamma, for dg's reverse sums (phases 5-6)
   };
   union alignas(128) {
-    States st;
+    Values st;
     Intra in;
   };
-  alignas(16) bf16 q[kBlock64][kRowK];
-  bf16 k[kBlock64][kRowK];
+  struct Keys {                       // phases 0-3
+    bf16 q[kBlock64][kRowK];
+    bf16 k[kBlock64][kRowK];
+  };
+  union alignas(128) {
+    Keys keys;
+    float d_gamma[kBlock64][kPadK];   // dGamma, for dg's reverse sums (phases 5-6)
+  };
   alignas(16) float gamma[kBlock64][kPadK];  // g as loaded, then Gamma (from the block's start) in place
   union alignas(16) {
     float part[kSlices][K];                  // Gamma's partial sums (phases 0-1)
@@ -131,24 +140,32 @@ __global__ void __launch_bounds__(kGradientThreads, 1) kda_block64_gradient_kern
   constexpr int kRows = kTokens / kSlices;                  // 8 rows a slice
   auto bf = [](bf16 x) { return __bfloat162float(x); };
 
+  // The state entering item `it` and the state gradient leaving it, by cp.async (committed).
+  auto issue_states = [&](const GradientItem& it) {
+    const int64_t head = static_cast<int64_t>(it.seq) * H + it.h;
+    const int si = a.states_interval, di = a.d_states_interval;
+    const bf16* s = a.chunk_states + (head * stored_chunks(num_chunks, si) + 4 * it.index / si) * V * K;
+    const bf16* ds =
+        a.chunk_d_states + (head * stored_chunks(num_chunks, di) + min64(4 * it.index + 3, num_chunks - 1) / di) * V * K;
+    for (int e = tid; e < V * K / 8; e += kGradientThreads) {
+      const int row = e / (K / 8), col = (e % (K / 8)) * 8;
+      cp_async16(&sh.s_t[row][col], s + static_cast<int64_t>(e) * 8);
+      cp_async16(&sh.ds_t[row][col], ds + static_cast<int64_t>(e) * 8);
+    }
+    cp_async_commit();
+  };
+  auto item_at = [&](int64_t w) { return GradientItem::at(w, num_blocks, kTokens, H, a.length); };
+  if (static_cast<int64_t>(blockIdx.x) < a.items) issue_states(item_at(blockIdx.x));
+
   for (int64_t w = blockIdx.x; w < a.items; w += gridDim.x) {
-    const GradientItem it = GradientItem::at(w, num_blocks, kTokens, H, a.length);
+    const GradientItem it = item_at(w);
     const int valid = it.valid;
     auto token = [&](int i) { return (it.row0 + i) * H + it.h; };  // [B, L, H] index of row i
     auto real_row = [&](int i) { return (it.row0 + (i < valid ? i : valid - 1)) * H + it.h; };
 
-    // The item's inputs (rows past the sequence's end zero).
+    // The item's other inputs (rows past the sequence's end zero); its S^T and dS'^T were issued by
+    // the item before, after its phase 2 (or above, for the first).
     {
-      const int64_t head = static_cast<int64_t>(it.seq) * H + it.h;
-      const int si = a.states_interval, di = a.d_states_interval;
-      const bf16* s = a.chunk_states + (head * stored_chunks(num_chunks, si) + 4 * it.index / si) * V * K;
-      const bf16* ds =
-          a.chunk_d_states + (head * stored_chunks(num_chunks, di) + min64(4 * it.index + 3, num_chunks - 1) / di) * V * K;
-      for (int e = tid; e < V * K / 8; e += kGradientThreads) {
-        const int row = e / (K / 8), col = (e % (K / 8)) * 8;
-        cp_async16(&sh.st.s_t[row][col], s + static_cast<int64_t>(e) * 8);
-        cp_async16(&sh.st.ds_t[row][col], ds + static_cast<int64_t>(e) * 8);
-      }
       for (int e = tid; e < kTokens * V / 8; e += kGradientThreads) {
         const int i = e / (V / 8), col = (e % (V / 8)) * 8;
         const int64_t at = real_row(i) * V + col;
@@ -161,8 +178,8 @@ __global__ void __launch_bounds__(kGradientThreads, 1) kda_block64_gradient_kern
       for (int e = tid; e < kTokens * K / 8; e += kGradientThreads) {
         const int i = e / (K / 8), col = (e % (K / 8)) * 8;
         const int64_t at = real_row(i) * K + col;
-        cp_async16_or_zero(&sh.q[i][col], q + at, i < valid);
-        cp_async16_or_zero(&sh.k[i][col], k + at, i < valid);
+        cp_async16_or_zero(&sh.keys.q[i][col], q + at, i < valid);
+        cp_async16_or_zero(&sh.keys.k[i][col], k + at, i < valid);
       }
       for (int e = tid; e < kTokens * K / 4; e += kGradientThreads) {
         const int i = e / (K / 4), col = (e % (K / 4)) * 4;
@@ -190,7 +207,7 @@ __global__ void __launch_bounds__(kGradientThreads, 1) kda_block64_gradient_kern
       float2 dd = make_float2(0.0f, 0.0f);
 #pragma unroll 4
       for (int r = rg * kVRows; r < (rg + 1) * kVRows; ++r) {
-        const float2 x = load_bf16x2(&sh.st.s_t[r][cp]), y = load_bf16x2(&sh.st.ds_t[r][cp]);
+        const float2 x = load_bf16x2(&sh.s_t[r][cp]), y = load_bf16x2(&sh.ds_t[r][cp]);
         dd.x += x.x * y.x, dd.y += x.y * y.y;
       }
       *reinterpret_cast<float2*>(&sh.d_decay[rg][cp]) = dd;
@@ -231,7 +248,7 @@ __global__ void __launch_bounds__(kGradientThreads, 1) kda_block64_gradient_kern
     float y[2][2][4] = {};
 #pragma unroll
     for (int s = 0; s < 2; ++s) {
-      tile_product<V, true>(y[s], &sh.st.d_vb[0][0], kRowV, 16 * row_tiles[s], &sh.st.s_t[0][0], kRowK, n0, f);
+      tile_product<V, true>(y[s], &sh.st.d_vb[0][0], kRowV, 16 * row_tiles[s], &sh.s_t[0][0], kRowK, n0, f);
     }
     __syncthreads();
 
@@ -246,14 +263,14 @@ __global__ void __launch_bounds__(kGradientThreads, 1) kda_block64_gradient_kern
       const int rt = row_tiles[s], m0 = 16 * rt;
       {
         float acc[2][4] = {};
-        tile_product<V, true>(acc, &sh.st.d_o[0][0], kRowV, m0, &sh.st.s_t[0][0], kRowK, n0, f);
+        tile_product<V, true>(acc, &sh.st.d_o[0][0], kRowV, m0, &sh.s_t[0][0], kRowK, n0, f);
         float rowpart[2] = {};
         for_tile(m0, n0, lane, [&](int n, int e, int i, int c) {
           const float e_gam = exp_ftz(sh.gamma[i][c]);
           const float term = a.scale * e_gam * acc[n][e];  // dQ^ (.) scale e^Gamma
           dq[s][n][e] += term;
-          dgam[s][n][e] += term * bf(sh.q[i][c]);         // dQ^ (.) Q^
-          const float kh = bf(sh.k[i][c]) * e_gam;        // K^
+          dgam[s][n][e] += term * bf(sh.keys.q[i][c]);         // dQ^ (.) Q^
+          const float kh = bf(sh.keys.k[i][c]) * e_gam;        // K^
           const float dkh = -sh.beta[i] * y[s][n][e];     // dK^
           dk[s][n][e] += dkh * e_gam;
           dgam[s][n][e] += dkh * kh;
@@ -274,11 +291,11 @@ __global__ void __launch_bounds__(kGradientThreads, 1) kda_block64_gradient_kern
       }
       {
         float acc[2][4] = {};
-        tile_product<V, true>(acc, &sh.st.v_new[0][0], kRowV, m0, &sh.st.ds_t[0][0], kRowK, n0, f);
+        tile_product<V, true>(acc, &sh.st.v_new[0][0], kRowV, m0, &sh.ds_t[0][0], kRowK, n0, f);
         float colsum[2][2] = {};
         for_tile(m0, n0, lane, [&](int n, int e, int i, int c) {
           const float decay = exp_ftz(sh.last[c] - sh.gamma[i][c]);  // e^{gamma - Gamma}
-          const float x = acc[n][e] * bf(sh.k[i][c]) * decay;        // dK_ (.) K_
+          const float x = acc[n][e] * bf(sh.keys.k[i][c]) * decay;        // dK_ (.) K_
           dk[s][n][e] += acc[n][e] * decay;
           dgam[s][n][e] -= x;
           colsum[n][e & 1] += x;
@@ -309,6 +326,8 @@ __global__ void __launch_bounds__(kGradientThreads, 1) kda_block64_gradient_kern
       tile_product<V, false>(dl, &sh.st.d_vb[0][0], kRowV, 16 * blk.ra, &sh.st.v_new[0][0], kRowV, 16 * blk.cb, f);
     }
     __syncthreads();
+    // S^T and dS'^T are dead: the next item's land during phases 3-6.
+    if (w + gridDim.x < a.items) issue_states(item_at(w + gridDim.x));
 
     // Phase 3: the intra products' operands, in the space of phase 2's arrays (each thread its rows
     // of slice rg, which lie in sub-chunk rg / 2).
@@ -319,7 +338,7 @@ __global__ void __launch_bounds__(kGradientThreads, 1) kda_block64_gradient_kern
       for (int r = 0; r < kRows; ++r) {
         const int i = rg * kRows + r;
         const float2 gam = *reinterpret_cast<const float2*>(&sh.gamma[i][cp]);
-        const float2 qi = load_bf16x2(&sh.q[i][cp]), ki = load_bf16x2(&sh.k[i][cp]);
+        const float2 qi = load_bf16x2(&sh.keys.q[i][cp]), ki = load_bf16x2(&sh.keys.k[i][cp]);
         float2 up, down;  // e^{Gamma - B}, e^{B - Gamma}
         exp_both(gam.x - anchor.x, up.x, down.x);
         exp_both(gam.y - anchor.y, up.y, down.y);
@@ -422,7 +441,7 @@ __global__ void __launch_bounds__(kGradientThreads, 1) kda_block64_gradient_kern
           store_pair(static_cast<bf16*>(a.dq) + token(i) * K + c, dq[s][n][e], dq[s][n][e + 1]);
           store_pair(static_cast<bf16*>(a.dk) + token(i) * K + c, dk[s][n][e], dk[s][n][e + 1]);
         }
-        *reinterpret_cast<float2*>(&sh.in.d_gamma[i][c]) = make_float2(dgam[s][n][e], dgam[s][n][e + 1]);
+        *reinterpret_cast<float2*>(&sh.d_gamma[i][c]) = make_float2(dgam[s][n][e], dgam[s][n][e + 1]);
       });
     }
     __syncthreads();
@@ -438,7 +457,7 @@ __global__ void __launch_bounds__(kGradientThreads, 1) kda_block64_gradient_kern
 #pragma unroll
       for (int s = 0; s < kSlices; ++s) dd += sh.d_decay[s][c];
       acc += exp_ftz(sh.last[c]) * dd;
-      store_reverse_column_sum<kTokens>(a.dg + token(0) * K + c, static_cast<int64_t>(H) * K, &sh.in.d_gamma[0][c],
+      store_reverse_column_sum<kTokens>(a.dg + token(0) * K + c, static_cast<int64_t>(H) * K, &sh.d_gamma[0][c],
                                         Shared::kPadK, acc, valid);
     } else if (tid < K + kTokens && tid - K < valid) {
       const int i = tid - K;

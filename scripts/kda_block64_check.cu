@@ -1,0 +1,141 @@
+// The fused 64-token pass 3 (KdaBackwardOptions::pass3_block_tokens = 64) against the 32-token one,
+// framework-free: the whole kda_chunked_backward with each option on the same inputs, the gradients
+// compared (max |64 - 32| over the largest |32| of each), then both timed. A quick check that needs
+// no LibTorch on the GPU machine; kernels_tests' KdaKernel.*SixtyFour* are the tests.
+//   nvcc -O3 -std=c++17 -arch=sm_90a --expt-relaxed-constexpr -I. -c kernels/kda.cu -o kda.o
+//   nvcc -O3 -std=c++17 -arch=sm_90a --expt-relaxed-constexpr -I. scripts/kda_block64_check.cu kda.o -o check64
+//   ./check64 [B T H]     (default: 2 4133 2, then 2 16384 64 timed)
+#include "kernels/kda_backward.cu"
+#include "scripts/kda_driver_inputs.cuh"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+using namespace odyssey::kernels;
+
+namespace {
+
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) {
+    std::printf("%s: %s\n", what, cudaGetErrorString(e));
+    std::exit(1);
+  }
+}
+
+std::vector<float> to_host(const void* p, int64_t n, bool bf16_data) {
+  std::vector<float> out(n);
+  if (bf16_data) {
+    std::vector<__nv_bfloat16> raw(n);
+    check(cudaMemcpy(raw.data(), p, n * 2, cudaMemcpyDeviceToHost), "copy");
+    for (int64_t i = 0; i < n; ++i) out[i] = __bfloat162float(raw[i]);
+  } else {
+    check(cudaMemcpy(out.data(), p, n * 4, cudaMemcpyDeviceToHost), "copy");
+  }
+  return out;
+}
+
+// Returns false where any gradient differs by more than `tolerance` of its largest magnitude.
+bool run(int64_t B, int64_t T, int64_t H, bool timed, float g_lo) {
+  const int64_t K = 128, V = 128, n = B * T * H;
+  bf16 *q, *k, *v, *beta, *d_o;
+  float *g, *d_final;
+  cudaMalloc(&q, n * K * 2), cudaMalloc(&k, n * K * 2), cudaMalloc(&v, n * V * 2), cudaMalloc(&d_o, n * V * 2);
+  cudaMalloc(&beta, n * 2), cudaMalloc(&g, n * K * 4), cudaMalloc(&d_final, B * H * K * V * 4);
+  fill_bf16<<<1024, 256>>>(q, n * K, 1, 0.09f), fill_bf16<<<1024, 256>>>(k, n * K, 2, 0.09f);
+  fill_bf16<<<1024, 256>>>(v, n * V, 3, 1.0f), fill_bf16<<<1024, 256>>>(beta, n, 4, 0.5f);
+  fill_f32<<<1024, 256>>>(g, n * K, 5, g_lo, 0.0f), fill_bf16<<<1024, 256>>>(d_o, n * V, 6, 1.0f);
+  fill_f32<<<1024, 256>>>(d_final, B * H * K * V, 7, -1.0f, 1.0f);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(K));
+  struct Out {
+    bf16 *dq, *dk, *dv;
+    float *dg, *dbeta, *d_init;
+  } out[2];
+  for (Out& o : out) {
+    cudaMalloc(&o.dq, n * K * 2), cudaMalloc(&o.dk, n * K * 2), cudaMalloc(&o.dv, n * V * 2);
+    cudaMalloc(&o.dg, n * K * 4), cudaMalloc(&o.dbeta, n * 4), cudaMalloc(&o.d_init, B * H * K * V * 4);
+  }
+  const size_t bytes = kda_chunked_backward_workspace_bytes(B, T, H, K, V);
+  unsigned char* workspace;
+  check(cudaMalloc(&workspace, bytes), "workspace");
+  check(cudaDeviceSynchronize(), "inputs");
+  auto backward = [&](int tokens, const Out& o) {
+    KdaBackwardOptions options;
+    options.pass3_block_tokens = tokens;
+    return kda_chunked_backward(KdaDtype::kBFloat16, q, k, v, g, beta, nullptr, d_o, d_final, o.dq, o.dk, o.dv, o.dg,
+                                o.dbeta, o.d_init, B, T, H, K, V, scale, nullptr, workspace, bytes, 0, options);
+  };
+  check(backward(32, out[0]), "backward, 32-token blocks");
+  check(backward(64, out[1]), "backward, 64-token blocks");
+  check(cudaDeviceSynchronize(), "backward");
+  std::printf("B=%ld T=%ld H=%ld g in [%.1f, 0]%s\n", (long)B, (long)T, (long)H, g_lo,
+              timed ? "" : ": 64-token blocks against 32 (max |diff| / max |32|)");
+  bool ok = true;
+  struct Field {
+    const char* name;
+    int64_t count;
+    bool bf16_data;
+    const void* p[2];
+  };
+  const Field fields[] = {{"dq", n * K, true, {out[0].dq, out[1].dq}},
+                          {"dk", n * K, true, {out[0].dk, out[1].dk}},
+                          {"dv", n * V, true, {out[0].dv, out[1].dv}},
+                          {"dg", n * K, false, {out[0].dg, out[1].dg}},
+                          {"dbeta", n, false, {out[0].dbeta, out[1].dbeta}},
+                          {"dS0", B * H * K * V, false, {out[0].d_init, out[1].d_init}}};
+  for (const Field& f : fields) {
+    if (timed) break;  // the timed shape: times only (its copies and sums take longer than the runs)
+    const std::vector<float> a = to_host(f.p[0], f.count, f.bf16_data), b = to_host(f.p[1], f.count, f.bf16_data);
+    double largest = 0, diff = 0;
+    int64_t worst = 0, bad = 0;
+    for (int64_t i = 0; i < f.count; ++i) {
+      largest = std::max(largest, (double)std::fabs(a[i]));
+      if (!std::isfinite(b[i])) ++bad;
+      const double d = std::fabs((double)a[i] - b[i]);
+      if (d > diff) diff = d, worst = i;
+    }
+    const double relative = diff / std::max(1e-6, largest);
+    const bool pass = bad == 0 && relative <= 2e-2;
+    ok = ok && pass;
+    std::printf("  %-6s %.3e of %.3e (%.2e) at %ld: %g against %g%s%s\n", f.name, diff, largest, relative,
+                (long)worst, b[worst], a[worst], bad ? " NOT FINITE" : "", pass ? "" : "  DIFFER");
+  }
+  if (timed) {
+    cudaEvent_t start, stop;
+    cudaEventCreate(&start), cudaEventCreate(&stop);
+    for (int tokens : {32, 64, 32, 64}) {
+      float best = 1e30f;
+      for (int r = 0; r < 6; ++r) {
+        cudaEventRecord(start);
+        check(backward(tokens, out[tokens == 64]), "timed backward");
+        cudaEventRecord(stop);
+        cudaEventSynchronize(stop);
+        float ms = 0;
+        cudaEventElapsedTime(&ms, start, stop);
+        best = std::min(best, ms);
+      }
+      std::printf("  whole backward, %d-token blocks: best %.3f ms\n", tokens, best);
+    }
+  }
+  for (Out& o : out) cudaFree(o.dq), cudaFree(o.dk), cudaFree(o.dv), cudaFree(o.dg), cudaFree(o.dbeta), cudaFree(o.d_init);
+  cudaFree(q), cudaFree(k), cudaFree(v), cudaFree(d_o), cudaFree(beta), cudaFree(g), cudaFree(d_final), cudaFree(workspace);
+  return ok;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bool ok = true;
+  if (argc > 3) {
+    ok = run(atoll(argv[1]), atoll(argv[2]), atoll(argv[3]), true, -0.3f);
+  } else {
+    ok = run(2, 4133, 2, false, -0.3f) && ok;
+    ok = run(1, 100, 3, false, -5.0f) && ok;
+    ok = run(1, 2000, 2, false, -1.0f) && ok;
+    ok = run(2, 16384, 64, true, -0.3f) && ok;
+  }
+  std::printf(ok ? "64-token blocks: SAME within bf16\n" : "64-token blocks: GRADIENTS DIFFER\n");
+  return ok ? 0 : 1;
+}
