@@ -32,10 +32,11 @@
 // balance the intra blocks' work: a row tile a has a + 1 blocks in its rows and 4 - a in its
 // columns). The ten dAqk blocks go to warps 0-9 and the ten dL blocks to warps 10-15 and 0-3, which
 // keep them in registers until P's block of the same place is made (phase 4), so that P is never
-// stored. Loads by cp.async from every thread: S^T and dS'^T (70 KB, apart from the rest) for the next
-// item as soon as phase 2 is done with them, so that they land under phases 3-6; the other arrays
-// at the top of the item (their space holds the intra operands and dGamma until its end). The next
-// steps are the 32-token pass's: a producer warp issuing each array once its last reader is done.
+// stored. Loads by cp.async from every thread, each part of the next item's as soon as its space is
+// free: S^T and dS'^T after phase 2 (they land under phases 3-6), the values and g after phase 5
+// (the intra operands lie in the values' space), q and k at the top (dGamma lies in theirs until
+// the end). The next step is the 32-token pass's: a producer warp issuing them, so that no compute
+// warp stalls on the SM's outstanding copies.
 #pragma once
 
 namespace odyssey::kernels {
@@ -154,42 +155,53 @@ __global__ void __launch_bounds__(kGradientThreads, 1) kda_block64_gradient_kern
     }
     cp_async_commit();
   };
+  // The values (dO, v, V', dVb) and g of item `it`, and its q and k (rows past the sequence's end zero).
+  auto issue_values = [&](const GradientItem& it) {
+    auto real_row = [&](int i) { return (it.row0 + (i < it.valid ? i : it.valid - 1)) * H + it.h; };
+    for (int e = tid; e < kTokens * V / 8; e += kGradientThreads) {
+      const int i = e / (V / 8), col = (e % (V / 8)) * 8;
+      const int64_t at = real_row(i) * V + col;
+      const bool in = i < it.valid;
+      cp_async16_or_zero(&sh.st.d_o[i][col], d_o + at, in);
+      cp_async16_or_zero(&sh.st.v[i][col], v + at, in);
+      cp_async16_or_zero(&sh.st.v_new[i][col], a.new_values + at, in);
+      cp_async16_or_zero(&sh.st.d_vb[i][col], a.d_new_values + at, in);
+    }
+    for (int e = tid; e < kTokens * K / 4; e += kGradientThreads) {
+      const int i = e / (K / 4), col = (e % (K / 4)) * 4;
+      cp_async16_or_zero(&sh.gamma[i][col], a.g + real_row(i) * K + col, i < it.valid);
+    }
+    cp_async_commit();
+  };
+  auto issue_keys = [&](const GradientItem& it) {
+    auto real_row = [&](int i) { return (it.row0 + (i < it.valid ? i : it.valid - 1)) * H + it.h; };
+    for (int e = tid; e < kTokens * K / 8; e += kGradientThreads) {
+      const int i = e / (K / 8), col = (e % (K / 8)) * 8;
+      const int64_t at = real_row(i) * K + col;
+      cp_async16_or_zero(&sh.keys.q[i][col], q + at, i < it.valid);
+      cp_async16_or_zero(&sh.keys.k[i][col], k + at, i < it.valid);
+    }
+    cp_async_commit();
+  };
   auto item_at = [&](int64_t w) { return GradientItem::at(w, num_blocks, kTokens, H, a.length); };
-  if (static_cast<int64_t>(blockIdx.x) < a.items) issue_states(item_at(blockIdx.x));
+  if (static_cast<int64_t>(blockIdx.x) < a.items) {
+    const GradientItem first = item_at(blockIdx.x);
+    issue_states(first);
+    issue_values(first);
+  }
 
   for (int64_t w = blockIdx.x; w < a.items; w += gridDim.x) {
     const GradientItem it = item_at(w);
     const int valid = it.valid;
+    const bool more = w + gridDim.x < a.items;
     auto token = [&](int i) { return (it.row0 + i) * H + it.h; };  // [B, L, H] index of row i
-    auto real_row = [&](int i) { return (it.row0 + (i < valid ? i : valid - 1)) * H + it.h; };
 
-    // The item's other inputs (rows past the sequence's end zero); its S^T and dS'^T were issued by
-    // the item before, after its phase 2 (or above, for the first).
-    {
-      for (int e = tid; e < kTokens * V / 8; e += kGradientThreads) {
-        const int i = e / (V / 8), col = (e % (V / 8)) * 8;
-        const int64_t at = real_row(i) * V + col;
-        const bool in = i < valid;
-        cp_async16_or_zero(&sh.st.d_o[i][col], d_o + at, in);
-        cp_async16_or_zero(&sh.st.v[i][col], v + at, in);
-        cp_async16_or_zero(&sh.st.v_new[i][col], a.new_values + at, in);
-        cp_async16_or_zero(&sh.st.d_vb[i][col], a.d_new_values + at, in);
-      }
-      for (int e = tid; e < kTokens * K / 8; e += kGradientThreads) {
-        const int i = e / (K / 8), col = (e % (K / 8)) * 8;
-        const int64_t at = real_row(i) * K + col;
-        cp_async16_or_zero(&sh.keys.q[i][col], q + at, i < valid);
-        cp_async16_or_zero(&sh.keys.k[i][col], k + at, i < valid);
-      }
-      for (int e = tid; e < kTokens * K / 4; e += kGradientThreads) {
-        const int i = e / (K / 4), col = (e % (K / 4)) * 4;
-        cp_async16_or_zero(&sh.gamma[i][col], a.g + real_row(i) * K + col, i < valid);
-      }
-      cp_async_commit();
-      if (tid < kTokens) sh.beta[tid] = tid < valid ? bf(beta[token(tid)]) : 0.0f;
-      cp_async_wait<0>();
-      __syncthreads();
-    }
+    // q and k (the item before held dGamma in their space until its end); S^T and dS'^T, the values
+    // and g were issued by the item before, after its phases 2 and 5 (or above, for the first).
+    issue_keys(it);
+    if (tid < kTokens) sh.beta[tid] = tid < valid ? bf(beta[token(tid)]) : 0.0f;
+    cp_async_wait<0>();
+    __syncthreads();
 
     // Phase 0: Gamma's partial sums (column pair cp, rows 8 rg .. 8 rg + 7) and d(e^gamma)'s partial
     // sums sum_v dS' (.) S over 16 V rows a thread.
@@ -327,7 +339,7 @@ __global__ void __launch_bounds__(kGradientThreads, 1) kda_block64_gradient_kern
     }
     __syncthreads();
     // S^T and dS'^T are dead: the next item's land during phases 3-6.
-    if (w + gridDim.x < a.items) issue_states(item_at(w + gridDim.x));
+    if (more) issue_states(item_at(w + gridDim.x));
 
     // Phase 3: the intra products' operands, in the space of phase 2's arrays (each thread its rows
     // of slice rg, which lie in sub-chunk rg / 2).
@@ -445,6 +457,9 @@ __global__ void __launch_bounds__(kGradientThreads, 1) kda_block64_gradient_kern
       });
     }
     __syncthreads();
+    // The values' space (the intra operands') and Gamma are dead: the next item's values and g land
+    // during phase 6.
+    if (more) issue_values(item_at(w + gridDim.x));
 
     // Phase 6: dg = reverse cumulative sum of dGamma + dgamma (threads 0 .. K - 1), dgamma = sum of
     // dK_ (.) K_ over the rows + e^gamma sum_v dS' (.) S; dbeta (threads K .. K + 63): the column
