@@ -140,6 +140,18 @@ __global__ void __launch_bounds__(kGradientThreads, 1) kda_block64_gradient_kern
   const int cp = 2 * (tid % (K / 2)), rg = tid / (K / 2);  // the elementwise phases: column pair, row slice
   constexpr int kRows = kTokens / kSlices;                  // 8 rows a slice
   auto bf = [](bf16 x) { return __bfloat162float(x); };
+  // KDA_PHASE_PROFILE: as the 32-token pass (g_phase_cycles: cycles between barriers at thread 0,
+  // mark 0 the top's wait, 1-7 after phases 0-6; g_warp_phase_cycles: each warp's work before each).
+#ifdef KDA_PHASE_PROFILE
+  long long mark = clock64(), warp_mark = mark;
+  int warp_phase = 0;
+#endif
+  auto barrier = [&](int id) {
+    BLOCK_WARP_ARRIVE();
+    __syncthreads();
+    BLOCK_WARP_LEAVE();
+    BLOCK_PHASE_MARK(id);
+  };
 
   // The state entering item `it` and the state gradient leaving it, by cp.async (committed).
   auto issue_states = [&](const GradientItem& it) {
@@ -198,10 +210,13 @@ __global__ void __launch_bounds__(kGradientThreads, 1) kda_block64_gradient_kern
 
     // q and k (the item before held dGamma in their space until its end); S^T and dS'^T, the values
     // and g were issued by the item before, after its phases 2 and 5 (or above, for the first).
+#ifdef KDA_PHASE_PROFILE
+    warp_phase = 0;
+#endif
     issue_keys(it);
     if (tid < kTokens) sh.beta[tid] = tid < valid ? bf(beta[token(tid)]) : 0.0f;
     cp_async_wait<0>();
-    __syncthreads();
+    barrier(0);
 
     // Phase 0: Gamma's partial sums (column pair cp, rows 8 rg .. 8 rg + 7) and d(e^gamma)'s partial
     // sums sum_v dS' (.) S over 16 V rows a thread.
@@ -224,7 +239,7 @@ __global__ void __launch_bounds__(kGradientThreads, 1) kda_block64_gradient_kern
       }
       *reinterpret_cast<float2*>(&sh.d_decay[rg][cp]) = dd;
     }
-    __syncthreads();
+    barrier(1);
 
     // Phase 1: Gamma in place of g (each thread its own rows), the anchors B_a (Gamma at rows 15, 31,
     // 47: the sums of slices 0-1, 0-3, 0-5), gamma = Gamma[63], the off-diagonal factors; and this
@@ -262,7 +277,7 @@ __global__ void __launch_bounds__(kGradientThreads, 1) kda_block64_gradient_kern
     for (int s = 0; s < 2; ++s) {
       tile_product<V, true>(y[s], &sh.st.d_vb[0][0], kRowV, 16 * row_tiles[s], &sh.s_t[0][0], kRowK, n0, f);
     }
-    __syncthreads();
+    barrier(2);
 
     // Phase 2: on this warp's two tiles, dQ^ = dO S^T (into dq, dGamma), dK^ = -Diag(beta) Y (into dk,
     // dGamma), dv = Diag(beta) dVb (stored), dbeta's dVb (.) v - Y (.) K^, and dK_ = V' dS'^T (into dk,
@@ -337,7 +352,7 @@ __global__ void __launch_bounds__(kGradientThreads, 1) kda_block64_gradient_kern
       const LowerBlock64 blk(dl_block);
       tile_product<V, false>(dl, &sh.st.d_vb[0][0], kRowV, 16 * blk.ra, &sh.st.v_new[0][0], kRowV, 16 * blk.cb, f);
     }
-    __syncthreads();
+    barrier(3);
     // S^T and dS'^T are dead: the next item's land during phases 3-6.
     if (more) issue_states(item_at(w + gridDim.x));
 
@@ -359,7 +374,7 @@ __global__ void __launch_bounds__(kGradientThreads, 1) kda_block64_gradient_kern
         store_bf16x2(&sh.in.k_c[i][cp], ki.x * down.x, ki.y * down.y);
       }
     }
-    __syncthreads();
+    barrier(4);
 
     // Phase 4: P's block at each kept dL block's place (P = X_k Kc^T, strictly lower), then dP =
     // Diag(beta) dL (stored bf16) and dbeta's sum_j dL_ij P_ij over the block's columns.
@@ -395,7 +410,7 @@ __global__ void __launch_bounds__(kGradientThreads, 1) kda_block64_gradient_kern
         if (t == 0) sh.dbeta_l[cb][16 * ra + g + 8 * r] = sum;
       }
     }
-    __syncthreads();
+    barrier(5);
 
     // Phase 5: the intra blocks' gradients on this warp's two tiles. Rows (sub-chunk a = rt): dX_a =
     // sum_{b <= a} dA_ab Kc_ab for Aqk (into dq) and P (into dk); columns (b = rt): dKc_ab = dAqk_ab^T
@@ -456,7 +471,7 @@ __global__ void __launch_bounds__(kGradientThreads, 1) kda_block64_gradient_kern
         *reinterpret_cast<float2*>(&sh.d_gamma[i][c]) = make_float2(dgam[s][n][e], dgam[s][n][e + 1]);
       });
     }
-    __syncthreads();
+    barrier(6);
     // The values' space (the intra operands') and Gamma are dead: the next item's values and g land
     // during phase 6.
     if (more) issue_values(item_at(w + gridDim.x));
@@ -482,7 +497,7 @@ __global__ void __launch_bounds__(kGradientThreads, 1) kda_block64_gradient_kern
       for (int x = 0; x < V / 16; ++x) acc += sh.dbeta_parts[i][x];
       a.dbeta[token(i)] = acc;
     }
-    __syncthreads();  // phase 6's reads before the next item's loads
+    barrier(7);  // phase 6's reads before the next item's loads
   }
 }
 

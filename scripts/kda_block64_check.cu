@@ -4,7 +4,8 @@
 // no LibTorch on the GPU machine; kernels_tests' KdaKernel.*SixtyFour* are the tests.
 //   nvcc -O3 -std=c++17 -arch=sm_90a --expt-relaxed-constexpr -I. -c kernels/kda.cu -o kda.o
 //   nvcc -O3 -std=c++17 -arch=sm_90a --expt-relaxed-constexpr -I. scripts/kda_block64_check.cu kda.o -o check64
-//   ./check64 [B T H]     (default: 2 4133 2, then 2 16384 64 timed)
+//   ./check64 [B T H]     (default: 2 4133 2, 1 100 3 at g = -5, 1 2000 2, then 2 16384 64 timed)
+// Built with -DKDA_PHASE_PROFILE it also prints each option's pass 3 phase cycles at the timed shape.
 #include "kernels/kda_backward.cu"
 #include "scripts/kda_driver_inputs.cuh"
 
@@ -119,6 +120,39 @@ bool run(int64_t B, int64_t T, int64_t H, bool timed, float g_lo) {
       std::printf("  whole backward, %d-token blocks: best %.3f ms\n", tokens, best);
     }
   }
+#ifdef KDA_PHASE_PROFILE
+  // -DKDA_PHASE_PROFILE: pass 3's cycles between barriers per item (thread 0) and each warp's work
+  // before each barrier, for each option (items of 32 and 64 tokens).
+  if (timed) {
+    for (int tokens : {32, 64}) {
+      unsigned long long zero[16] = {}, cycles[16];
+      static unsigned long long warp_zero[kGradientWarps][16] = {}, warp_cycles[kGradientWarps][16];
+      cudaMemcpyToSymbol(g_phase_cycles, zero, sizeof(zero));
+      cudaMemcpyToSymbol(g_warp_phase_cycles, warp_zero, sizeof(warp_zero));
+      check(backward(tokens, out[tokens == 64]), "profiled backward");
+      check(cudaDeviceSynchronize(), "profiled backward (sync)");
+      cudaMemcpyFromSymbol(cycles, g_phase_cycles, sizeof(cycles));
+      cudaMemcpyFromSymbol(warp_cycles, g_warp_phase_cycles, sizeof(warp_cycles));
+      const double items = static_cast<double>(B * H * ((T + tokens - 1) / tokens));
+      double total = 0;
+      for (int i = 0; i < 16; ++i) {
+        if (!cycles[i]) continue;
+        total += cycles[i] / items;
+        std::printf("  pass 3 (%d-token blocks) mark %2d: %8.0f cycles per item\n", tokens, i, cycles[i] / items);
+      }
+      std::printf("  pass 3 (%d-token blocks): %.0f cycles per item, %.0f per 64 tokens\n", tokens, total,
+                  total * 64 / tokens);
+      for (int p = 0; p < 16; ++p) {
+        int slowest = 0;
+        for (int w = 1; w < kGradientWarps; ++w) slowest = warp_cycles[w][p] > warp_cycles[slowest][p] ? w : slowest;
+        if (warp_cycles[slowest][p] == 0) continue;
+        std::printf("    %s %d:", p == 0 ? "top  " : "phase", p == 0 ? 0 : p - 1);
+        for (int w = 0; w < kGradientWarps; ++w) std::printf(" %5.0f%s", warp_cycles[w][p] / items, w == slowest ? "*" : " ");
+        std::printf("\n");
+      }
+    }
+  }
+#endif
   for (Out& o : out) cudaFree(o.dq), cudaFree(o.dk), cudaFree(o.dv), cudaFree(o.dg), cudaFree(o.dbeta), cudaFree(o.d_init);
   cudaFree(q), cudaFree(k), cudaFree(v), cudaFree(d_o), cudaFree(beta), cudaFree(g), cudaFree(d_final), cudaFree(workspace);
   return ok;
