@@ -141,7 +141,8 @@ __global__ void __launch_bounds__(kGradientThreads, 1) kda_block64_gradient_kern
   constexpr int kRows = kTokens / kSlices;                  // 8 rows a slice
   auto bf = [](bf16 x) { return __bfloat162float(x); };
   // KDA_PHASE_PROFILE: as the 32-token pass (g_phase_cycles: cycles between barriers at thread 0,
-  // mark 0 the top's wait, 1-7 after phases 0-6; g_warp_phase_cycles: each warp's work before each).
+  // mark 0 the top's wait, 1-8 after phases 0-6, 7 and 8 the two halves of phase 6;
+  // g_warp_phase_cycles: each warp's work before each).
 #ifdef KDA_PHASE_PROFILE
   long long mark = clock64(), warp_mark = mark;
   int warp_phase = 0;
@@ -476,28 +477,49 @@ __global__ void __launch_bounds__(kGradientThreads, 1) kda_block64_gradient_kern
     // during phase 6.
     if (more) issue_values(item_at(w + gridDim.x));
 
-    // Phase 6: dg = reverse cumulative sum of dGamma + dgamma (threads 0 .. K - 1), dgamma = sum of
-    // dK_ (.) K_ over the rows + e^gamma sum_v dS' (.) S; dbeta (threads K .. K + 63): the column
-    // tiles' dVb (.) v - Y (.) K^ and sum_j dL_ij P_ij over the blocks b <= its own.
-    if (tid < K) {
-      const int c = tid;
+    // Phase 6: dg = reverse cumulative sum of dGamma + dgamma, dgamma = sum of dK_ (.) K_ over the rows
+    // + e^gamma sum_v dS' (.) S, by four threads a channel (16 rows each: a thread's column seg of
+    // sub-chunk `seg`): each sums its rows from the last up, the segments' totals meet in shared
+    // memory (part, free since phase 1), and each adds those below it. Then dbeta (threads 0-63): the
+    // column tiles' dVb (.) v - Y (.) K^ and sum_j dL_ij P_ij over the blocks b <= its own.
+    const int col = tid % K, seg = tid / K;
+    float suffix[kChunk];
+    {
+      float acc = 0.0f;
+#pragma unroll
+      for (int i = kChunk - 1; i >= 0; --i) {
+        acc += sh.d_gamma[kChunk * seg + i][col];
+        suffix[i] = acc;
+      }
+      sh.part[seg][col] = acc;
+    }
+    barrier(7);
+    {
       float acc = 0.0f, dd = 0.0f;
 #pragma unroll
-      for (int r = 0; r < kBlock64SubChunks; ++r) acc += sh.kbar_sum[r][c];
+      for (int r = 0; r < kBlock64SubChunks; ++r) {
+        acc += sh.kbar_sum[r][col];
+        if (r > seg) acc += sh.part[r][col];
+      }
 #pragma unroll
-      for (int s = 0; s < kSlices; ++s) dd += sh.d_decay[s][c];
-      acc += exp_ftz(sh.last[c]) * dd;
-      store_reverse_column_sum<kTokens>(a.dg + token(0) * K + c, static_cast<int64_t>(H) * K, &sh.d_gamma[0][c],
-                                        Shared::kPadK, acc, valid);
-    } else if (tid < K + kTokens && tid - K < valid) {
-      const int i = tid - K;
+      for (int x = 0; x < kSlices; ++x) dd += sh.d_decay[x][col];
+      acc += exp_ftz(sh.last[col]) * dd;
+      float* out = a.dg + token(kChunk * seg) * K + col;
+      const int rows = valid - kChunk * seg;
+#pragma unroll
+      for (int i = 0; i < kChunk; ++i, out += static_cast<int64_t>(H) * K) {
+        if (i < rows) *out = suffix[i] + acc;
+      }
+    }
+    if (tid < valid) {
+      const int i = tid;
       float acc = 0.0f;
       for (int b = 0; b <= i / kChunk; ++b) acc += sh.dbeta_l[b][i];
 #pragma unroll
       for (int x = 0; x < V / 16; ++x) acc += sh.dbeta_parts[i][x];
       a.dbeta[token(i)] = acc;
     }
-    barrier(7);  // phase 6's reads before the next item's loads
+    barrier(8);  // phase 6's reads before the next item's loads
   }
 }
 
