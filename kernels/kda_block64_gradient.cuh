@@ -222,24 +222,8 @@ __global__ void __launch_bounds__(kGradientThreads, 1) kda_block64_gradient_kern
     // Phase 0: Gamma's partial sums (column pair cp, rows 8 rg .. 8 rg + 7) and d(e^gamma)'s partial
     // sums sum_v dS' (.) S over 16 V rows a thread.
     float2 local[kRows];
-    {
-      float2 acc = make_float2(0.0f, 0.0f);
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) {
-        const float2 x = *reinterpret_cast<const float2*>(&sh.gamma[rg * kRows + r][cp]);
-        acc.x += x.x, acc.y += x.y;
-        local[r] = acc;
-      }
-      *reinterpret_cast<float2*>(&sh.part[rg][cp]) = acc;
-      constexpr int kVRows = V / kSlices;
-      float2 dd = make_float2(0.0f, 0.0f);
-#pragma unroll 4
-      for (int r = rg * kVRows; r < (rg + 1) * kVRows; ++r) {
-        const float2 x = load_bf16x2(&sh.s_t[r][cp]), y = load_bf16x2(&sh.ds_t[r][cp]);
-        dd.x += x.x * y.x, dd.y += x.y * y.y;
-      }
-      *reinterpret_cast<float2*>(&sh.d_decay[rg][cp]) = dd;
-    }
+    block_partial_sums<kRows, V / kSlices>(&sh.gamma[rg * kRows], sh.s_t, sh.ds_t, cp, rg * (V / kSlices),
+                                           &sh.part[rg][cp], &sh.d_decay[rg][cp], local);
     barrier(1);
 
     // Phase 1: Gamma in place of g (each thread its own rows), the anchors B_a (Gamma at rows 15, 31,
@@ -309,13 +293,7 @@ __global__ void __launch_bounds__(kGradientThreads, 1) kda_block64_gradient_kern
                        sh.beta[i] * bf(sh.st.d_vb[i][c + 1]));
           }
         });
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {  // rows m0 + g (+ 8): their 16 columns lie in the four lanes t
-          float x = rowpart[r];
-          x += __shfl_xor_sync(0xffffffffu, x, 1);
-          x += __shfl_xor_sync(0xffffffffu, x, 2);
-          if (t == 0) sh.dbeta_parts[m0 + g + 8 * r][ct] = x;
-        }
+        store_tile_row_sums(rowpart, lane, [&](int r, float x) { sh.dbeta_parts[m0 + g + 8 * r][ct] = x; });
       }
       {
         float acc[2][4] = {};
@@ -328,17 +306,7 @@ __global__ void __launch_bounds__(kGradientThreads, 1) kda_block64_gradient_kern
           dgam[s][n][e] -= x;
           colsum[n][e & 1] += x;
         });
-#pragma unroll
-        for (int n = 0; n < 2; ++n) {
-#pragma unroll
-          for (int x = 0; x < 2; ++x) {
-            float sum = colsum[n][x];
-            sum += __shfl_xor_sync(0xffffffffu, sum, 4);
-            sum += __shfl_xor_sync(0xffffffffu, sum, 8);
-            sum += __shfl_xor_sync(0xffffffffu, sum, 16);
-            if (g == 0) sh.kbar_sum[rt][n0 + 8 * n + 2 * t + x] = sum;
-          }
-        }
+        store_tile_column_sums(colsum, &sh.kbar_sum[rt][n0], lane);
       }
     }
     if (warp < kLowerBlocks64) {  // dAqk = dO V'^T (lower, diagonal included)
@@ -389,12 +357,7 @@ __global__ void __launch_bounds__(kGradientThreads, 1) kda_block64_gradient_kern
         uint32_t af[4], bfr[4];
         a_rows(af, &sh.in.x_k[0][0], kRowK, 16 * ra, k0, f);
         b_rows(bfr, &sh.in.k_c[0][0], kRowK, 16 * cb, k0, f);
-        if (factor != nullptr) {  // Kc_ab = Kc_bb (.) e^{B_a - B_b}: channels k0 + 2t (+1), k0 + 8 + 2t (+1)
-          const __nv_bfloat162 f0 = *reinterpret_cast<const __nv_bfloat162*>(&factor[k0 + 2 * t]);
-          const __nv_bfloat162 f1 = *reinterpret_cast<const __nv_bfloat162*>(&factor[k0 + 8 + 2 * t]);
-          bfr[0] = mul_bf16x2(bfr[0], f0), bfr[1] = mul_bf16x2(bfr[1], f1);
-          bfr[2] = mul_bf16x2(bfr[2], f0), bfr[3] = mul_bf16x2(bfr[3], f1);
-        }
+        if (factor != nullptr) scale_b_rows(bfr, factor, k0, lane);  // Kc_ab = Kc_bb (.) e^{B_a - B_b}
         mma2(p, af, bfr);
       }
       float row_sum[2] = {};  // rows 16 ra + g, + 8
@@ -403,13 +366,7 @@ __global__ void __launch_bounds__(kGradientThreads, 1) kda_block64_gradient_kern
         sh.in.d_p[i][j] = __float2bfloat16_rn(sh.beta[i] * d);
         row_sum[e >> 1] += d * p[n][e];
       });
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        float sum = row_sum[r];
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        if (t == 0) sh.dbeta_l[cb][16 * ra + g + 8 * r] = sum;
-      }
+      store_tile_row_sums(row_sum, lane, [&](int r, float sum) { sh.dbeta_l[cb][16 * ra + g + 8 * r] = sum; });
     }
     barrier(5);
 
@@ -428,13 +385,7 @@ __global__ void __launch_bounds__(kGradientThreads, 1) kda_block64_gradient_kern
           a_rows(aq, &sh.d_aqk[0][0], kRowC, m0, 16 * b, f);
           a_rows(ap, &sh.in.d_p[0][0], kRowC, m0, 16 * b, f);
           b_trans(bfr, &sh.in.k_c[0][0], kRowK, n0, 16 * b, f);
-          if (b != rt) {  // Kc_ab = Kc_bb (.) e^{B_a - B_b}: channel n0 + g (b0, b1), n0 + 8 + g (b2, b3)
-            const bf16* factor = sh.off[off_diagonal_index(rt, b)];
-            const bf16 c0 = factor[n0 + g], c1 = factor[n0 + 8 + g];
-            const __nv_bfloat162 f0 = __halves2bfloat162(c0, c0), f1 = __halves2bfloat162(c1, c1);
-            bfr[0] = mul_bf16x2(bfr[0], f0), bfr[1] = mul_bf16x2(bfr[1], f0);
-            bfr[2] = mul_bf16x2(bfr[2], f1), bfr[3] = mul_bf16x2(bfr[3], f1);
-          }
+          if (b != rt) scale_b_trans(bfr, sh.off[off_diagonal_index(rt, b)], n0, lane);  // Kc_ab = Kc_bb (.) e^{B_a - B_b}
           mma2(dxq, aq, bfr);
           mma2(dxk, ap, bfr);
         }

@@ -227,6 +227,84 @@ __device__ __forceinline__ void for_tile(int m0, int n0, int lane, F&& f) {
   }
 }
 
+// Pieces of the block passes, used by kda_block64_gradient.cuh. The kernel below still writes them
+// out: folded onto these, its two producer-warp forms compile to 8 instructions fewer (ptxas 13.0,
+// sm_90a; the other 30 kernels the same bits), a change to time on the GPU first.
+//
+// Phase 0: Gamma's running sums down kRows rows of column pair cp from `rows` (g as loaded; into
+// local, their total into part), and sum_v dS' (.) S over kVRows rows of S^T and dS'^T from row v0
+// (into d_decay).
+template <int kRows, int kVRows, int kPad, int kRow>
+__device__ __forceinline__ void block_partial_sums(const float (*rows)[kPad], const bf16 (*s_t)[kRow],
+                                                   const bf16 (*ds_t)[kRow], int cp, int v0, float* part,
+                                                   float* d_decay, float2 (&local)[kRows]) {
+  float2 acc = make_float2(0.0f, 0.0f);
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const float2 x = *reinterpret_cast<const float2*>(&rows[r][cp]);
+    acc.x += x.x, acc.y += x.y;
+    local[r] = acc;
+  }
+  *reinterpret_cast<float2*>(part) = acc;
+  float2 dd = make_float2(0.0f, 0.0f);
+#pragma unroll 4
+  for (int r = v0; r < v0 + kVRows; ++r) {
+    const float2 s = load_bf16x2(&s_t[r][cp]), ds = load_bf16x2(&ds_t[r][cp]);
+    dd.x += s.x * ds.x, dd.y += s.y * ds.y;
+  }
+  *reinterpret_cast<float2*>(d_decay) = dd;
+}
+
+// The column sums of a 16 x 16 tile's two n8 halves held as colsum[n][x] (column 8 n + 2 t + x, this
+// lane's rows), over the tile's 16 rows (the lanes of the same t), stored by lanes g = 0 at
+// out[8 n + 2 t + x].
+__device__ __forceinline__ void store_tile_column_sums(const float (&colsum)[2][2], float* out, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int n = 0; n < 2; ++n) {
+#pragma unroll
+    for (int x = 0; x < 2; ++x) {
+      float s = colsum[n][x];
+      s += __shfl_xor_sync(0xffffffffu, s, 4);
+      s += __shfl_xor_sync(0xffffffffu, s, 8);
+      s += __shfl_xor_sync(0xffffffffu, s, 16);
+      if (g == 0) out[8 * n + 2 * t + x] = s;
+    }
+  }
+}
+
+// The row sums of a 16 x 16 tile held as rows[r] (row g + 8 r, this lane's columns), over the tile's
+// 16 columns (the four lanes t of the same g), stored by lanes t = 0 through store(r, sum).
+template <typename F>
+__device__ __forceinline__ void store_tile_row_sums(const float (&rows)[2], int lane, F&& store) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float x = rows[r];
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    x += __shfl_xor_sync(0xffffffffu, x, 2);
+    if ((lane & 3) == 0) store(r, x);
+  }
+}
+
+// An off-diagonal block's column operand Kc_ab = Kc_bb (.) e^{B_a - B_b} from Kc_bb's B fragments and
+// the per-channel factor (bf16, <= 1): a bf16 product in registers, the values dGamma's terms then
+// take (__hmul of the same two). Fragments from b_rows (channels k0 + 2t, +1 and k0 + 8 + 2t, +1)
+// or from b_trans (channel n0 + g in b0, b1 and n0 + 8 + g in b2, b3).
+__device__ __forceinline__ void scale_b_rows(uint32_t (&b)[4], const bf16* factor, int k0, int lane) {
+  const int t = lane & 3;
+  const __nv_bfloat162 f0 = *reinterpret_cast<const __nv_bfloat162*>(&factor[k0 + 2 * t]);
+  const __nv_bfloat162 f1 = *reinterpret_cast<const __nv_bfloat162*>(&factor[k0 + 8 + 2 * t]);
+  b[0] = mul_bf16x2(b[0], f0), b[1] = mul_bf16x2(b[1], f1);
+  b[2] = mul_bf16x2(b[2], f0), b[3] = mul_bf16x2(b[3], f1);
+}
+__device__ __forceinline__ void scale_b_trans(uint32_t (&b)[4], const bf16* factor, int n0, int lane) {
+  const int g = lane >> 2;
+  const bf16 c0 = factor[n0 + g], c1 = factor[n0 + 8 + g];
+  const __nv_bfloat162 f0 = __halves2bfloat162(c0, c0), f1 = __halves2bfloat162(c1, c1);
+  b[0] = mul_bf16x2(b[0], f0), b[1] = mul_bf16x2(b[1], f0);
+  b[2] = mul_bf16x2(b[2], f1), b[3] = mul_bf16x2(b[3], f1);
+}
+
 // Persistent, as kda_chunk_gradient_kernel, but by pairs of blocks: CTA b takes a head's blocks 2j
 // and 2j + 1 for the pairs b, b + gridDim.x, ... (slots: block + padded blocks (h + H seq)). Inputs
 // bf16; S^T entering chunk 2 blk and dS'^T leaving chunk min(2 blk + 1, chunks - 1) from passes 1

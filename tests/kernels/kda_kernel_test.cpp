@@ -578,6 +578,16 @@ Gradients kernel_gradients(const Inputs& in, const at::Tensor& d_o, const at::Te
   return {d.dq, d.dk, d.dv, d.dg, d.dbeta, in.state.defined() ? d.d_initial_state : at::Tensor()};
 }
 
+// f throws a c10::Error whose message contains `message` (a refusal by name).
+void refused(const std::function<void()>& f, const std::string& message) {
+  try {
+    f();
+    ADD_FAILURE() << "accepted: " << message;
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();
+  }
+}
+
 // The six gradients of a kda_chunked_backward by name, in a fixed order.
 std::vector<std::pair<std::string, at::Tensor>> by_name(const KdaChunkedGradients& d) {
   return {{"dq", d.dq}, {"dk", d.dk}, {"dv", d.dv}, {"dg", d.dg}, {"dbeta", d.dbeta}, {"dS0", d.d_initial_state}};
@@ -945,14 +955,6 @@ TEST_F(KdaKernel, NewValuesKeptByTheForwardFeedTheBlockedPassBitForBit) {
 
   const Inputs in = make_inputs(1, 40, 2, 128, 128, at::kBFloat16, Gates::kRandom, false, 1500);
   const auto [d_o, d_final] = output_gradients(in, /*with_final=*/false, 1501);
-  auto refused = [&](const std::function<void()>& f, const std::string& message) {
-    try {
-      f();
-      ADD_FAILURE() << "accepted: " << message;
-    } catch (const c10::Error& e) {
-      EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();
-    }
-  };
   refused([&] { kda_chunked(in.q, in.k, in.v, in.g, in.beta, at::Tensor(), in.scale, at::Tensor(), 0, true, true, 0,
                             /*keep_chunk_states=*/false, 1, /*keep_new_values=*/true); },
           "keep_new_values needs keep_chunk_states");
@@ -1040,14 +1042,6 @@ TEST_F(KdaKernel, KeptStatesFeedTheSixtyFourTokenPassBitForBit) {
   }
   const Inputs in = make_inputs(1, 40, 2, 128, 128, at::kBFloat16, Gates::kRandom, false, 2000);
   const auto [d_o, d_final] = output_gradients(in, /*with_final=*/false, 2001);
-  auto refused = [&](const std::function<void()>& f, const std::string& message) {
-    try {
-      f();
-      ADD_FAILURE() << "accepted: " << message;
-    } catch (const c10::Error& e) {
-      EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();
-    }
-  };
   refused([&] { kda_chunked_backward(in.q, in.k, in.v, in.g, in.beta, at::Tensor(), d_o, d_final, in.scale,
                                      at::Tensor(), true, /*keep_values=*/false, at::Tensor(), 64); },
           "pass3_block_tokens = 64 reads V' and dVb");
