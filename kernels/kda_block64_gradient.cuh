@@ -124,7 +124,7 @@ __global__ void __launch_bounds__(kGradientThreads, 1) kda_block64_gradient_kern
   Shared& sh = *reinterpret_cast<Shared*>(shared_raw);
   const int tid = threadIdx.x, lane = tid & 31, warp = warp_index();
   const FragmentOffsets f(lane);
-  const int g = lane >> 2, t = lane & 3;
+  const int g = lane >> 2;
   const int H = a.heads;
   const int64_t num_chunks = (a.length + kChunk - 1) / kChunk;
   const int64_t num_blocks = (a.length + kTokens - 1) / kTokens;
