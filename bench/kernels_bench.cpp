@@ -302,6 +302,8 @@ double bench_backward(const KernelsBenchOptions& o, int64_t batch, int64_t lengt
   kernels::KdaBackwardOptions fused;
   fused.pass3_block_tokens = 64;
   report_variant("pass 3 by 64-token blocks", " (32-token blocks)", fused);
+  fused.pass3_block_producer = true;
+  report_variant("pass 3 by 64-token blocks, producer warp", " (32-token blocks)", fused);
   // A training step's forward keeping the chunk states (KdaChunkedOptions::chunk_states with o) and
   // the backward from them (no state recompute), against the forward and backward above.
   {

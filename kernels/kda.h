@@ -207,6 +207,9 @@ struct KdaBackwardOptions {
   // dVb, is cudaErrorInvalidValue. 64 is opt-in until it is measured on the GPU machine
   // (kernels/JOURNAL.md, "Thirty-first session").
   int pass3_block_tokens = 32;
+  // With pass3_block_tokens = 64: its copies issued by a 17th warp (kda_block64_gradient.cuh's
+  // kProducer) instead of by the compute warps. Which is faster is to be measured.
+  bool pass3_block_producer = false;
 };
 
 // Enough for any dtype and options (every chunk's states):

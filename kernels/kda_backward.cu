@@ -1344,7 +1344,8 @@ cudaError_t run_backward(const StateGradientArgs& sa, const ChunkGradientArgs& c
       // accelerator (BlockLoads; the same gradients bit for bit; kernels/JOURNAL.md, "Seventeenth
       // session"). With V' and dV' from passes 1 and 2 where they kept them.
       if (ca.new_values != nullptr && options.pass3_block_tokens == 64) {
-        return launch_block64_gradients<128, 128>(ca, batch, stream);
+        return options.pass3_block_producer ? launch_block64_gradients<128, 128, true>(ca, batch, stream)
+                                            : launch_block64_gradients<128, 128>(ca, batch, stream);
       }
       if (ca.new_values != nullptr) return launch_block_gradients<128, 128, BlockLoads::kProducer, true, true>(ca, batch, stream);
       return launch_block_gradients<128, 128, BlockLoads::kProducer>(ca, batch, stream);

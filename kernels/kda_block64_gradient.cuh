@@ -114,8 +114,15 @@ constexpr size_t block64_shared_bytes() {
 // Persistent: CTA b takes the items b, b + gridDim.x, ... (item = (sequence H + head) blocks + index).
 // S^T entering chunk 4 index and dS'^T leaving chunk min(4 index + 3, chunks - 1), from passes 1 and
 // 2's [N, H, ceil(chunks / i), V, K] at their intervals i (1, 2 or 4).
-template <int K, int V>
-__global__ void __launch_bounds__(kGradientThreads, 1) kda_block64_gradient_kernel(const ChunkGradientArgs a) {
+// kProducer: a 17th warp issues every copy (each part as soon as the item before frees its space;
+// the named barriers of kda_block_gradient.cuh: kDStatesFree for S^T and dS'^T, kValuesFree for the
+// values and g, kKeysFree for q and k, kLoaded when all have landed) and the 16 compute warps meet
+// on a barrier of their own, so that none stalls on the SM's outstanding copies; at most 120
+// registers a thread. Otherwise the compute threads issue them at the same three points.
+template <int K, int V, bool kProducer = false>
+__global__ void __launch_bounds__(kGradientThreads + (kProducer ? 32 : 0), 1)
+    kda_block64_gradient_kernel(const ChunkGradientArgs a) {
+  constexpr int kThreads = kGradientThreads + (kProducer ? 32 : 0);
   static_assert(K == 128 && V == 128, "two 16 x 16 tiles a warp of every [64][128] result");
   using Shared = Block64Shared<K, V>;
   constexpr int kTokens = kBlock64;
@@ -149,10 +156,18 @@ __global__ void __launch_bounds__(kGradientThreads, 1) kda_block64_gradient_kern
 #endif
   auto barrier = [&](int id) {
     BLOCK_WARP_ARRIVE();
-    __syncthreads();
+    if constexpr (kProducer) {
+      asm volatile("bar.sync %0, %1;\n" ::"n"(kBlockComputeBarrier), "n"(kGradientThreads) : "memory");
+    } else {
+      __syncthreads();
+    }
     BLOCK_WARP_LEAVE();
     BLOCK_PHASE_MARK(id);
   };
+  auto named_sync = [](int id) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(kThreads) : "memory"); };
+  auto named_arrive = [](int id) { asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "n"(kThreads) : "memory"); };
+  // The threads that issue copies: me of `stride`.
+  const int me = kProducer ? lane : tid, stride = kProducer ? 32 : kGradientThreads;
 
   // The state entering item `it` and the state gradient leaving it, by cp.async (committed).
   auto issue_states = [&](const GradientItem& it) {
@@ -161,7 +176,7 @@ __global__ void __launch_bounds__(kGradientThreads, 1) kda_block64_gradient_kern
     const bf16* s = a.chunk_states + (head * stored_chunks(num_chunks, si) + 4 * it.index / si) * V * K;
     const bf16* ds =
         a.chunk_d_states + (head * stored_chunks(num_chunks, di) + min64(4 * it.index + 3, num_chunks - 1) / di) * V * K;
-    for (int e = tid; e < V * K / 8; e += kGradientThreads) {
+    for (int e = me; e < V * K / 8; e += stride) {
       const int row = e / (K / 8), col = (e % (K / 8)) * 8;
       cp_async16(&sh.s_t[row][col], s + static_cast<int64_t>(e) * 8);
       cp_async16(&sh.ds_t[row][col], ds + static_cast<int64_t>(e) * 8);
@@ -171,7 +186,7 @@ __global__ void __launch_bounds__(kGradientThreads, 1) kda_block64_gradient_kern
   // The values (dO, v, V', dVb) and g of item `it`, and its q and k (rows past the sequence's end zero).
   auto issue_values = [&](const GradientItem& it) {
     auto real_row = [&](int i) { return (it.row0 + (i < it.valid ? i : it.valid - 1)) * H + it.h; };
-    for (int e = tid; e < kTokens * V / 8; e += kGradientThreads) {
+    for (int e = me; e < kTokens * V / 8; e += stride) {
       const int i = e / (V / 8), col = (e % (V / 8)) * 8;
       const int64_t at = real_row(i) * V + col;
       const bool in = i < it.valid;
@@ -180,7 +195,7 @@ __global__ void __launch_bounds__(kGradientThreads, 1) kda_block64_gradient_kern
       cp_async16_or_zero(&sh.st.v_new[i][col], a.new_values + at, in);
       cp_async16_or_zero(&sh.st.d_vb[i][col], a.d_new_values + at, in);
     }
-    for (int e = tid; e < kTokens * K / 4; e += kGradientThreads) {
+    for (int e = me; e < kTokens * K / 4; e += stride) {
       const int i = e / (K / 4), col = (e % (K / 4)) * 4;
       cp_async16_or_zero(&sh.gamma[i][col], a.g + real_row(i) * K + col, i < it.valid);
     }
@@ -188,7 +203,7 @@ __global__ void __launch_bounds__(kGradientThreads, 1) kda_block64_gradient_kern
   };
   auto issue_keys = [&](const GradientItem& it) {
     auto real_row = [&](int i) { return (it.row0 + (i < it.valid ? i : it.valid - 1)) * H + it.h; };
-    for (int e = tid; e < kTokens * K / 8; e += kGradientThreads) {
+    for (int e = me; e < kTokens * K / 8; e += stride) {
       const int i = e / (K / 8), col = (e % (K / 8)) * 8;
       const int64_t at = real_row(i) * K + col;
       cp_async16_or_zero(&sh.keys.q[i][col], q + at, i < it.valid);
@@ -197,7 +212,23 @@ __global__ void __launch_bounds__(kGradientThreads, 1) kda_block64_gradient_kern
     cp_async_commit();
   };
   auto item_at = [&](int64_t w) { return GradientItem::at(w, num_blocks, kTokens, H, a.length); };
-  if (static_cast<int64_t>(blockIdx.x) < a.items) {
+  if constexpr (kProducer) {
+    if (warp == kGradientWarps) {
+      for (int64_t w = blockIdx.x; w < a.items; w += gridDim.x) {
+        const GradientItem it = item_at(w);
+        const bool first = w == static_cast<int64_t>(blockIdx.x);
+        if (!first) named_sync(kDStatesFree);  // the item before: past its phase 2
+        issue_states(it);
+        if (!first) named_sync(kValuesFree);   // past its phase 5
+        issue_values(it);
+        if (!first) named_sync(kKeysFree);     // past its end
+        issue_keys(it);
+        cp_async_wait<0>();
+        named_arrive(kLoaded);
+      }
+      return;
+    }
+  } else if (static_cast<int64_t>(blockIdx.x) < a.items) {
     const GradientItem first = item_at(blockIdx.x);
     issue_states(first);
     issue_values(first);
@@ -214,10 +245,17 @@ __global__ void __launch_bounds__(kGradientThreads, 1) kda_block64_gradient_kern
 #ifdef KDA_PHASE_PROFILE
     warp_phase = 0;
 #endif
-    issue_keys(it);
     if (tid < kTokens) sh.beta[tid] = tid < valid ? bf(beta[token(tid)]) : 0.0f;
-    cp_async_wait<0>();
-    barrier(0);
+    if constexpr (kProducer) {  // every compute thread meets the producer's arrival (beta stored before)
+      BLOCK_WARP_ARRIVE();
+      named_sync(kLoaded);
+      BLOCK_WARP_LEAVE();
+      BLOCK_PHASE_MARK(0);
+    } else {
+      issue_keys(it);
+      cp_async_wait<0>();
+      barrier(0);
+    }
 
     // Phase 0: Gamma's partial sums (column pair cp, rows 8 rg .. 8 rg + 7) and d(e^gamma)'s partial
     // sums sum_v dS' (.) S over 16 V rows a thread.
@@ -323,7 +361,11 @@ __global__ void __launch_bounds__(kGradientThreads, 1) kda_block64_gradient_kern
     }
     barrier(3);
     // S^T and dS'^T are dead: the next item's land during phases 3-6.
-    if (more) issue_states(item_at(w + gridDim.x));
+    if constexpr (kProducer) {
+      if (more) named_arrive(kDStatesFree);
+    } else if (more) {
+      issue_states(item_at(w + gridDim.x));
+    }
 
     // Phase 3: the intra products' operands, in the space of phase 2's arrays (each thread its rows
     // of slice rg, which lie in sub-chunk rg / 2).
@@ -426,7 +468,11 @@ __global__ void __launch_bounds__(kGradientThreads, 1) kda_block64_gradient_kern
     barrier(6);
     // The values' space (the intra operands') and Gamma are dead: the next item's values and g land
     // during phase 6.
-    if (more) issue_values(item_at(w + gridDim.x));
+    if constexpr (kProducer) {
+      if (more) named_arrive(kValuesFree);
+    } else if (more) {
+      issue_values(item_at(w + gridDim.x));
+    }
 
     // Phase 6: dg = reverse cumulative sum of dGamma + dgamma, dgamma = sum of dK_ (.) K_ over the rows
     // + e^gamma sum_v dS' (.) S, by four threads a channel (16 rows each: a thread's column seg of
@@ -471,19 +517,23 @@ __global__ void __launch_bounds__(kGradientThreads, 1) kda_block64_gradient_kern
       a.dbeta[token(i)] = acc;
     }
     barrier(8);  // phase 6's reads before the next item's loads
+    if constexpr (kProducer) {
+      if (more) named_arrive(kKeysFree);
+    }
   }
 }
 
-template <int K, int V>
+template <int K, int V, bool kProducer = false>
 cudaError_t launch_block64_gradients(ChunkGradientArgs a, int64_t batch, cudaStream_t stream) {
   constexpr size_t shared = block64_shared_bytes<K, V>();
-  const auto kernel = kda_block64_gradient_kernel<K, V>;
+  constexpr int kThreads = kGradientThreads + (kProducer ? 32 : 0);
+  const auto kernel = kda_block64_gradient_kernel<K, V, kProducer>;
   if (a.new_values == nullptr || a.d_new_values == nullptr) return cudaErrorInvalidValue;
   a.items = (a.length + kBlock64 - 1) / kBlock64 * a.heads * batch;
   int64_t ctas = 0;
-  const cudaError_t error = persistent_ctas(kernel, kGradientThreads, shared, a.items, ctas);
+  const cudaError_t error = persistent_ctas(kernel, kThreads, shared, a.items, ctas);
   if (error != cudaSuccess) return error;
-  kernel<<<static_cast<unsigned>(ctas), kGradientThreads, shared, stream>>>(a);
+  kernel<<<static_cast<unsigned>(ctas), kThreads, shared, stream>>>(a);
   return cudaGetLastError();
 }
 

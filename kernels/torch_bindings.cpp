@@ -238,7 +238,7 @@ KdaChunkedGradients kda_chunked_backward(const at::Tensor& q, const at::Tensor& 
                                          const at::Tensor& d_o, const at::Tensor& d_final_state,
                                          double scale, const at::Tensor& chunk_states,
                                          bool pass3_blocks, bool keep_values, const at::Tensor& new_values,
-                                         int64_t pass3_block_tokens) {
+                                         int64_t pass3_block_tokens, bool pass3_block_producer) {
   constexpr const char* where = "kernels::kda_chunked_backward";
   TORCH_CHECK(d_o.defined(), where, ": d_o must be defined (the gradient of o)");
   const auto [batch, length, heads, key, value] = check_kda_sequence(where, q, k, v, g, beta, d_o);
@@ -254,6 +254,7 @@ KdaChunkedGradients kda_chunked_backward(const at::Tensor& q, const at::Tensor& 
   TORCH_CHECK(pass3_block_tokens == 32 || pass3_block_tokens == 64, where,
               ": pass3_block_tokens must be 32 or 64 (KdaBackwardOptions::pass3_block_tokens), got ", pass3_block_tokens);
   options.pass3_block_tokens = static_cast<int>(pass3_block_tokens);
+  options.pass3_block_producer = pass3_block_producer;
   TORCH_CHECK(pass3_block_tokens == 32 ||
                   kernels::kda_backward_state_interval(kernel_dtype(q.scalar_type()), key, value, options) < 2 ||
                   (chunk_states.defined() ? new_values.defined() : keep_values),

@@ -79,6 +79,7 @@ KdaChunkedOutput kda_chunked(const at::Tensor& q, const at::Tensor& k, const at:
 // by blocks instead of recomputing V' (with chunk_states only). pass3_block_tokens:
 // KdaBackwardOptions::pass3_block_tokens (32, the default, or 64: fused 64-token blocks, with V' and
 // dVb, i.e. keep_values or new_values; states given are then every fourth chunk's).
+// pass3_block_producer: KdaBackwardOptions::pass3_block_producer (with 64).
 struct KdaChunkedGradients {
   at::Tensor dq, dk, dv, dg, dbeta, d_initial_state;
 };
@@ -89,7 +90,7 @@ KdaChunkedGradients kda_chunked_backward(const at::Tensor& q, const at::Tensor& 
                                          double scale, const at::Tensor& chunk_states = at::Tensor(),
                                          bool pass3_blocks = true, bool keep_values = true,
                                          const at::Tensor& new_values = at::Tensor(),
-                                         int64_t pass3_block_tokens = 32);
+                                         int64_t pass3_block_tokens = 32, bool pass3_block_producer = false);
 
 // Whether kda_step can run these: CUDA, q k v of one dtype bf16 / fp32, K in {32, 64, 128}, V a
 // multiple of 32 up to 256, state fp32 and contiguous (it is updated in place).

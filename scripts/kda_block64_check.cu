@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <vector>
 
 using namespace odyssey::kernels;
@@ -53,7 +54,7 @@ bool run(int64_t B, int64_t T, int64_t H, bool timed, float g_lo) {
   struct Out {
     bf16 *dq, *dk, *dv;
     float *dg, *dbeta, *d_init;
-  } out[2];
+  } out[3];  // 32-token blocks, 64, 64 with the producer warp
   for (Out& o : out) {
     cudaMalloc(&o.dq, n * K * 2), cudaMalloc(&o.dk, n * K * 2), cudaMalloc(&o.dv, n * V * 2);
     cudaMalloc(&o.dg, n * K * 4), cudaMalloc(&o.dbeta, n * 4), cudaMalloc(&o.d_init, B * H * K * V * 4);
@@ -62,14 +63,17 @@ bool run(int64_t B, int64_t T, int64_t H, bool timed, float g_lo) {
   unsigned char* workspace;
   check(cudaMalloc(&workspace, bytes), "workspace");
   check(cudaDeviceSynchronize(), "inputs");
+  // tokens: 32, 64, or -64 for 64 with the producer warp.
   auto backward = [&](int tokens, const Out& o) {
     KdaBackwardOptions options;
-    options.pass3_block_tokens = tokens;
+    options.pass3_block_tokens = tokens < 0 ? -tokens : tokens;
+    options.pass3_block_producer = tokens < 0;
     return kda_chunked_backward(KdaDtype::kBFloat16, q, k, v, g, beta, nullptr, d_o, d_final, o.dq, o.dk, o.dv, o.dg,
                                 o.dbeta, o.d_init, B, T, H, K, V, scale, nullptr, workspace, bytes, 0, options);
   };
   check(backward(32, out[0]), "backward, 32-token blocks");
   check(backward(64, out[1]), "backward, 64-token blocks");
+  check(backward(-64, out[2]), "backward, 64-token blocks, producer warp");
   check(cudaDeviceSynchronize(), "backward");
   std::printf("B=%ld T=%ld H=%ld g in [%.1f, 0]%s\n", (long)B, (long)T, (long)H, g_lo,
               timed ? "" : ": 64-token blocks against 32 (max |diff| / max |32|)");
@@ -80,12 +84,15 @@ bool run(int64_t B, int64_t T, int64_t H, bool timed, float g_lo) {
     bool bf16_data;
     const void* p[2];
   };
-  const Field fields[] = {{"dq", n * K, true, {out[0].dq, out[1].dq}},
-                          {"dk", n * K, true, {out[0].dk, out[1].dk}},
-                          {"dv", n * V, true, {out[0].dv, out[1].dv}},
-                          {"dg", n * K, false, {out[0].dg, out[1].dg}},
-                          {"dbeta", n, false, {out[0].dbeta, out[1].dbeta}},
-                          {"dS0", B * H * K * V, false, {out[0].d_init, out[1].d_init}}};
+  auto fields_of = [&](const Out& x, const Out& y) {
+    return std::vector<Field>{{"dq", n * K, true, {x.dq, y.dq}},
+                              {"dk", n * K, true, {x.dk, y.dk}},
+                              {"dv", n * V, true, {x.dv, y.dv}},
+                              {"dg", n * K, false, {x.dg, y.dg}},
+                              {"dbeta", n, false, {x.dbeta, y.dbeta}},
+                              {"dS0", B * H * K * V, false, {x.d_init, y.d_init}}};
+  };
+  const std::vector<Field> fields = fields_of(out[0], out[1]);
   for (const Field& f : fields) {
     if (timed) break;  // the timed shape: times only (its copies and sums take longer than the runs)
     const std::vector<float> a = to_host(f.p[0], f.count, f.bf16_data), b = to_host(f.p[1], f.count, f.bf16_data);
@@ -103,45 +110,56 @@ bool run(int64_t B, int64_t T, int64_t H, bool timed, float g_lo) {
     std::printf("  %-6s %.3e of %.3e (%.2e) at %ld: %g against %g%s%s\n", f.name, diff, largest, relative,
                 (long)worst, b[worst], a[worst], bad ? " NOT FINITE" : "", pass ? "" : "  DIFFER");
   }
+  if (!timed) {  // the producer warp's copies change no arithmetic: the same bits as 64 without it
+    for (const Field& f : fields_of(out[1], out[2])) {
+      const std::vector<float> a = to_host(f.p[0], f.count, f.bf16_data), b = to_host(f.p[1], f.count, f.bf16_data);
+      int64_t differ = 0;
+      for (int64_t i = 0; i < f.count; ++i) differ += std::memcmp(&a[i], &b[i], 4) != 0;
+      ok = ok && differ == 0;
+      std::printf("  %-6s producer warp against 64: %ld values differ%s\n", f.name, (long)differ, differ ? "  DIFFER" : "");
+    }
+  }
   if (timed) {
     cudaEvent_t start, stop;
     cudaEventCreate(&start), cudaEventCreate(&stop);
-    for (int tokens : {32, 64, 32, 64}) {
+    for (int tokens : {32, 64, -64, 32, 64, -64}) {
       float best = 1e30f;
       for (int r = 0; r < 6; ++r) {
         cudaEventRecord(start);
-        check(backward(tokens, out[tokens == 64]), "timed backward");
+        check(backward(tokens, out[tokens == 32 ? 0 : tokens == 64 ? 1 : 2]), "timed backward");
         cudaEventRecord(stop);
         cudaEventSynchronize(stop);
         float ms = 0;
         cudaEventElapsedTime(&ms, start, stop);
         best = std::min(best, ms);
       }
-      std::printf("  whole backward, %d-token blocks: best %.3f ms\n", tokens, best);
+      std::printf("  whole backward, %d-token blocks%s: best %.3f ms\n", tokens < 0 ? -tokens : tokens,
+                  tokens < 0 ? ", producer warp" : "", best);
     }
   }
 #ifdef KDA_PHASE_PROFILE
   // -DKDA_PHASE_PROFILE: pass 3's cycles between barriers per item (thread 0) and each warp's work
   // before each barrier, for each option (items of 32 and 64 tokens).
   if (timed) {
-    for (int tokens : {32, 64}) {
+    for (int tokens : {32, 64, -64}) {
       unsigned long long zero[16] = {}, cycles[16];
       static unsigned long long warp_zero[kGradientWarps][16] = {}, warp_cycles[kGradientWarps][16];
       cudaMemcpyToSymbol(g_phase_cycles, zero, sizeof(zero));
       cudaMemcpyToSymbol(g_warp_phase_cycles, warp_zero, sizeof(warp_zero));
-      check(backward(tokens, out[tokens == 64]), "profiled backward");
+      check(backward(tokens, out[tokens == 32 ? 0 : tokens == 64 ? 1 : 2]), "profiled backward");
       check(cudaDeviceSynchronize(), "profiled backward (sync)");
       cudaMemcpyFromSymbol(cycles, g_phase_cycles, sizeof(cycles));
       cudaMemcpyFromSymbol(warp_cycles, g_warp_phase_cycles, sizeof(warp_cycles));
-      const double items = static_cast<double>(B * H * ((T + tokens - 1) / tokens));
+      const int size = tokens < 0 ? -tokens : tokens;
+      const double items = static_cast<double>(B * H * ((T + size - 1) / size));
       double total = 0;
       for (int i = 0; i < 16; ++i) {
         if (!cycles[i]) continue;
         total += cycles[i] / items;
-        std::printf("  pass 3 (%d-token blocks) mark %2d: %8.0f cycles per item\n", tokens, i, cycles[i] / items);
+        std::printf("  pass 3 (%d) mark %2d: %8.0f cycles per item\n", tokens, i, cycles[i] / items);
       }
-      std::printf("  pass 3 (%d-token blocks): %.0f cycles per item, %.0f per 64 tokens\n", tokens, total,
-                  total * 64 / tokens);
+      std::printf("  pass 3 (%d; -64: the producer warp): %.0f cycles per item, %.0f per 64 tokens\n", tokens, total,
+                  total * 64 / size);
       for (int p = 0; p < 16; ++p) {
         int slowest = 0;
         for (int w = 1; w < kGradientWarps; ++w) slowest = warp_cycles[w][p] > warp_cycles[slowest][p] ? w : slowest;

@@ -571,10 +571,11 @@ void expect_gradients(const std::string& what, const Gradients& got, const Gradi
 }
 
 Gradients kernel_gradients(const Inputs& in, const at::Tensor& d_o, const at::Tensor& d_final,
-                           bool pass3_blocks = true, bool keep_values = true, int64_t pass3_block_tokens = 32) {
+                           bool pass3_blocks = true, bool keep_values = true, int64_t pass3_block_tokens = 32,
+                           bool pass3_block_producer = false) {
   const KdaChunkedGradients d = kda_chunked_backward(in.q, in.k, in.v, in.g, in.beta, in.state, d_o, d_final,
                                                      in.scale, at::Tensor(), pass3_blocks, keep_values, at::Tensor(),
-                                                     pass3_block_tokens);
+                                                     pass3_block_tokens, pass3_block_producer);
   return {d.dq, d.dk, d.dv, d.dg, d.dbeta, in.state.defined() ? d.d_initial_state : at::Tensor()};
 }
 
@@ -1012,6 +1013,13 @@ TEST_F(KdaKernel, BackwardBySixtyFourTokenBlocksMatches) {
       const Gradients fused = kernel_gradients(in, d_o, d_final, true, true, /*pass3_block_tokens=*/64);
       expect_gradients(name + " 64-token blocks", fused, reference_gradients(in, d_o, d_final));
       expect_gradients(name + " 64-token blocks against 32", fused, kernel_gradients(in, d_o, d_final));
+      // Its copies by a producer warp: the same arithmetic, the same bits.
+      const Gradients producer = kernel_gradients(in, d_o, d_final, true, true, 64, /*pass3_block_producer=*/true);
+      const auto same = [&](const char* what, const at::Tensor& x, const at::Tensor& y) {
+        if (x.defined()) EXPECT_TRUE(at::equal(x, y)) << name << ": " << what << " with the producer warp";
+      };
+      same("dq", fused.dq, producer.dq), same("dk", fused.dk, producer.dk), same("dv", fused.dv, producer.dv);
+      same("dg", fused.dg, producer.dg), same("dbeta", fused.dbeta, producer.dbeta);
     }
   }
 }
