@@ -343,6 +343,29 @@ double bench_backward(const KernelsBenchOptions& o, int64_t batch, int64_t lengt
         },
         o.warmup, o.repeats);
     TORCH_CHECK(error == cudaSuccess, "kda with kept chunk states: ", cudaGetErrorString(error));
+    // The same from the kept states with pass 3 by 64-token blocks (opt-in; its pass 2 stores every
+    // fourth chunk's state gradient, so its own workspace).
+    if (interval == 4) {
+      kernels::KdaBackwardOptions given64 = given;
+      given64.pass3_block_tokens = 64;
+      const size_t bytes64 = kernels::kda_chunked_backward_workspace_bytes(
+          kernels::KdaDtype::kBFloat16, batch, length, heads, key, value, /*states_given=*/true, given64);
+      const Timing from_states64 = time_cuda(
+          [&] {
+            const cudaError_t e = kernels::kda_chunked_backward(
+                kernels::KdaDtype::kBFloat16, in.q.data_ptr(), in.k.data_ptr(), in.v.data_ptr(),
+                in.g.data_ptr<float>(), in.beta.data_ptr(), nullptr, d_o.data_ptr(), nullptr, dq.data_ptr(),
+                dk.data_ptr(), dv.data_ptr(), dg.data_ptr<float>(), dbeta.data_ptr<float>(), d_state.data_ptr<float>(),
+                batch, length, heads, key, value, static_cast<float>(in.scale), states.data_ptr(),
+                workspace.data_ptr(), bytes64, stream, given64);
+            if (e != cudaSuccess) error = e;
+          },
+          o.warmup, o.repeats);
+      TORCH_CHECK(error == cudaSuccess, "kda with kept chunk states, 64-token blocks: ", cudaGetErrorString(error));
+      std::printf("kda backward from kept chunk states, pass 3 by 64-token blocks: kernel best %8.3f ms (%.2fx the"
+                  " forward's); 32-token blocks: %.3f ms\n",
+                  from_states64.best_ms, from_states64.best_ms / forward_ms, from_states.best_ms);
+    }
     std::printf("kda backward from kept chunk states B=%ld T=%ld H=%ld: kernel best %8.3f ms (%.2fx the forward's"
                 " %.3f ms; workspace %.2f GB + %.2f GB of states and V'); the forward keeping them %.3f ms: forward +"
                 " backward %.3f ms against %.3f ms recomputing them\n",
