@@ -17,8 +17,9 @@
 //               and k's: P's blocks, the intra blocks' gradients and dg's reverse sums; S^T and
 //               dS'^T's space takes the next item's.
 // The derivation is model::kda::chunked_backward_reference(..., chunk = 64, anchor = 16, rounding,
-// BackwardForm::kKeptInnovationGradients) (CPU; its bf16 emulation gives 2-5e-3 of each gradient's
-// largest magnitude against fp64), as the 32-token pass's with four sub-chunks:
+// BackwardForm::kKeptInnovationGradients) (CPU; its bf16 emulation, the precision table's row "C=64
+// anchor 16, all bf16, V' and dVb kept by the walks", 3.4-4.5e-3 of each gradient's largest
+// magnitude against fp64), as the 32-token pass's with four sub-chunks:
 //   dKb = -Y,  dK^ = Diag(beta) dKb,  dv = Diag(beta) dVb,  dL = -dVb V'^T (strictly lower),
 //   dP = Diag(beta) dL,  dbeta_i = dVb_i . v_i - Y_i . K^_i + sum_j dL_ij P_ij,
 // the intra products by blocks (a, b <= a) anchored at their row sub-chunk's start B_a:
@@ -35,8 +36,9 @@
 // stored. Loads by cp.async from every thread, each part of the next item's as soon as its space is
 // free: S^T and dS'^T after phase 2 (they land under phases 3-6), the values and g after phase 5
 // (the intra operands lie in the values' space), q and k at the top (dGamma lies in theirs until
-// the end). The next step is the 32-token pass's: a producer warp issuing them, so that no compute
-// warp stalls on the SM's outstanding copies.
+// the end); or, with kProducer (KdaBackwardOptions::pass3_block_producer), by a 17th warp at the same
+// points, as the 32-token pass does, so that no compute warp stalls on the SM's outstanding copies.
+// Which is faster is to be measured (kernels/JOURNAL.md, "Thirty-first session").
 #pragma once
 
 namespace odyssey::kernels {
