@@ -15,7 +15,9 @@
 # 0.000e+00" on every line: the same bits; a candidate may change them on purpose, so a difference
 # is reported, not an error, unless STRICT=1). $MODE, when set, goes to every driver after the file:
 # "blocks" or "chunks" (pass 3 by 32-token blocks or 16-token chunks; drivers before the
-# seventeenth session know only "blocks"). Then times them at $TIMING (default "2 16384 64 128 128") in the
+# seventeenth session know only "blocks"), or on branch b64's drivers "blocks64" / "blocks64p" (the
+# fused 64-token pass, by the compute warps' copies or a producer warp; it also goes to the timing
+# runs then, whose whole-backward line follows it). Then times them at $TIMING (default "2 16384 64 128 128") in the
 # order base, candidates..., for $ROUNDS rounds (default 2), printing the driver's lines that
 # match $LINES (default: the whole backward and pass 3 with V' and dV' given and by chained pairs).
 # PROFILE=1 also builds each version's -DKDA_PHASE_PROFILE driver and prints its pass-3 phase table
@@ -114,7 +116,7 @@ for ((r = 1; r <= rounds; r++)); do
   for ((i = 0; i < n; i++)); do
     echo "  -- ${labels[$i]} (round $r)"
     # shellcheck disable=SC2086
-    "$work/driver$i" $timing | grep -E "$lines" | sed 's/^/  /'
+    "$work/driver$i" $timing ${mode:+"" $mode} | grep -E "$lines" | sed 's/^/  /'
   done
 done
 

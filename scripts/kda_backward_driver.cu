@@ -3,7 +3,8 @@
 // forward's (pass 1 is kda_chunked_forward):
 //   nvcc -O3 -std=c++17 -arch=sm_90 [-Ivariant] -I. scripts/kda_backward_driver.cu kernels/kda.cu \
 //       -o /tmp/kda_bwd
-//   /tmp/kda_bwd B T H [K V [save.bin | compare.bin [blocks | chunks]]]  (defaults 2 16384 64 128 128)
+//   /tmp/kda_bwd B T H [K V [save.bin | compare.bin [blocks | chunks | blocks64 | blocks64p]]]
+//   (defaults 2 16384 64 128 128)
 // -Ivariant first: a folder holding a modified kernels/kda_backward.cu is used instead.
 // On the GPU machine kernels/kda.cu takes twice as long to compile as the backward: build it once
 // (nvcc ... -c kernels/kda.cu -o /tmp/kda.o, in parallel with the drivers' -c) and link each
@@ -43,9 +44,14 @@ int main(int argc, char** argv) {
                 V = argc > 5 ? atoll(argv[5]) : 128;
   const std::string file = argc > 6 ? argv[6] : "";
   // After the file, "chunks": the whole backward with pass 3 by 16-token chunks; "blocks" (the
-  // default): by 32-token blocks.
+  // default): by 32-token blocks; "blocks64": by fused 64-token blocks (KdaBackwardOptions::
+  // pass3_block_tokens), "blocks64p" with their producer warp. The whole backward's line and the
+  // saved or compared gradients follow it; the passes timed alone stay the 32-token ones.
   KdaBackwardOptions options;
-  if (argc > 7) options.pass3_blocks = std::string(argv[7]) != "chunks";
+  const std::string mode = argc > 7 ? argv[7] : "blocks";
+  options.pass3_blocks = mode != "chunks";
+  if (mode == "blocks64" || mode == "blocks64p") options.pass3_block_tokens = 64;
+  options.pass3_block_producer = mode == "blocks64p";
   const int64_t n = B * T * H, chunks = (T + kChunk - 1) / kChunk;
   bf16 *q, *k, *v, *beta, *d_o, *dq, *dk, *dv; float *g, *d_final, *dg, *dbeta, *d_init;
   cudaMalloc(&q, n * K * 2); cudaMalloc(&k, n * K * 2); cudaMalloc(&v, n * V * 2);
