@@ -1340,13 +1340,14 @@ cudaError_t run_backward(const StateGradientArgs& sa, const ChunkGradientArgs& c
   if (error != cudaSuccess) return error;
   if constexpr (std::is_same_v<T, bf16> && K == 128) {
     if (value_dim == 128 && options.pass3_blocks) {
-      // The loads by a producer warp: faster than at the top of each block or by the tensor-memory
-      // accelerator (BlockLoads; the same gradients bit for bit; kernels/JOURNAL.md, "Seventeenth
-      // session"). With V' and dV' from passes 1 and 2 where they kept them.
+      // By fused 64-token blocks where asked (opt-in; V' and dVb given, checked by the caller).
       if (ca.new_values != nullptr && options.pass3_block_tokens == 64) {
         return options.pass3_block_producer ? launch_block64_gradients<128, 128, true>(ca, batch, stream)
                                             : launch_block64_gradients<128, 128>(ca, batch, stream);
       }
+      // The loads by a producer warp: faster than at the top of each block or by the tensor-memory
+      // accelerator (BlockLoads; the same gradients bit for bit; kernels/JOURNAL.md, "Seventeenth
+      // session"). With V' and dV' from passes 1 and 2 where they kept them.
       if (ca.new_values != nullptr) return launch_block_gradients<128, 128, BlockLoads::kProducer, true, true>(ca, batch, stream);
       return launch_block_gradients<128, 128, BlockLoads::kProducer>(ca, batch, stream);
     }
@@ -1369,6 +1370,11 @@ bool blocked_pass3(KdaDtype dtype, int64_t key_dim, int64_t value_dim, const Kda
   return options.pass3_blocks && dtype == KdaDtype::kBFloat16 && key_dim == 128 && value_dim == 128;
 }
 
+// Pass 3 by fused 64-token blocks (KdaBackwardOptions::pass3_block_tokens = 64), where blocks apply.
+bool blocked_pass3_64(KdaDtype dtype, int64_t key_dim, int64_t value_dim, const KdaBackwardOptions& options) {
+  return blocked_pass3(dtype, key_dim, value_dim, options) && options.pass3_block_tokens == 64;
+}
+
 // Whether pass 3 by blocks reads V' and dVb = M^T dV' kept by passes 1 and 2 (KdaBackwardOptions::keep_values;
 // with states the forward kept, where it kept V' too: KdaBackwardOptions::new_values).
 bool blocked_pass3_values(KdaDtype dtype, int64_t key_dim, int64_t value_dim, bool states_given,
@@ -1381,12 +1387,8 @@ bool blocked_pass3_values(KdaDtype dtype, int64_t key_dim, int64_t value_dim, bo
 // 32-token blocks reads the gradient leaving every block (every second chunk's); with V' kept it
 // makes the state entering every second block itself, from the one before (blocks in pairs,
 // kda_block_gradient.cuh), so pass 1 stores every fourth chunk's state; without V', every second.
-// 16-token chunks read every chunk's.
-// Pass 3 by fused 64-token blocks (KdaBackwardOptions::pass3_block_tokens = 64) reads the gradient
-// leaving every fourth chunk.
-bool blocked_pass3_64(KdaDtype dtype, int64_t key_dim, int64_t value_dim, const KdaBackwardOptions& options) {
-  return blocked_pass3(dtype, key_dim, value_dim, options) && options.pass3_block_tokens == 64;
-}
+// 16-token chunks read every chunk's. Pass 3 by 64-token blocks reads the gradient leaving every
+// fourth chunk (and, with V', the state entering every fourth).
 int backward_d_state_interval(KdaDtype dtype, int64_t key_dim, int64_t value_dim, const KdaBackwardOptions& options) {
   if (blocked_pass3_64(dtype, key_dim, value_dim, options)) return 4;
   return blocked_pass3(dtype, key_dim, value_dim, options) ? 2 : 1;
