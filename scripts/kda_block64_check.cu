@@ -109,6 +109,28 @@ bool run(int64_t B, int64_t T, int64_t H, bool timed, float g_lo) {
     ok = ok && pass;
     std::printf("  %-6s %.3e of %.3e (%.2e) at %ld: %g against %g%s%s\n", f.name, diff, largest, relative,
                 (long)worst, b[worst], a[worst], bad ? " NOT FINITE" : "", pass ? "" : "  DIFFER");
+    if (!pass && f.count == n * (f.count / n) && f.count != B * H * K * V) {
+      // Where the difference lies, so that one run names the phase or warp at fault: the largest
+      // |diff| / largest by 16-token sub-chunk of the 64-token block, by 16-column tile (the warps'
+      // column tiles), and in the sequence's last (partial) block against the rest.
+      const int64_t width = f.count / n;  // K, V or 1 (dbeta)
+      double by_sub[4] = {}, by_tile[8] = {}, last_block = 0, other_blocks = 0;
+      for (int64_t i = 0; i < f.count; ++i) {
+        const int64_t col = i % width, t = (i / (width * H)) % T;
+        const double d = std::fabs((double)a[i] - b[i]) / std::max(1e-6, largest);
+        by_sub[(t % 64) / 16] = std::max(by_sub[(t % 64) / 16], d);
+        if (width > 1) by_tile[col / 16] = std::max(by_tile[col / 16], d);
+        double& block = t / 64 == (T - 1) / 64 ? last_block : other_blocks;
+        block = std::max(block, d);
+      }
+      std::printf("         by sub-chunk:");
+      for (double x : by_sub) std::printf(" %.2e", x);
+      if (width > 1) {
+        std::printf("  by column tile:");
+        for (double x : by_tile) std::printf(" %.2e", x);
+      }
+      std::printf("  last block %.2e, the others %.2e\n", last_block, other_blocks);
+    }
   }
   if (!timed) {  // the producer warp's copies change no arithmetic: the same bits as 64 without it
     for (const Field& f : fields_of(out[1], out[2])) {
