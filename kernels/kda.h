@@ -204,11 +204,13 @@ struct KdaBackwardOptions {
   // (kda_block_gradient.cuh), or 64 (kda_block64_gradient.cuh: one item a 64-token block reading
   // the state entering it and the state gradient leaving it once, so that passes 1 and 2 both store
   // every fourth chunk's; no pairs, no state made in pass 3). Anything else, or 64 without V' and
-  // dVb, is cudaErrorInvalidValue. 64 is opt-in until it is measured on the GPU machine
-  // (kernels/JOURNAL.md, "Thirty-first session").
+  // dVb, is cudaErrorInvalidValue. 64 is the faster (H100, B=2 T=16K H=64: the backward 8.55
+  // against 8.89 ms, 7.22 against 7.48 from kept states; workspace 3.23 against 4.30 GB;
+  // kernels/JOURNAL.md, "Thirty-second session"), opt-in for now.
   int pass3_block_tokens = 32;
   // With pass3_block_tokens = 64: its copies issued by a 17th warp (kda_block64_gradient.cuh's
-  // kProducer) instead of by the compute warps. Which is faster is to be measured.
+  // kProducer) instead of by the compute warps: the same bits, slower (8.68-8.72 against
+  // 8.52-8.66 ms at the bench's shape, H100).
   bool pass3_block_producer = false;
 };
 
