@@ -127,14 +127,16 @@ double chunked_bytes(int64_t batch, int64_t length, int64_t heads, int64_t key, 
 // writes every second dS' (and dV'); pass 3 reads both states, q, k, v, dO, g, beta (and V', dV')
 // and writes dq, dk, dv, dg, dbeta. values: V' and dV' kept (KdaBackwardOptions::keep_values);
 // states_given: the forward kept the states (and V'), no pass 1.
+// block_tokens: pass 3's block with V' (64: passes 1 and 2 store every fourth chunk's state
+// gradient; 32: every second one's).
 double backward_bytes(int64_t batch, int64_t length, int64_t heads, int64_t key, int64_t value, bool values,
-                      bool states_given) {
+                      bool states_given, int block_tokens = 64) {
   const double n = static_cast<double>(batch) * length * heads;
   const double keys = n * key * 2, vals = n * value * 2, gates = n * key * 4, beta = n * 2;
   auto stored = [&](int64_t interval) {  // bytes of the states kept at one chunk in every `interval`
     return static_cast<double>(batch) * heads * (((length + 15) / 16 + interval - 1) / interval) * key * value * 2;
   };
-  const double states = stored(values ? 4 : 2), d_states = stored(2);
+  const double states = stored(values ? 4 : 2), d_states = stored(values && block_tokens == 64 ? 4 : 2);
   const double kept_values = values ? vals : 0.0;
   const double pass1 = keys + vals + gates + beta + states + kept_values;
   const double pass2 = 2 * keys + vals + gates + beta + d_states + kept_values;
@@ -240,11 +242,14 @@ double bench_backward(const KernelsBenchOptions& o, int64_t batch, int64_t lengt
     const double moved = backward_bytes(batch, length, heads, key, value, /*values=*/true, /*states_given=*/false);
     const double recompute = backward_bytes(batch, length, heads, key, value, false, false);
     const double kept = backward_bytes(batch, length, heads, key, value, true, /*states_given=*/true);
+    const double blocks32 = backward_bytes(batch, length, heads, key, value, true, false, /*block_tokens=*/32);
     auto floor_ms = [&](double bytes) { return bytes / (copy_gb_per_s * 1e9) * 1e3; };
     std::printf("kda backward memory floor: %.2f GB moved -> %.3f ms at the copy rate, %.0f%% of it reached; the"
-                " floor is %.2fx the forward (%.2fx recomputing V' and dV', %.2fx from kept states and V')\n",
+                " floor is %.2fx the forward (%.2fx recomputing V' and dV', %.2fx from kept states and V', %.2fx"
+                " by 32-token blocks)\n",
                 moved / 1e9, floor_ms(moved), 100.0 * floor_ms(moved) / kernel.best_ms,
-                floor_ms(moved) / forward_ms, floor_ms(recompute) / forward_ms, floor_ms(kept) / forward_ms);
+                floor_ms(moved) / forward_ms, floor_ms(recompute) / forward_ms, floor_ms(kept) / forward_ms,
+                floor_ms(blocks32) / forward_ms);
     // The same goal in products: the backward's (backward_flops) against the forward's, and the
     // share of the forward's rate of products that 3x the forward's time would take.
     const double forward_flops = chunked_flops(batch, length, heads, key, value);
@@ -291,19 +296,22 @@ double bench_backward(const KernelsBenchOptions& o, int64_t batch, int64_t lengt
   // workspace).
   kernels::KdaBackwardOptions chunks;
   chunks.pass3_blocks = false;
-  report_variant("pass 3 by 16-token chunks", " (32-token blocks)", chunks);
+  report_variant("pass 3 by 16-token chunks", " (64-token blocks)", chunks);
   // Pass 3 by blocks recomputing V' and dV' (KdaBackwardOptions::keep_values = false; the default
   // until the eighteenth session: passes 1 and 2 keep neither).
   kernels::KdaBackwardOptions values;
   values.keep_values = false;
-  report_variant("V' and dV' recomputed in pass 3", " (kept by the walks)", values);
-  // Pass 3 by fused 64-token blocks (KdaBackwardOptions::pass3_block_tokens = 64; opt-in): passes 1
-  // and 2 store every fourth chunk's state and state gradient, and pass 3 reads each once a block.
-  kernels::KdaBackwardOptions fused;
-  fused.pass3_block_tokens = 64;
-  report_variant("pass 3 by 64-token blocks", " (32-token blocks)", fused);
-  fused.pass3_block_producer = true;
-  report_variant("pass 3 by 64-token blocks, producer warp", " (32-token blocks)", fused);
+  report_variant("V' and dV' recomputed in pass 3 (by 32-token blocks)", " (kept by the walks)", values);
+  // Pass 3 by 32-token blocks with V' (KdaBackwardOptions::pass3_block_tokens = 32; the default until
+  // the thirty-second session): pass 2 stores every second chunk's state gradient, and pass 3 makes
+  // every second block's entering state from the one before.
+  kernels::KdaBackwardOptions blocks32;
+  blocks32.pass3_block_tokens = 32;
+  report_variant("pass 3 by 32-token blocks", " (64-token blocks)", blocks32);
+  // The 64-token pass's copies by a producer warp (KdaBackwardOptions::pass3_block_producer).
+  kernels::KdaBackwardOptions producer;
+  producer.pass3_block_producer = true;
+  report_variant("pass 3 by 64-token blocks, producer warp", " (compute threads' copies)", producer);
   // A training step's forward keeping the chunk states (KdaChunkedOptions::chunk_states with o) and
   // the backward from them (no state recompute), against the forward and backward above.
   {
@@ -331,6 +339,7 @@ double bench_backward(const KernelsBenchOptions& o, int64_t batch, int64_t lengt
         o.warmup, o.repeats);
     const size_t given_bytes = kernels::kda_chunked_backward_workspace_bytes(
         kernels::KdaDtype::kBFloat16, batch, length, heads, key, value, /*states_given=*/true, given);
+    TORCH_CHECK(given_bytes <= workspace_bytes, "bench: the backward from kept states needs more workspace");
     const Timing from_states = time_cuda(
         [&] {
           const cudaError_t e = kernels::kda_chunked_backward(
@@ -343,28 +352,29 @@ double bench_backward(const KernelsBenchOptions& o, int64_t batch, int64_t lengt
         },
         o.warmup, o.repeats);
     TORCH_CHECK(error == cudaSuccess, "kda with kept chunk states: ", cudaGetErrorString(error));
-    // The same from the kept states with pass 3 by 64-token blocks (opt-in; its pass 2 stores every
-    // fourth chunk's state gradient, so its own workspace).
+    // The same from the kept states with pass 3 by 32-token blocks (its pass 2 stores every second
+    // chunk's state gradient, so its own workspace).
     if (interval == 4) {
-      kernels::KdaBackwardOptions given64 = given;
-      given64.pass3_block_tokens = 64;
-      const size_t bytes64 = kernels::kda_chunked_backward_workspace_bytes(
-          kernels::KdaDtype::kBFloat16, batch, length, heads, key, value, /*states_given=*/true, given64);
-      const Timing from_states64 = time_cuda(
+      kernels::KdaBackwardOptions given32 = given;
+      given32.pass3_block_tokens = 32;
+      const size_t bytes32 = kernels::kda_chunked_backward_workspace_bytes(
+          kernels::KdaDtype::kBFloat16, batch, length, heads, key, value, /*states_given=*/true, given32);
+      TORCH_CHECK(bytes32 <= workspace_bytes, "bench: the kept states' 32-token pass needs more workspace");
+      const Timing from_states32 = time_cuda(
           [&] {
             const cudaError_t e = kernels::kda_chunked_backward(
                 kernels::KdaDtype::kBFloat16, in.q.data_ptr(), in.k.data_ptr(), in.v.data_ptr(),
                 in.g.data_ptr<float>(), in.beta.data_ptr(), nullptr, d_o.data_ptr(), nullptr, dq.data_ptr(),
                 dk.data_ptr(), dv.data_ptr(), dg.data_ptr<float>(), dbeta.data_ptr<float>(), d_state.data_ptr<float>(),
                 batch, length, heads, key, value, static_cast<float>(in.scale), states.data_ptr(),
-                workspace.data_ptr(), bytes64, stream, given64);
+                workspace.data_ptr(), bytes32, stream, given32);
             if (e != cudaSuccess) error = e;
           },
           o.warmup, o.repeats);
-      TORCH_CHECK(error == cudaSuccess, "kda with kept chunk states, 64-token blocks: ", cudaGetErrorString(error));
-      std::printf("kda backward from kept chunk states, pass 3 by 64-token blocks: kernel best %8.3f ms (%.2fx the"
-                  " forward's); 32-token blocks: %.3f ms\n",
-                  from_states64.best_ms, from_states64.best_ms / forward_ms, from_states.best_ms);
+      TORCH_CHECK(error == cudaSuccess, "kda with kept chunk states, 32-token blocks: ", cudaGetErrorString(error));
+      std::printf("kda backward from kept chunk states, pass 3 by 32-token blocks: kernel best %8.3f ms (%.2fx the"
+                  " forward's); the default (64-token blocks): %.3f ms\n",
+                  from_states32.best_ms, from_states32.best_ms / forward_ms, from_states.best_ms);
     }
     std::printf("kda backward from kept chunk states B=%ld T=%ld H=%ld: kernel best %8.3f ms (%.2fx the forward's"
                 " %.3f ms; workspace %.2f GB + %.2f GB of states and V'); the forward keeping them %.3f ms: forward +"

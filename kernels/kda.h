@@ -102,13 +102,13 @@ struct KdaChunkedOptions {
   void* chunk_states = nullptr;
   // Keep the state entering one chunk in every `chunk_state_interval` (1, 2 or 4; else
   // cudaErrorInvalidValue): chunks 0, i, 2i, ... into [N, H, ceil(ceil(length / 16) / i), V, K],
-  // the same values bit for bit. What pass 3 by 32-token blocks reads (KdaBackwardOptions::
-  // pass3_blocks): 2, or 4 with V' kept (new_values), where it makes every second block's entering
-  // state itself; kda_backward_state_interval says which.
+  // the same values bit for bit. What pass 3 by blocks reads (KdaBackwardOptions::pass3_blocks):
+  // 2, or 4 with V' kept (new_values: 64-token blocks read the state entering each, 32-token blocks
+  // make every second block's entering state themselves); kda_backward_state_interval says which.
   int chunk_state_interval = 1;
   // With chunk_states: bf16 [B, L, H, V] receives every token's V' = U - W S, the value the walk
   // adds to the state (FLA's v_new), as the walk rounds it for its products; 16-byte aligned (else
-  // cudaErrorInvalidValue, as without chunk_states). What pass 3 by 32-token blocks reads instead
+  // cudaErrorInvalidValue, as without chunk_states). What pass 3 by blocks reads instead
   // of recomputing it (KdaBackwardOptions::new_values): 2 B L H V bytes more, beside the states'
   // B H L K V / 16 at interval 2.
   void* new_values = nullptr;
@@ -200,15 +200,16 @@ struct KdaBackwardOptions {
   // cudaErrorInvalidValue); pass 2 then keeps dVb = M^T dV' and pass 3 reads both, as with keep_values.
   // nullptr with chunk_states: pass 3 recomputes them.
   const void* new_values = nullptr;
-  // Pass 3's block, with V' and dVb (keep_values, or new_values with the states given): 32 tokens
-  // (kda_block_gradient.cuh), or 64 (kda_block64_gradient.cuh: one item a 64-token block reading
-  // the state entering it and the state gradient leaving it once, so that passes 1 and 2 both store
-  // every fourth chunk's; no pairs, no state made in pass 3). Anything else, or 64 without V' and
-  // dVb, is cudaErrorInvalidValue. 64 is the faster (H100, B=2 T=16K H=64: the backward 8.55
-  // against 8.89 ms, 7.22 against 7.48 from kept states; workspace 3.23 against 4.30 GB;
-  // kernels/JOURNAL.md, "Thirty-second session"), opt-in for now.
-  int pass3_block_tokens = 32;
-  // With pass3_block_tokens = 64: its copies issued by a 17th warp (kda_block64_gradient.cuh's
+  // Pass 3's block where it goes by blocks: 64 tokens (kda_block64_gradient.cuh: one item a
+  // 64-token block reading the state entering it and the state gradient leaving it once, so that
+  // passes 1 and 2 both store every fourth chunk's; no pairs, no state made in pass 3), which needs
+  // V' and dVb (keep_values, or new_values with the states given), or 32 (kda_block_gradient.cuh).
+  // 0 (the default): 64 where V' and dVb are at hand, else 32. 64 is the faster (H100, B=2 T=16K
+  // H=64: the backward 8.55 against 8.89 ms, 7.22 against 7.48 from kept states; workspace 3.23
+  // against 4.30 GB; kernels/JOURNAL.md, "Thirty-second session"). Anything but 0, 32 and 64, or 64
+  // without V' and dVb, is cudaErrorInvalidValue.
+  int pass3_block_tokens = 0;
+  // Where pass 3 goes by 64-token blocks: its copies issued by a 17th warp (kda_block64_gradient.cuh's
   // kProducer) instead of by the compute warps: the same bits, slower (8.68-8.72 against
   // 8.52-8.66 ms at the bench's shape, H100).
   bool pass3_block_producer = false;

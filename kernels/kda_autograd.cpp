@@ -21,8 +21,9 @@ class KdaChunkedFunction : public torch::autograd::Function<KdaChunkedFunction> 
                                const at::Tensor& initial_state_or_empty, double scale,
                                bool keep_chunk_states) {
     const at::Tensor initial_state = state_or_undefined(initial_state_or_empty);
-    // The states the backward reads: every fourth chunk's where pass 3 goes by 32-token blocks
-    // (which makes every second block's entering state from the one before, with V').
+    // The states the backward reads: every fourth chunk's where pass 3 goes by blocks with V' (each
+    // 64-token block reads the state entering it; 32-token blocks make every second block's entering
+    // state from the one before).
     const int interval = kda_backward_state_interval(
         q.scalar_type() == at::kBFloat16 ? KdaDtype::kBFloat16 : KdaDtype::kFloat32, q.size(3), v.size(3));
     // With them, V' where pass 3 by blocks reads it (KdaBackwardOptions::keep_values): B T H V 2

@@ -17,7 +17,7 @@ namespace odyssey::kernels {
 // Shapes and requirements as kda_chunked without cu_seqlens; g must lie in [-5, 0]. The backward
 // is first order only (its own ops are not recorded: no double backward).
 // keep_chunk_states: the forward also writes the state entering every chunk (every fourth chunk,
-// with every token's V', where the backward's pass 3 goes by 32-token blocks: bf16, K = V = 128;
+// with every token's V', where the backward's pass 3 goes by blocks: bf16, K = V = 128;
 // kda.h, kda_backward_state_interval) and keeps it for the backward, which then skips their
 // recompute (its first pass): the same gradients bit for bit, a shorter training step
 // (kernels/JOURNAL.md, "Kept chunk states") for B T H K V / 8 bytes (/ 32 by blocks, plus V' at

@@ -1340,8 +1340,8 @@ cudaError_t run_backward(const StateGradientArgs& sa, const ChunkGradientArgs& c
   if (error != cudaSuccess) return error;
   if constexpr (std::is_same_v<T, bf16> && K == 128) {
     if (value_dim == 128 && options.pass3_blocks) {
-      // By fused 64-token blocks where asked (opt-in; V' and dVb given, checked by the caller).
-      if (ca.new_values != nullptr && options.pass3_block_tokens == 64) {
+      // By fused 64-token blocks where V' and dVb are at hand, unless 32 is asked for (blocked_pass3_64).
+      if (ca.new_values != nullptr && options.pass3_block_tokens != 32) {
         return options.pass3_block_producer ? launch_block64_gradients<128, 128, true>(ca, batch, stream)
                                             : launch_block64_gradients<128, 128>(ca, batch, stream);
       }
@@ -1370,11 +1370,6 @@ bool blocked_pass3(KdaDtype dtype, int64_t key_dim, int64_t value_dim, const Kda
   return options.pass3_blocks && dtype == KdaDtype::kBFloat16 && key_dim == 128 && value_dim == 128;
 }
 
-// Pass 3 by fused 64-token blocks (KdaBackwardOptions::pass3_block_tokens = 64), where blocks apply.
-bool blocked_pass3_64(KdaDtype dtype, int64_t key_dim, int64_t value_dim, const KdaBackwardOptions& options) {
-  return blocked_pass3(dtype, key_dim, value_dim, options) && options.pass3_block_tokens == 64;
-}
-
 // Whether pass 3 by blocks reads V' and dVb = M^T dV' kept by passes 1 and 2 (KdaBackwardOptions::keep_values;
 // with states the forward kept, where it kept V' too: KdaBackwardOptions::new_values).
 bool blocked_pass3_values(KdaDtype dtype, int64_t key_dim, int64_t value_dim, bool states_given,
@@ -1383,14 +1378,22 @@ bool blocked_pass3_values(KdaDtype dtype, int64_t key_dim, int64_t value_dim, bo
          (states_given ? options.new_values != nullptr : options.keep_values);
 }
 
+// Pass 3 by fused 64-token blocks: where blocks apply with V' and dVb at hand, unless
+// KdaBackwardOptions::pass3_block_tokens asks for 32 (0, the default, and 64 take them).
+bool blocked_pass3_64(KdaDtype dtype, int64_t key_dim, int64_t value_dim, bool states_given,
+                      const KdaBackwardOptions& options) {
+  return blocked_pass3_values(dtype, key_dim, value_dim, states_given, options) && options.pass3_block_tokens != 32;
+}
+
 // The intervals of the states pass 3 reads and of the state gradients pass 2 stores. Pass 3 by
 // 32-token blocks reads the gradient leaving every block (every second chunk's); with V' kept it
 // makes the state entering every second block itself, from the one before (blocks in pairs,
 // kda_block_gradient.cuh), so pass 1 stores every fourth chunk's state; without V', every second.
 // 16-token chunks read every chunk's. Pass 3 by 64-token blocks reads the gradient leaving every
 // fourth chunk (and, with V', the state entering every fourth).
-int backward_d_state_interval(KdaDtype dtype, int64_t key_dim, int64_t value_dim, const KdaBackwardOptions& options) {
-  if (blocked_pass3_64(dtype, key_dim, value_dim, options)) return 4;
+int backward_d_state_interval(KdaDtype dtype, int64_t key_dim, int64_t value_dim, bool states_given,
+                              const KdaBackwardOptions& options) {
+  if (blocked_pass3_64(dtype, key_dim, value_dim, states_given, options)) return 4;
   return blocked_pass3(dtype, key_dim, value_dim, options) ? 2 : 1;
 }
 int recomputed_state_interval(KdaDtype dtype, int64_t key_dim, int64_t value_dim, const KdaBackwardOptions& options) {
@@ -1410,7 +1413,7 @@ size_t kda_chunked_backward_workspace_bytes(KdaDtype dtype, int64_t batch, int64
   const int state_interval = states_given ? options.chunk_states_interval
                                          : recomputed_state_interval(dtype, key_dim, value_dim, options);
   return BackwardLayout(batch, length, heads, key_dim, value_dim, states_given, state_interval,
-                        backward_d_state_interval(dtype, key_dim, value_dim, options),
+                        backward_d_state_interval(dtype, key_dim, value_dim, states_given, options),
                         blocked_pass3_values(dtype, key_dim, value_dim, states_given, options))
       .bytes;
 }
@@ -1454,17 +1457,19 @@ cudaError_t kda_chunked_backward(KdaDtype dtype, const void* q, const void* k, c
   }
   const bool states_given = chunk_states != nullptr;
   if (states_given && reinterpret_cast<uintptr_t>(chunk_states) % 16 != 0) return cudaErrorInvalidValue;
-  if (options.pass3_block_tokens != 32 && options.pass3_block_tokens != 64) return cudaErrorInvalidValue;
-  if (blocked_pass3_64(dtype, key_dim, value_dim, options) &&
+  const int tokens = options.pass3_block_tokens;
+  if (tokens != 0 && tokens != 32 && tokens != 64) return cudaErrorInvalidValue;
+  if (tokens == 64 && blocked_pass3(dtype, key_dim, value_dim, options) &&
       !blocked_pass3_values(dtype, key_dim, value_dim, states_given, options)) {
-    return cudaErrorInvalidValue;  // 64-token blocks read V' and dVb
+    return cudaErrorInvalidValue;  // 64-token blocks asked for: they read V' and dVb
   }
-  // Passes 1 and 2 store what pass 3 reads: with 32-token blocks the gradient of the state leaving
-  // every block (every second chunk's) and the state entering every block (with V' kept, every
-  // second block's: every fourth chunk's), else every chunk's.
+  // Passes 1 and 2 store what pass 3 reads: with 64-token blocks the state entering and the gradient
+  // of the state leaving every block (every fourth chunk's); with 32-token blocks the gradient of
+  // the state leaving every block (every second chunk's) and the state entering every block (with V'
+  // kept, every second block's: every fourth chunk's); else every chunk's.
   const bool blocks = blocked_pass3(dtype, key_dim, value_dim, options);
   const bool values = blocked_pass3_values(dtype, key_dim, value_dim, states_given, options);
-  const int interval = backward_d_state_interval(dtype, key_dim, value_dim, options);
+  const int interval = backward_d_state_interval(dtype, key_dim, value_dim, states_given, options);
   const int state_interval =
       states_given ? options.chunk_states_interval : recomputed_state_interval(dtype, key_dim, value_dim, options);
   // Given states: every chunk's; every second one's for blocks; every fourth one's for blocks with V'.

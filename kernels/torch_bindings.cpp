@@ -251,11 +251,13 @@ KdaChunkedGradients kda_chunked_backward(const at::Tensor& q, const at::Tensor& 
   kernels::KdaBackwardOptions options;
   options.pass3_blocks = pass3_blocks;
   options.keep_values = keep_values;
-  TORCH_CHECK(pass3_block_tokens == 32 || pass3_block_tokens == 64, where,
-              ": pass3_block_tokens must be 32 or 64 (KdaBackwardOptions::pass3_block_tokens), got ", pass3_block_tokens);
+  TORCH_CHECK(pass3_block_tokens == 0 || pass3_block_tokens == 32 || pass3_block_tokens == 64, where,
+              ": pass3_block_tokens must be 0 (64 where V' and dVb are at hand, else 32), 32 or 64"
+              " (KdaBackwardOptions::pass3_block_tokens), got ",
+              pass3_block_tokens);
   options.pass3_block_tokens = static_cast<int>(pass3_block_tokens);
   options.pass3_block_producer = pass3_block_producer;
-  TORCH_CHECK(pass3_block_tokens == 32 ||
+  TORCH_CHECK(pass3_block_tokens != 64 ||
                   kernels::kda_backward_state_interval(kernel_dtype(q.scalar_type()), key, value, options) < 2 ||
                   (chunk_states.defined() ? new_values.defined() : keep_values),
               where, ": pass3_block_tokens = 64 reads V' and dVb: keep_values, or new_values with chunk_states");

@@ -77,9 +77,10 @@ KdaChunkedOutput kda_chunked(const at::Tensor& q, const at::Tensor& k, const at:
 // KdaBackwardOptions::keep_values (passes 1 and 2 keep V' and dV' for pass 3 by blocks; on by
 // default, as there). new_values: kda_chunked's, kept with chunk_states (keep_new_values), read by pass 3
 // by blocks instead of recomputing V' (with chunk_states only). pass3_block_tokens:
-// KdaBackwardOptions::pass3_block_tokens (32, the default, or 64: fused 64-token blocks, with V' and
-// dVb, i.e. keep_values or new_values; states given are then every fourth chunk's).
-// pass3_block_producer: KdaBackwardOptions::pass3_block_producer (with 64).
+// KdaBackwardOptions::pass3_block_tokens (0, the default: fused 64-token blocks where V' and dVb are
+// at hand, i.e. keep_values, or new_values with chunk_states, else 32-token blocks; 32; or 64, which
+// needs V' and dVb). pass3_block_producer: KdaBackwardOptions::pass3_block_producer (with 64-token
+// blocks).
 struct KdaChunkedGradients {
   at::Tensor dq, dk, dv, dg, dbeta, d_initial_state;
 };
@@ -90,7 +91,7 @@ KdaChunkedGradients kda_chunked_backward(const at::Tensor& q, const at::Tensor& 
                                          double scale, const at::Tensor& chunk_states = at::Tensor(),
                                          bool pass3_blocks = true, bool keep_values = true,
                                          const at::Tensor& new_values = at::Tensor(),
-                                         int64_t pass3_block_tokens = 32, bool pass3_block_producer = false);
+                                         int64_t pass3_block_tokens = 0, bool pass3_block_producer = false);
 
 // Whether kda_step can run these: CUDA, q k v of one dtype bf16 / fp32, K in {32, 64, 128}, V a
 // multiple of 32 up to 256, state fp32 and contiguous (it is updated in place).

@@ -50,7 +50,7 @@ int main(int argc, char** argv) {
   KdaBackwardOptions options;
   const std::string mode = argc > 7 ? argv[7] : "blocks";
   options.pass3_blocks = mode != "chunks";
-  if (mode == "blocks64" || mode == "blocks64p") options.pass3_block_tokens = 64;
+  options.pass3_block_tokens = mode == "blocks64" || mode == "blocks64p" ? 64 : 32;
   options.pass3_block_producer = mode == "blocks64p";
   const int64_t n = B * T * H, chunks = (T + kChunk - 1) / kChunk;
   bf16 *q, *k, *v, *beta, *d_o, *dq, *dk, *dv; float *g, *d_final, *dg, *dbeta, *d_init;

@@ -571,7 +571,7 @@ void expect_gradients(const std::string& what, const Gradients& got, const Gradi
 }
 
 Gradients kernel_gradients(const Inputs& in, const at::Tensor& d_o, const at::Tensor& d_final,
-                           bool pass3_blocks = true, bool keep_values = true, int64_t pass3_block_tokens = 32,
+                           bool pass3_blocks = true, bool keep_values = true, int64_t pass3_block_tokens = 0,
                            bool pass3_block_producer = false) {
   const KdaChunkedGradients d = kda_chunked_backward(in.q, in.k, in.v, in.g, in.beta, in.state, d_o, d_final,
                                                      in.scale, at::Tensor(), pass3_blocks, keep_values, at::Tensor(),
@@ -882,7 +882,7 @@ TEST_F(KdaKernel, StatesOfEverySecondChunkFeedTheBlockedPassBitForBit) {
   ASSERT_EQ(cudaGetLastError(), cudaSuccess);
 }
 
-// KdaBackwardOptions::keep_values: passes 1 and 2 keep V' and dV', and pass 3 by blocks reads them
+// KdaBackwardOptions::keep_values: passes 1 and 2 keep V' and dV', and pass 3 by 32-token blocks reads them
 // instead of recomputing both (a block's first sub-chunk's dV' taken from its chunk's to its
 // block's by Y^T dV'_1). Against fp64 autograd on the blocked pass's cases: blocks of one token, of
 // one sub-chunk, partly filled second sub-chunks, 2000 tokens; random gates, g = -5 and g = 0.
@@ -894,8 +894,9 @@ TEST_F(KdaKernel, BackwardWithValuesKeptByTheWalksMatches) {
       const auto [d_o, d_final] = output_gradients(in, /*with_final=*/true, 1200 + length);
       const char* gate_names[] = {"", " g = -5", " g = 0"};
       const std::string name = shape_name(2, length, 2, 128, 128, at::kBFloat16) + gate_names[static_cast<int>(gates)];
-      expect_gradients(name + " V' and dV' kept",
-                       kernel_gradients(in, d_o, d_final, /*pass3_blocks=*/true, /*keep_values=*/true),
+      expect_gradients(name + " V' and dV' kept, 32-token blocks",
+                       kernel_gradients(in, d_o, d_final, /*pass3_blocks=*/true, /*keep_values=*/true,
+                                        /*pass3_block_tokens=*/32),
                        reference_gradients(in, d_o, d_final));
     }
   }
@@ -905,7 +906,8 @@ TEST_F(KdaKernel, BackwardWithValuesKeptByTheWalksMatches) {
 // interval kda_backward_state_interval gives: 4, every fourth chunk's) is what pass 1 keeps, so the
 // backward from both gives the recompute's gradients with keep_values bit for bit: the whole-head
 // walk, partly filled last blocks, a pair without its second block (3 blocks at 65 and 100 tokens),
-// and at 4133 tokens of one sequence the context-parallel forward (with its lead) and reverse walk.
+// and at 4133 tokens of one sequence the context-parallel forward (with its lead) and reverse walk;
+// for the 32-token pass and the default (64-token blocks).
 // The 64-column walks keep the same V' bit for bit. Within bf16 rounding of both: the backward that
 // recomputes V' and dV' in pass 3, and the one from states kept at interval 2 (pass 3 then reads
 // every block's entering state instead of making every second one from the one before). Misuse is
@@ -930,26 +932,30 @@ TEST_F(KdaKernel, NewValuesKeptByTheForwardFeedTheBlockedPassBitForBit) {
           << name << ": V' of the 64-column walks";
     }
     const auto [d_o, d_final] = output_gradients(in, /*with_final=*/true, 1400 + length);
-    auto backward = [&](const at::Tensor& states, const at::Tensor& values, bool keep_values) {
-      return kda_chunked_backward(in.q, in.k, in.v, in.g, in.beta, in.state, d_o, d_final, in.scale, states,
-                                  /*pass3_blocks=*/true, keep_values, values);
-    };
-    const KdaChunkedGradients recomputed = backward(at::Tensor(), at::Tensor(), true),
-                              from_kept = backward(kept.chunk_states, kept.new_values, false),
-                              without = backward(at::Tensor(), at::Tensor(), false),
-                              from_second = backward(kept_second.chunk_states, kept_second.new_values, false);
-    const auto r = by_name(recomputed), k = by_name(from_kept), w = by_name(without), s2 = by_name(from_second);
-    for (size_t x = 0; x < r.size(); ++x) {
-      const std::string& what = r[x].first;
-      const at::Tensor &a = r[x].second, &b = k[x].second;
-      EXPECT_TRUE(at::equal(a, b)) << name << ": " << what << " from the kept V', max diff " << max_error(a, b);
-      for (const auto& [label, other] : {std::pair<const char*, const at::Tensor*>{"V' and dV' recomputed in pass 3",
-                                                                                   &w[x].second},
-                                         {"every block's state read (interval 2)", &s2[x].second}}) {
-        const double error = max_error(a, *other), magnitude = max_abs(*other);
-        std::printf("  %-28s %-5s against %s: %.3e of %.3e (%.2e)\n", name.c_str(), what.c_str(), label, error,
-                    magnitude, error / std::max(1e-3, magnitude));
-        EXPECT_LE(error, kGradientTolerance * std::max(1e-3, magnitude)) << name << ": " << what << ", " << label;
+    // The 32-token pass and the default (64-token blocks, V' and dVb being at hand).
+    for (const int64_t tokens : {32, 0}) {
+      const std::string named = name + (tokens == 32 ? " 32-token blocks" : " by default");
+      auto backward = [&](const at::Tensor& states, const at::Tensor& values, bool keep_values) {
+        return kda_chunked_backward(in.q, in.k, in.v, in.g, in.beta, in.state, d_o, d_final, in.scale, states,
+                                    /*pass3_blocks=*/true, keep_values, values, tokens);
+      };
+      const KdaChunkedGradients recomputed = backward(at::Tensor(), at::Tensor(), true),
+                                from_kept = backward(kept.chunk_states, kept.new_values, false),
+                                without = backward(at::Tensor(), at::Tensor(), false),
+                                from_second = backward(kept_second.chunk_states, kept_second.new_values, false);
+      const auto r = by_name(recomputed), k = by_name(from_kept), w = by_name(without), s2 = by_name(from_second);
+      for (size_t x = 0; x < r.size(); ++x) {
+        const std::string& what = r[x].first;
+        const at::Tensor &a = r[x].second, &b = k[x].second;
+        EXPECT_TRUE(at::equal(a, b)) << named << ": " << what << " from the kept V', max diff " << max_error(a, b);
+        for (const auto& [label, other] :
+             {std::pair<const char*, const at::Tensor*>{"V' and dV' recomputed in pass 3", &w[x].second},
+              {"every block's state read (interval 2)", &s2[x].second}}) {
+          const double error = max_error(a, *other), magnitude = max_abs(*other);
+          std::printf("  %-44s %-5s against %s: %.3e of %.3e (%.2e)\n", named.c_str(), what.c_str(), label, error,
+                      magnitude, error / std::max(1e-3, magnitude));
+          EXPECT_LE(error, kGradientTolerance * std::max(1e-3, magnitude)) << named << ": " << what << ", " << label;
+        }
       }
     }
   }
@@ -1012,7 +1018,15 @@ TEST_F(KdaKernel, BackwardBySixtyFourTokenBlocksMatches) {
       const std::string name = shape_name(2, length, 2, 128, 128, at::kBFloat16) + gate_names[static_cast<int>(gates)];
       const Gradients fused = kernel_gradients(in, d_o, d_final, true, true, /*pass3_block_tokens=*/64);
       expect_gradients(name + " 64-token blocks", fused, reference_gradients(in, d_o, d_final));
-      expect_gradients(name + " 64-token blocks against 32", fused, kernel_gradients(in, d_o, d_final));
+      expect_gradients(name + " 64-token blocks against 32", fused,
+                       kernel_gradients(in, d_o, d_final, true, true, /*pass3_block_tokens=*/32));
+      // The default takes them (V' and dVb are at hand): the same bits.
+      const Gradients by_default = kernel_gradients(in, d_o, d_final);
+      for (const auto& [what, x, y] : {std::tuple<const char*, at::Tensor, at::Tensor>{"dq", fused.dq, by_default.dq},
+                                       {"dk", fused.dk, by_default.dk}, {"dv", fused.dv, by_default.dv},
+                                       {"dg", fused.dg, by_default.dg}, {"dbeta", fused.dbeta, by_default.dbeta}}) {
+        EXPECT_TRUE(at::equal(x, y)) << name << ": " << what << " by default";
+      }
       // Its copies by a producer warp: the same arithmetic, the same bits.
       const Gradients producer = kernel_gradients(in, d_o, d_final, true, true, 64, /*pass3_block_producer=*/true);
       const auto same = [&](const char* what, const at::Tensor& x, const at::Tensor& y) {
@@ -1055,7 +1069,7 @@ TEST_F(KdaKernel, KeptStatesFeedTheSixtyFourTokenPassBitForBit) {
           "pass3_block_tokens = 64 reads V' and dVb");
   refused([&] { kda_chunked_backward(in.q, in.k, in.v, in.g, in.beta, at::Tensor(), d_o, d_final, in.scale,
                                      at::Tensor(), true, true, at::Tensor(), 48); },
-          "pass3_block_tokens must be 32 or 64");
+          "pass3_block_tokens must be 0");
   // The launcher: 64-token blocks without V' and dVb are cudaErrorInvalidValue before anything runs.
   at::Tensor grads = at::empty({4, 1, 40, 2, 128}, in.g.options()), dbeta = at::empty({1, 40, 2}, in.g.options());
   const at::Tensor d_o16 = d_o.to(at::kBFloat16).contiguous();
@@ -1069,6 +1083,37 @@ TEST_F(KdaKernel, KeptStatesFeedTheSixtyFourTokenPassBitForBit) {
                                  static_cast<float>(in.scale), nullptr, nullptr, 0, nullptr, options),
             cudaErrorInvalidValue);
   ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+}
+
+// KdaBackwardOptions::pass3_block_tokens = 0 (the default) takes 64-token blocks where V' and dVb
+// are at hand and 32-token ones where they are not (V' recomputed in pass 3, or states given
+// without V'): the same bits as asking for each, and the workspace of each.
+TEST_F(KdaKernel, TheDefaultBlockIsSixtyFourTokensWhereVPrimeIsAtHand) {
+  for (const int64_t length : {33, 100, 2000}) {
+    const Inputs in = make_inputs(2, length, 2, 128, 128, at::kBFloat16, Gates::kRandom, true, 2100 + length);
+    const auto [d_o, d_final] = output_gradients(in, /*with_final=*/true, 2200 + length);
+    const std::string name = shape_name(2, length, 2, 128, 128, at::kBFloat16);
+    for (const bool keep_values : {true, false}) {
+      const Gradients by_default = kernel_gradients(in, d_o, d_final, true, keep_values);
+      const Gradients asked = kernel_gradients(in, d_o, d_final, true, keep_values, keep_values ? 64 : 32);
+      const Gradients other = kernel_gradients(in, d_o, d_final, true, true, keep_values ? 32 : 64);
+      for (const auto& [what, x, y, z] :
+           {std::tuple<const char*, at::Tensor, at::Tensor, at::Tensor>{"dq", by_default.dq, asked.dq, other.dq},
+            {"dk", by_default.dk, asked.dk, other.dk}, {"dg", by_default.dg, asked.dg, other.dg}}) {
+        EXPECT_TRUE(at::equal(x, y)) << name << ": " << what << (keep_values ? " with V' kept" : " without V'");
+        EXPECT_FALSE(at::equal(x, z)) << name << ": " << what << ", the other block size gives other roundings";
+      }
+    }
+    KdaBackwardOptions by_default, blocks32, blocks64, without;
+    blocks32.pass3_block_tokens = 32, blocks64.pass3_block_tokens = 64, without.keep_values = false;
+    const auto bytes = [&](const KdaBackwardOptions& options) {
+      return kda_chunked_backward_workspace_bytes(KdaDtype::kBFloat16, 2, length, 2, 128, 128, false, options);
+    };
+    EXPECT_EQ(bytes(by_default), bytes(blocks64)) << name;
+    EXPECT_LT(bytes(blocks64), bytes(blocks32)) << name << ": dS' of one chunk in four";
+    blocks32.keep_values = false;
+    EXPECT_EQ(bytes(without), bytes(blocks32)) << name;
+  }
 }
 
 TEST_F(KdaKernel, BackwardOfAnEmptySequencePassesTheStateGradientThrough) {
