@@ -145,6 +145,7 @@ __global__ void __launch_bounds__(kGradientThreads + (kProducer ? 32 : 0), 1)
   const bf16* beta = static_cast<const bf16*>(a.beta);
   const int ct = warp % 8, n0 = 16 * ct;     // this warp's column tile
   const int row_tiles[2] = {warp / 8, 3 - warp / 8};
+  const int row_starts[2] = {16 * row_tiles[0], 16 * row_tiles[1]};
   // The dL block this warp keeps from phase 2 to phase 4 (-1: none).
   const int dl_block = warp >= 10 ? warp - 10 : warp < 4 ? kOffDiagonal64 + warp : -1;
   const int cp = 2 * (tid % (K / 2)), rg = tid / (K / 2);  // the elementwise phases: column pair, row slice
@@ -299,10 +300,7 @@ __global__ void __launch_bounds__(kGradientThreads + (kProducer ? 32 : 0), 1)
       }
     }
     float y[2][2][4] = {};
-#pragma unroll
-    for (int s = 0; s < 2; ++s) {
-      tile_product<V, true>(y[s], &sh.st.d_vb[0][0], kRowV, 16 * row_tiles[s], &sh.s_t[0][0], kRowK, n0, f);
-    }
+    tile_product_rows2<V, true>(y, &sh.st.d_vb[0][0], kRowV, row_starts, &sh.s_t[0][0], kRowK, n0, f);
     barrier(2);
 
     // Phase 2: on this warp's two tiles, dQ^ = dO S^T (into dq, dGamma), dK^ = -Diag(beta) Y (into dk,
@@ -311,41 +309,63 @@ __global__ void __launch_bounds__(kGradientThreads + (kProducer ? 32 : 0), 1)
     // takes them here). dAqk's blocks on warps 0-9 (stored bf16), dL's on 10-15 and 0-3 (kept).
     float dq[2][2][4] = {}, dk[2][2][4] = {}, dgam[2][2][4] = {};
     float dl[2][4] = {};  // -dL's block dl_block: dVb V'^T
+    // The two products with the state on both row tiles at once (one B fragment a k step for both),
+    // then each tile's epilogue: per element the same operations in the same order as tile by tile.
+    float acc_q[2][2][4] = {};
+    tile_product_rows2<V, true>(acc_q, &sh.st.d_o[0][0], kRowV, row_starts, &sh.s_t[0][0], kRowK, n0, f);
 #pragma unroll
     for (int s = 0; s < 2; ++s) {
       const int rt = row_tiles[s], m0 = 16 * rt;
       {
-        float acc[2][4] = {};
-        tile_product<V, true>(acc, &sh.st.d_o[0][0], kRowV, m0, &sh.s_t[0][0], kRowK, n0, f);
+        const float (&acc)[2][4] = acc_q[s];
         float rowpart[2] = {};
-        for_tile(m0, n0, lane, [&](int n, int e, int i, int c) {
-          const float e_gam = exp_ftz(sh.gamma[i][c]);
-          const float term = a.scale * e_gam * acc[n][e];  // dQ^ (.) scale e^Gamma
-          dq[s][n][e] += term;
-          dgam[s][n][e] += term * bf(sh.keys.q[i][c]);         // dQ^ (.) Q^
-          const float kh = bf(sh.keys.k[i][c]) * e_gam;        // K^
-          const float dkh = -sh.beta[i] * y[s][n][e];     // dK^
-          dk[s][n][e] += dkh * e_gam;
-          dgam[s][n][e] += dkh * kh;
-          const float dvb = bf(sh.st.d_vb[i][c]);
-          rowpart[e >> 1] += dvb * bf(sh.st.v[i][c]) - y[s][n][e] * kh;
-          if ((e & 1) == 0 && i < valid) {
-            store_pair(static_cast<bf16*>(a.dv) + token(i) * V + c, sh.beta[i] * dvb,
-                       sh.beta[i] * bf(sh.st.d_vb[i][c + 1]));
+        for_tile_pairs(m0, n0, lane, [&](int n, int h, int i, int c) {
+          const float2 gam = *reinterpret_cast<const float2*>(&sh.gamma[i][c]);
+          const float2 qq = load_bf16x2(&sh.keys.q[i][c]), kk = load_bf16x2(&sh.keys.k[i][c]);
+          const float2 dvb = load_bf16x2(&sh.st.d_vb[i][c]), vv = load_bf16x2(&sh.st.v[i][c]);
+          const float beta_i = sh.beta[i];
+          const float gams[2] = {gam.x, gam.y}, qs[2] = {qq.x, qq.y}, ks[2] = {kk.x, kk.y};
+          const float dvbs[2] = {dvb.x, dvb.y}, vs[2] = {vv.x, vv.y};
+#pragma unroll
+          for (int x = 0; x < 2; ++x) {
+            const int e = 2 * h + x;
+            const float e_gam = exp_ftz(gams[x]);
+            const float term = a.scale * e_gam * acc[n][e];  // dQ^ (.) scale e^Gamma
+            dq[s][n][e] += term;
+            dgam[s][n][e] += term * qs[x];                    // dQ^ (.) Q^
+            const float kh = ks[x] * e_gam;                   // K^
+            const float dkh = -beta_i * y[s][n][e];           // dK^
+            dk[s][n][e] += dkh * e_gam;
+            dgam[s][n][e] += dkh * kh;
+            rowpart[h] += dvbs[x] * vs[x] - y[s][n][e] * kh;
           }
+          if (i < valid) store_pair(static_cast<bf16*>(a.dv) + token(i) * V + c, beta_i * dvbs[0], beta_i * dvbs[1]);
         });
         store_tile_row_sums(rowpart, lane, [&](int r, float x) { sh.dbeta_parts[m0 + g + 8 * r][ct] = x; });
       }
+    }
+    float acc_k[2][2][4] = {};
+    tile_product_rows2<V, true>(acc_k, &sh.st.v_new[0][0], kRowV, row_starts, &sh.ds_t[0][0], kRowK, n0, f);
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+      const int rt = row_tiles[s], m0 = 16 * rt;
       {
-        float acc[2][4] = {};
-        tile_product<V, true>(acc, &sh.st.v_new[0][0], kRowV, m0, &sh.ds_t[0][0], kRowK, n0, f);
+        const float (&acc)[2][4] = acc_k[s];
         float colsum[2][2] = {};
-        for_tile(m0, n0, lane, [&](int n, int e, int i, int c) {
-          const float decay = exp_ftz(sh.last[c] - sh.gamma[i][c]);  // e^{gamma - Gamma}
-          const float x = acc[n][e] * bf(sh.keys.k[i][c]) * decay;        // dK_ (.) K_
-          dk[s][n][e] += acc[n][e] * decay;
-          dgam[s][n][e] -= x;
-          colsum[n][e & 1] += x;
+        for_tile_pairs(m0, n0, lane, [&](int n, int h, int i, int c) {
+          const float2 last = *reinterpret_cast<const float2*>(&sh.last[c]);
+          const float2 gam = *reinterpret_cast<const float2*>(&sh.gamma[i][c]);
+          const float2 kk = load_bf16x2(&sh.keys.k[i][c]);
+          const float lasts[2] = {last.x, last.y}, gams[2] = {gam.x, gam.y}, ks[2] = {kk.x, kk.y};
+#pragma unroll
+          for (int x = 0; x < 2; ++x) {
+            const int e = 2 * h + x;
+            const float decay = exp_ftz(lasts[x] - gams[x]);  // e^{gamma - Gamma}
+            const float xk = acc[n][e] * ks[x] * decay;       // dK_ (.) K_
+            dk[s][n][e] += acc[n][e] * decay;
+            dgam[s][n][e] -= xk;
+            colsum[n][x] += xk;
+          }
         });
         store_tile_column_sums(colsum, &sh.kbar_sum[rt][n0], lane);
       }
@@ -423,6 +443,12 @@ __global__ void __launch_bounds__(kGradientThreads + (kProducer ? 32 : 0), 1)
 #pragma unroll
     for (int s = 0; s < 2; ++s) {
       const int rt = row_tiles[s], m0 = 16 * rt;
+      // This tile's Gamma, read once for its epilogues below (the products' ldmatrix, asm with a memory
+      // clobber, would make the compiler read it again after each).
+      float2 gam_tile[2][2];
+      for_tile_pairs(m0, n0, lane, [&](int n, int h, int i, int c) {
+        gam_tile[n][h] = *reinterpret_cast<const float2*>(&sh.gamma[i][c]);
+      });
       {
         float dxq[2][4] = {}, dxk[2][4] = {};
         for (int b = 0; b <= rt; ++b) {
@@ -434,12 +460,21 @@ __global__ void __launch_bounds__(kGradientThreads + (kProducer ? 32 : 0), 1)
           mma2(dxq, aq, bfr);
           mma2(dxk, ap, bfr);
         }
-        for_tile(m0, n0, lane, [&](int n, int e, int i, int c) {
-          const float up = exp_ftz(sh.gamma[i][c] - sh.anchor[rt][c]);  // e^{Gamma - B_rt}
-          dq[s][n][e] += a.scale * up * dxq[n][e];
-          dgam[s][n][e] += dxq[n][e] * bf(sh.in.x_q[i][c]);
-          dk[s][n][e] += up * dxk[n][e];
-          dgam[s][n][e] += dxk[n][e] * bf(sh.in.x_k[i][c]);
+        for_tile_pairs(m0, n0, lane, [&](int n, int h, int i, int c) {
+          const float2 gam = gam_tile[n][h];
+          const float2 anchor = *reinterpret_cast<const float2*>(&sh.anchor[rt][c]);
+          const float2 xq = load_bf16x2(&sh.in.x_q[i][c]), xk = load_bf16x2(&sh.in.x_k[i][c]);
+          const float gams[2] = {gam.x, gam.y}, anchors[2] = {anchor.x, anchor.y};
+          const float xqs[2] = {xq.x, xq.y}, xks[2] = {xk.x, xk.y};
+#pragma unroll
+          for (int x = 0; x < 2; ++x) {
+            const int e = 2 * h + x;
+            const float up = exp_ftz(gams[x] - anchors[x]);  // e^{Gamma - B_rt}
+            dq[s][n][e] += a.scale * up * dxq[n][e];
+            dgam[s][n][e] += dxq[n][e] * xqs[x];
+            dk[s][n][e] += up * dxk[n][e];
+            dgam[s][n][e] += dxk[n][e] * xks[x];
+          }
         });
       }
       for (int ra = rt; ra < kBlock64SubChunks; ++ra) {
@@ -452,11 +487,19 @@ __global__ void __launch_bounds__(kGradientThreads + (kProducer ? 32 : 0), 1)
         mma2(dkc, aq, bq);
         mma2(dkc, ap, bk);
         const bf16* factor = ra != rt ? sh.off[off_diagonal_index(ra, rt)] : nullptr;
-        for_tile(m0, n0, lane, [&](int n, int e, int i, int c) {
-          const bf16 kc = sh.in.k_c[i][c];
-          const float kc_ab = bf(factor != nullptr ? __hmul(kc, factor[c]) : kc);  // the value the products saw
-          dk[s][n][e] += exp_ftz(sh.anchor[ra][c] - sh.gamma[i][c]) * dkc[n][e];    // e^{B_a - Gamma}
-          dgam[s][n][e] -= dkc[n][e] * kc_ab;
+        for_tile_pairs(m0, n0, lane, [&](int n, int h, int i, int c) {
+          const __nv_bfloat162 kc = *reinterpret_cast<const __nv_bfloat162*>(&sh.in.k_c[i][c]);
+          const float2 gam = gam_tile[n][h];
+          const float2 anchor = *reinterpret_cast<const float2*>(&sh.anchor[ra][c]);
+          const bf16 kcs[2] = {kc.x, kc.y};
+          const float gams[2] = {gam.x, gam.y}, anchors[2] = {anchor.x, anchor.y};
+#pragma unroll
+          for (int x = 0; x < 2; ++x) {
+            const int e = 2 * h + x;
+            const float kc_ab = bf(factor != nullptr ? __hmul(kcs[x], factor[c + x]) : kcs[x]);  // what the products saw
+            dk[s][n][e] += exp_ftz(anchors[x] - gams[x]) * dkc[n][e];                       // e^{B_a - Gamma}
+            dgam[s][n][e] -= dkc[n][e] * kc_ab;
+          }
         });
       }
       for_tile(m0, n0, lane, [&](int n, int e, int i, int c) {

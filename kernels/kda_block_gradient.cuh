@@ -209,6 +209,28 @@ __device__ __forceinline__ void tile_product(float (&acc)[2][4], const bf16* a, 
   }
 }
 
+// tile_product on two row tiles at once, m0[0] and m0[1], sharing each k step's B fragment: the same
+// sums in the same order as two tile_products (the same bits), with three ldmatrix to four mma
+// instead of four.
+template <int kDepth, bool kBTrans>
+__device__ __forceinline__ void tile_product_rows2(float (&acc)[2][2][4], const bf16* a, int lda, const int (&m0)[2],
+                                                   const bf16* b, int ldb, int n0, const FragmentOffsets& f) {
+#pragma unroll
+  for (int k0 = 0; k0 < kDepth; k0 += 16) {
+    uint32_t af[2][4], bf[4];
+    if constexpr (kBTrans) {
+      b_trans(bf, b, ldb, n0, k0, f);
+    } else {
+      b_rows(bf, b, ldb, n0, k0, f);
+    }
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+      a_rows(af[s], a, lda, m0[s], k0, f);
+      mma2(acc[s], af[s], bf);
+    }
+  }
+}
+
 // The lower 16 x 16 blocks of a 32 x 32 product, (0, 0), (1, 0), (1, 1), by task index 0-2.
 struct LowerBlock {
   int ra, cb;  // row block, column block
@@ -224,6 +246,18 @@ __device__ __forceinline__ void for_tile(int m0, int n0, int lane, F&& f) {
   for (int n = 0; n < 2; ++n) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) f(n, e, m0 + g + (e >> 1) * 8, n0 + n * 8 + 2 * t + (e & 1));
+  }
+}
+
+// for_tile by column pairs: f(n, h, i, c) for this lane's elements e = 2 h and 2 h + 1 of n8 half n,
+// row i, columns c and c + 1 (c even), so that an epilogue reads its operands as 4- and 8-byte pairs.
+template <typename F>
+__device__ __forceinline__ void for_tile_pairs(int m0, int n0, int lane, F&& f) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int n = 0; n < 2; ++n) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) f(n, h, m0 + g + h * 8, n0 + n * 8 + 2 * t);
   }
 }
 
