@@ -337,40 +337,33 @@ double bench_backward(const KernelsBenchOptions& o, int64_t batch, int64_t lengt
           if (e != cudaSuccess) error = e;
         },
         o.warmup, o.repeats);
-    const size_t given_bytes = kernels::kda_chunked_backward_workspace_bytes(
-        kernels::KdaDtype::kBFloat16, batch, length, heads, key, value, /*states_given=*/true, given);
-    TORCH_CHECK(given_bytes <= workspace_bytes, "bench: the backward from kept states needs more workspace");
-    const Timing from_states = time_cuda(
-        [&] {
-          const cudaError_t e = kernels::kda_chunked_backward(
-              kernels::KdaDtype::kBFloat16, in.q.data_ptr(), in.k.data_ptr(), in.v.data_ptr(),
-              in.g.data_ptr<float>(), in.beta.data_ptr(), nullptr, d_o.data_ptr(), nullptr,
-              dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), dg.data_ptr<float>(), dbeta.data_ptr<float>(),
-              d_state.data_ptr<float>(), batch, length, heads, key, value, static_cast<float>(in.scale),
-              states.data_ptr(), workspace.data_ptr(), given_bytes, stream, given);
-          if (e != cudaSuccess) error = e;
-        },
-        o.warmup, o.repeats);
-    TORCH_CHECK(error == cudaSuccess, "kda with kept chunk states: ", cudaGetErrorString(error));
-    // The same from the kept states with pass 3 by 32-token blocks (its pass 2 stores every second
-    // chunk's state gradient, so its own workspace).
-    if (interval == 4) {
-      kernels::KdaBackwardOptions given32 = given;
-      given32.pass3_block_tokens = 32;
-      const size_t bytes32 = kernels::kda_chunked_backward_workspace_bytes(
-          kernels::KdaDtype::kBFloat16, batch, length, heads, key, value, /*states_given=*/true, given32);
-      TORCH_CHECK(bytes32 <= workspace_bytes, "bench: the kept states' 32-token pass needs more workspace");
-      const Timing from_states32 = time_cuda(
+    // The backward from the kept states with `options`, in the workspace above (its own size checked).
+    auto from_kept_states = [&](const kernels::KdaBackwardOptions& options, size_t& bytes) {
+      bytes = kernels::kda_chunked_backward_workspace_bytes(kernels::KdaDtype::kBFloat16, batch, length, heads, key,
+                                                            value, /*states_given=*/true, options);
+      TORCH_CHECK(bytes <= workspace_bytes, "bench: the backward from kept states needs more workspace");
+      return time_cuda(
           [&] {
             const cudaError_t e = kernels::kda_chunked_backward(
                 kernels::KdaDtype::kBFloat16, in.q.data_ptr(), in.k.data_ptr(), in.v.data_ptr(),
                 in.g.data_ptr<float>(), in.beta.data_ptr(), nullptr, d_o.data_ptr(), nullptr, dq.data_ptr(),
                 dk.data_ptr(), dv.data_ptr(), dg.data_ptr<float>(), dbeta.data_ptr<float>(), d_state.data_ptr<float>(),
                 batch, length, heads, key, value, static_cast<float>(in.scale), states.data_ptr(),
-                workspace.data_ptr(), bytes32, stream, given32);
+                workspace.data_ptr(), bytes, stream, options);
             if (e != cudaSuccess) error = e;
           },
           o.warmup, o.repeats);
+    };
+    size_t given_bytes = 0;
+    const Timing from_states = from_kept_states(given, given_bytes);
+    TORCH_CHECK(error == cudaSuccess, "kda with kept chunk states: ", cudaGetErrorString(error));
+    // The same from the kept states with pass 3 by 32-token blocks (its pass 2 stores every second
+    // chunk's state gradient, so its own workspace).
+    if (interval == 4) {
+      kernels::KdaBackwardOptions given32 = given;
+      given32.pass3_block_tokens = 32;
+      size_t bytes32 = 0;
+      const Timing from_states32 = from_kept_states(given32, bytes32);
       TORCH_CHECK(error == cudaSuccess, "kda with kept chunk states, 32-token blocks: ", cudaGetErrorString(error));
       std::printf("kda backward from kept chunk states, pass 3 by 32-token blocks: kernel best %8.3f ms (%.2fx the"
                   " forward's); the default (64-token blocks): %.3f ms\n",
