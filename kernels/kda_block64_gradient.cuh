@@ -304,7 +304,7 @@ __global__ void __launch_bounds__(kGradientThreads + (kProducer ? 32 : 0), 1)
     barrier(2);
 
     // Phase 2: on this warp's two tiles, dQ^ = dO S^T (into dq, dGamma), dK^ = -Diag(beta) Y (into dk,
-    // dGamma), dv = Diag(beta) dVb (stored), dbeta's dVb (.) v - Y (.) K^, and dK_ = V' dS'^T (into dk,
+    // dGamma), dbeta's dVb (.) v - Y (.) K^, and dK_ = V' dS'^T (into dk,
     // dGamma and dgamma's column sums); K^ = k e^Gamma and K_ = k e^{gamma - Gamma} in fp32 (no product
     // takes them here). dAqk's blocks on warps 0-9 (stored bf16), dL's on 10-15 and 0-3 (kept).
     float dq[2][2][4] = {}, dk[2][2][4] = {}, dgam[2][2][4] = {};
@@ -339,7 +339,6 @@ __global__ void __launch_bounds__(kGradientThreads + (kProducer ? 32 : 0), 1)
             dgam[s][n][e] += dkh * kh;
             rowpart[h] += dvbs[x] * vs[x] - y[s][n][e] * kh;
           }
-          if (i < valid) store_pair(static_cast<bf16*>(a.dv) + token(i) * V + c, beta_i * dvbs[0], beta_i * dvbs[1]);
         });
         store_tile_row_sums(rowpart, lane, [&](int r, float x) { sh.dbeta_parts[m0 + g + 8 * r][ct] = x; });
       }
@@ -391,7 +390,7 @@ __global__ void __launch_bounds__(kGradientThreads + (kProducer ? 32 : 0), 1)
     }
 
     // Phase 3: the intra products' operands, in the space of phase 2's arrays (each thread its rows
-    // of slice rg, which lie in sub-chunk rg / 2).
+    // of slice rg, which lie in sub-chunk rg / 2); and dv.
     {
       const int sub = rg / 2;
       const float2 anchor = *reinterpret_cast<const float2*>(&sh.anchor[sub][cp]);
@@ -407,6 +406,22 @@ __global__ void __launch_bounds__(kGradientThreads + (kProducer ? 32 : 0), 1)
         store_bf16x2(&sh.in.x_k[i][cp], ki.x * up.x, ki.y * up.y);
         store_bf16x2(&sh.in.k_c[i][cp], ki.x * down.x, ki.y * down.y);
       }
+    }
+    // dv = Diag(beta) dVb, stored as 16-byte rows (dVb lies intact until phase 4's dP).
+    for (int e = tid; e < kTokens * V / 8; e += kGradientThreads) {
+      const int i = e / (V / 8), col = (e % (V / 8)) * 8;
+      if (i >= valid) continue;
+      const uint4 raw = *reinterpret_cast<const uint4*>(&sh.st.d_vb[i][col]);
+      const __nv_bfloat162* in = reinterpret_cast<const __nv_bfloat162*>(&raw);
+      uint4 out;
+      __nv_bfloat162* scaled = reinterpret_cast<__nv_bfloat162*>(&out);
+      const float beta_i = sh.beta[i];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float2 x = __bfloat1622float2(in[j]);
+        scaled[j] = __floats2bfloat162_rn(beta_i * x.x, beta_i * x.y);
+      }
+      *reinterpret_cast<uint4*>(static_cast<bf16*>(a.dv) + token(i) * V + col) = out;
     }
     barrier(4);
 
