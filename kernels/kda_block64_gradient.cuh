@@ -64,7 +64,7 @@ __device__ __forceinline__ int off_diagonal_index(int a, int b) { return a * (a 
 
 template <int K, int V>
 struct alignas(128) Block64Shared {
-  static constexpr int kRowK = K + 8, kRowV = V + 8, kRowC = kBlock64 + 8, kPadK = K + 4;
+  static constexpr int kRowK = K + 8, kRowV = V + 8, kRowC = kBlock64 + 8, kPadK = K + 8;
   static constexpr int kSlices = kGradientThreads / (K / 2);  // 8: of Gamma's rows, of the V rows (d_decay)
   // S^T and dS'^T (phases 0-2): from phase 3 on the next item's land here (issued after phase 2).
   alignas(128) bf16 s_t[V][kRowK];    // S^T entering the block
