@@ -30,27 +30,10 @@ env::Action calculate(const std::string& expression) { return call("calculator",
 env::Action answer(int64_t value) { return call("answer", {{"value", value}}); }
 env::Action final_text(const std::string& text) { return {text, {}}; }
 
-env::Observation reset(EnvSession& s, const json& task, uint64_t seed = 0) {
-  auto obs = s.reset(task, seed);
-  EXPECT_TRUE(obs.ok()) << obs.status().to_string();
-  return obs.ok() ? *obs : env::Observation{};
-}
-env::Observation step(EnvSession& s, const env::Action& action) {
-  auto obs = s.step(action);
-  EXPECT_TRUE(obs.ok()) << obs.status().to_string();
-  return obs.ok() ? *obs : env::Observation{};
-}
-env::Score score(EnvSession& s) {
-  auto sc = s.score();
-  EXPECT_TRUE(sc.ok()) << sc.status().to_string();
-  return sc.ok() ? *sc : env::Score{};
-}
-double part(const env::Score& s, const std::string& name) {
-  for (const auto& p : s.parts)
-    if (p.name == name) return p.value;
-  ADD_FAILURE() << "no reward part " << name;
-  return -1;
-}
+using test_support::reset;
+using test_support::score;
+using test_support::step;
+using test_support::part;
 
 // The calculator's answer to `expression` in a fresh episode: {content, is_error}.
 std::pair<std::string, bool> evaluate(const std::string& expression) {

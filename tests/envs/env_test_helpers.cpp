@@ -30,4 +30,29 @@ env::Action tool_call(const std::string& tool, const nlohmann::json& arguments, 
   return {"", {{id, tool, arguments}}};
 }
 
+env::Observation reset(EnvSession& session, const nlohmann::json& task, uint64_t seed) {
+  auto obs = session.reset(task, seed);
+  EXPECT_TRUE(obs.ok()) << obs.status().to_string();
+  return obs.ok() ? *obs : env::Observation{};
+}
+
+env::Observation step(EnvSession& session, const env::Action& action) {
+  auto obs = session.step(action);
+  EXPECT_TRUE(obs.ok()) << obs.status().to_string();
+  return obs.ok() ? *obs : env::Observation{};
+}
+
+env::Score score(EnvSession& session) {
+  auto result = session.score();
+  EXPECT_TRUE(result.ok()) << result.status().to_string();
+  return result.ok() ? *result : env::Score{};
+}
+
+double part(const env::Score& score, const std::string& name) {
+  for (const auto& p : score.parts)
+    if (p.name == name) return p.value;
+  ADD_FAILURE() << "no reward part " << name;
+  return -1;
+}
+
 }  // namespace odyssey::envs::test_support

@@ -63,21 +63,9 @@ std::unique_ptr<EnvSession> make_session(const json& config = json::object()) {
 
 env::Action call(const std::string& tool, const json& arguments) { return test_support::tool_call(tool, arguments); }
 
-env::Observation reset(EnvSession& s, const json& task, uint64_t seed = 0) {
-  auto obs = s.reset(task, seed);
-  EXPECT_TRUE(obs.ok()) << obs.status().to_string();
-  return obs.ok() ? *obs : env::Observation{};
-}
-env::Observation step(EnvSession& s, const env::Action& action) {
-  auto obs = s.step(action);
-  EXPECT_TRUE(obs.ok()) << obs.status().to_string();
-  return obs.ok() ? *obs : env::Observation{};
-}
-env::Score score(EnvSession& s) {
-  auto sc = s.score();
-  EXPECT_TRUE(sc.ok()) << sc.status().to_string();
-  return sc.ok() ? *sc : env::Score{};
-}
+using test_support::reset;
+using test_support::score;
+using test_support::step;
 
 // One tool call: {content, is_error}.
 std::pair<std::string, bool> use(EnvSession& s, const std::string& tool, const json& arguments) {
