@@ -4,6 +4,7 @@
 # calls did by hand; scripts/kda_backward_check.sh is the one-candidate form against the working tree).
 #
 #   source .gpu/env.sh && scripts/kda_backward_ab.sh BASE CANDIDATE...
+#   MODE=blocks64 STRICT=1 ROUNDS=3 NCU=1 NCU_OUT=$OUT scripts/kda_backward_ab.sh BASE CANDIDATE   (bits, time, where)
 #
 # Each argument is a git revision, a folder holding a revision's kernels/ and scripts/, or "." (the
 # working tree). A GPU machine's copy of the tree has no .git: there, pass folders made here first
@@ -21,8 +22,13 @@
 # order base, candidates..., for $ROUNDS rounds (default 2), printing the driver's lines that
 # match $LINES (default: the whole backward and pass 3 with V' and dV' given and by chained pairs).
 # PROFILE=1 also builds each version's -DKDA_PHASE_PROFILE driver and prints its pass-3 phase table
-# (chained pairs). Exits non-zero when an argument is not a version or a build or run fails, and
-# with STRICT=1 when a candidate's gradients differ from the base's.
+# (chained pairs). NCU=1 also profiles each version's pass 3 once at $TIMING with Nsight Compute
+# (`--set full`; the kernel that $MODE runs) and prints, for each, the launch's duration, issue
+# slots busy, warp cycles an issued instruction and instructions executed, then its table by phase
+# (scripts/ncu_phases.py, counts per item): where a change's cycles went, in the same call that
+# timed it. The reports and SASS exports go to $NCU_OUT when set (e.g. $OUT on the GPU machine).
+# Exits non-zero when an argument is not a version or a build or run fails, and with STRICT=1
+# when a candidate's gradients differ from the base's.
 set -euo pipefail
 
 [ "$#" -ge 2 ] || { echo "usage: scripts/kda_backward_ab.sh BASE CANDIDATE..." >&2; exit 2; }
@@ -124,6 +130,43 @@ if [ "${PROFILE:-0}" = 1 ]; then
   for ((i = 0; i < n; i++)); do
     echo "== phase profile: ${labels[$i]}"
     "$work/profile$i" | sed -n '/chained pairs) phase mark/,$p' | head -30
+  done
+fi
+if [ "${NCU:-0}" = 1 ]; then
+  ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+  read -r b t h _ <<<"$timing"
+  case "$mode" in  # pass 3's kernel and its tokens an item
+    blocks64 | blocks64p) kernel=kda_block64_gradient tokens=64 ;;
+    chunks) kernel=kda_chunk_gradient tokens=16 ;;
+    *) kernel=kda_block_gradient tokens=32 ;;
+  esac
+  items=$((b * ((t + tokens - 1) / tokens) * h))
+  for ((i = 0; i < n; i++)); do
+    echo "== Nsight Compute: ${labels[$i]}, $kernel at $timing ($items items)"
+    # shellcheck disable=SC2086
+    "$ncu" --set full --import-source yes -k "regex:$kernel" -c 1 -f -o "$work/ncu$i" \
+      "$work/driver$i" $timing "" $mode >"$work/ncu$i.log" 2>&1 ||
+      { tail -5 "$work/ncu$i.log"; echo "kda_backward_ab: Nsight Compute failed on ${labels[$i]}" >&2; exit 1; }
+    "$ncu" --import "$work/ncu$i.ncu-rep" --page details --csv >"$work/ncu$i.details.csv"
+    "$ncu" --import "$work/ncu$i.ncu-rep" --page source --csv --print-source sass >"$work/ncu$i.sass.csv"
+    python3 - "$work/ncu$i.details.csv" <<'PY'
+import csv, sys
+wanted = ["Duration", "Issue Slots Busy", "Warp Cycles Per Issued Instruction", "Executed Instructions",
+          "Eligible Warps Per Scheduler", "Registers Per Thread", "DRAM Throughput"]
+rows = list(csv.DictReader(open(sys.argv[1], newline="")))
+for name in wanted:
+    for row in rows:
+        if row.get("Metric Name") == name:
+            print(f"  {name}: {row['Metric Value']} {row.get('Metric Unit', '')}".rstrip())
+            break
+PY
+    python3 "$(dirname "${BASH_SOURCE[0]}")/ncu_phases.py" "$work/ncu$i.sass.csv" --per "$items" --top 0 | sed 's/^/  /'
+    if [ -n "${NCU_OUT:-}" ]; then
+      mkdir -p "$NCU_OUT"
+      cp "$work/ncu$i.ncu-rep" "$NCU_OUT/ncu_v$i.ncu-rep"
+      cp "$work/ncu$i.sass.csv" "$NCU_OUT/ncu_v$i.sass.csv"
+      cp "$work/ncu$i.details.csv" "$NCU_OUT/ncu_v$i.details.csv"
+    fi
   done
 fi
 if [ "${STRICT:-0}" = 1 ] && [ "$differ" = 1 ]; then
