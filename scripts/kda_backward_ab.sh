@@ -149,18 +149,8 @@ if [ "${NCU:-0}" = 1 ]; then
       { tail -5 "$work/ncu$i.log"; echo "kda_backward_ab: Nsight Compute failed on ${labels[$i]}" >&2; exit 1; }
     "$ncu" --import "$work/ncu$i.ncu-rep" --page details --csv >"$work/ncu$i.details.csv"
     "$ncu" --import "$work/ncu$i.ncu-rep" --page source --csv --print-source sass >"$work/ncu$i.sass.csv"
-    python3 - "$work/ncu$i.details.csv" <<'PY'
-import csv, sys
-wanted = ["Duration", "Issue Slots Busy", "Warp Cycles Per Issued Instruction", "Executed Instructions",
-          "Eligible Warps Per Scheduler", "Registers Per Thread", "DRAM Throughput"]
-rows = list(csv.DictReader(open(sys.argv[1], newline="")))
-for name in wanted:
-    for row in rows:
-        if row.get("Metric Name") == name:
-            print(f"  {name}: {row['Metric Value']} {row.get('Metric Unit', '')}".rstrip())
-            break
-PY
-    python3 "$(dirname "${BASH_SOURCE[0]}")/ncu_phases.py" "$work/ncu$i.sass.csv" --per "$items" --top 0 | sed 's/^/  /'
+    python3 "$(dirname "${BASH_SOURCE[0]}")/ncu_phases.py" "$work/ncu$i.sass.csv" --details "$work/ncu$i.details.csv" \
+      --per "$items" --top 0 | sed 's/^/  /'
     if [ -n "${NCU_OUT:-}" ]; then
       mkdir -p "$NCU_OUT"
       cp "$work/ncu$i.ncu-rep" "$NCU_OUT/ncu_v$i.ncu-rep"

@@ -6,7 +6,8 @@ On the GPU machine (ncu is /usr/local/cuda/bin/ncu there):
 
   ncu --set full --import-source yes -k regex:kda_chunk_gradient -c 1 -o /tmp/r  BINARY ARGS...
   ncu --import /tmp/r.ncu-rep --page source --csv --print-source sass > sass.csv
-  scripts/ncu_phases.py sass.csv [--per N] [--top M]
+  ncu --import /tmp/r.ncu-rep --page details --csv > details.csv          (optional)
+  scripts/ncu_phases.py sass.csv [--per N] [--top M] [--details details.csv]
 
 A phase here is the SASS from one BAR instruction to the next, in address order (the compiler keeps
 the barriers in source order, and moves little code across them). Prints, a row a phase: its
@@ -71,15 +72,33 @@ def phases(header, rows):
     return out
 
 
+LAUNCH_METRICS = ["Duration", "Issue Slots Busy", "Warp Cycles Per Issued Instruction", "Executed Instructions",
+                  "Eligible Warps Per Scheduler", "Registers Per Thread", "DRAM Throughput"]
+
+
+def print_launch_metrics(path):
+    """The launch-wide figures of a `--page details --csv` export (the first launch's, by name)."""
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    for name in LAUNCH_METRICS:
+        row = next((r for r in rows if r.get("Metric Name") == name), None)
+        if row is not None:
+            print(f"{name}: {row['Metric Value']} {row.get('Metric Unit', '')}".rstrip())
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("csv")
     parser.add_argument("--per", type=float, default=1.0, help="divide counts by this (e.g. items a launch)")
     parser.add_argument("--top", type=int, default=12, help="instructions listed by excess wavefronts")
+    parser.add_argument("--details", help="the same report's `--page details --csv` export: print the "
+                        "launch's duration, issue slots busy, cycles an issued instruction and the like first")
     args = parser.parse_args()
     title, header, rows = read(args.csv)
     col = {name: i for i, name in enumerate(header)}
     print(" ".join(title).strip(' ,"')[:160])
+    if args.details:
+        print_launch_metrics(args.details)
     found = phases(header, rows)
     samples = sum(p["samples"] for p in found) or 1.0
     executed = sum(p["executed"] for p in found)
@@ -99,6 +118,8 @@ def main():
               f"{p['wavefronts'] / per:>10.0f} {p['excess'] / per:>7.0f}  "
               + ", ".join(f"{name} {100 * v / samples:.1f}%" for name, v in stalls) + " | "
               + ", ".join(f"{name} {v / per:.0f}" for name, v in ops))
+    if args.top <= 0:
+        return
     print(f"instructions with the most excess shared wavefronts (phase, address, excess, ideal, executed):")
     ranked, phase = [], 0
     for row in rows:
